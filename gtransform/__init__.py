@@ -1,0 +1,26 @@
+"""gtransform: ``jax.jit`` for PyTorch, with CUDA graph capture as the compiler.
+
+Public names:
+    graphify, Graphified, CacheInfo, graph_pool, GraphPool,
+    GraphifyError, OverwrittenOutputError.
+"""
+
+from ._api import CacheInfo as CacheInfo
+from ._api import Graphified as Graphified
+from ._api import graphify as graphify
+from ._errors import GraphifyError as GraphifyError
+from ._errors import OverwrittenOutputError as OverwrittenOutputError
+from ._pool import GraphPool as GraphPool
+from ._pool import graph_pool as graph_pool
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CacheInfo",
+    "GraphPool",
+    "Graphified",
+    "GraphifyError",
+    "OverwrittenOutputError",
+    "graph_pool",
+    "graphify",
+]

@@ -1,0 +1,611 @@
+"""The front door: ``graphify`` and the callable it returns."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import threading
+import weakref
+from collections import OrderedDict
+from typing import Any, Callable, Dict, Generic, Hashable, List, NamedTuple, Optional, Sequence, Tuple, TypeVar, Union, overload
+
+import torch
+
+from ._errors import GraphifyError, OverwrittenOutputError, describe_fn
+from ._liveness import PoolState, StaleOutput
+from ._pool import GraphPool
+from ._record import Recording, make_recording
+from ._trace import Plan, trace
+from ._tree import flatten, leaf_paths, static_leaf_key, tensor_meta, unflatten
+
+try:
+    from typing import ParamSpec
+except ImportError:  # pragma: no cover
+    from typing_extensions import ParamSpec  # type: ignore[assignment]
+
+__all__ = ["graphify", "Graphified", "CacheInfo"]
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+try:
+    from torch._C._dynamo.guards import TensorGuards as _TensorGuards
+except Exception:  # pragma: no cover
+    _TensorGuards = None
+
+try:
+    _peek_functorch = torch._C._functorch.peek_interpreter_stack
+except AttributeError:  # pragma: no cover
+    def _peek_functorch() -> Any:
+        return None
+
+_is_grad_enabled = torch.is_grad_enabled
+_Parameter = torch.nn.Parameter
+
+
+class CacheInfo(NamedTuple):
+    """Cache statistics, shaped like ``functools.lru_cache``'s.
+
+    Attributes:
+        hits: calls that replayed an existing recording.
+        misses: calls (or ``trace`` calls) that traced a new signature.
+        maxsize: the bound on signatures kept per thread.
+        currsize: signatures kept now, over all threads.
+    """
+
+    hits: int
+    misses: int
+    maxsize: Optional[int]
+    currsize: int
+
+
+class _Guard:
+    """Fast check that a call's tensors match a signature."""
+
+    __slots__ = ("impl", "metas")
+
+    def __init__(self, tensors: Sequence[torch.Tensor]):
+        self.metas = [tensor_meta(t) for t in tensors]
+        self.impl = None
+        if _TensorGuards is not None and tensors:
+            try:
+                self.impl = _TensorGuards(
+                    *tensors,
+                    dynamic_dims_sizes=[list(t.size()) for t in tensors],
+                    dynamic_dims_strides=[list(t.stride()) for t in tensors],
+                )
+                if not self.impl.check(*tensors):  # pragma: no cover - defensive
+                    self.impl = None
+            except Exception:  # pragma: no cover
+                self.impl = None
+
+    def check(self, tensors: Sequence[torch.Tensor]) -> bool:
+        impl = self.impl
+        if impl is not None:
+            return bool(impl.check(*tensors))
+        if not self.metas:
+            return True
+        try:
+            return [tensor_meta(t) for t in tensors] == self.metas
+        except Exception:
+            return False
+
+
+class _Entry:
+    """One signature: its trace and its current recording."""
+
+    __slots__ = (
+        "key", "spec", "tpos", "consts", "statics", "guard", "plan", "rec", "first_refs",
+        "calls", "cuda", "any_rg", "must_static", "alias", "n_leaves",
+    )
+
+    def __init__(self, key: Hashable, spec: Any, leaves: Sequence[Any], tpos: List[int], statics: Any, plan: Plan, cuda: bool, alias: Tuple[int, ...]):
+        self.key = key
+        self.spec = spec
+        self.tpos = tpos
+        self.n_leaves = len(leaves)
+        tset = set(tpos)
+        self.consts = [(i, static_leaf_key(leaves[i])) for i in range(len(leaves)) if i not in tset]
+        self.statics = statics
+        tensors = [leaves[i] for i in tpos]
+        self.guard = _Guard(tensors)
+        self.plan = plan
+        self.rec: Optional[Recording] = None
+        self.first_refs: Optional[List[Any]] = None
+        self.calls = 0
+        self.cuda = cuda
+        self.any_rg = any(t.requires_grad for t in tensors)
+        self.alias = alias
+        must = set()
+        if plan.mutated and alias:
+            groups: Dict[int, List[int]] = {}
+            for i, gid in enumerate(alias):
+                if gid >= 0:
+                    groups.setdefault(gid, []).append(i)
+            for members in groups.values():
+                if any(i in plan.mutated for i in members):
+                    must.update(members)
+        self.must_static = must
+
+    def match(self, leaves: Sequence[Any], statics: Any) -> bool:
+        if len(leaves) != self.n_leaves or statics != self.statics:
+            return False
+        for i, k in self.consts:
+            try:
+                if static_leaf_key(leaves[i]) != k:
+                    return False
+            except TypeError:
+                return False
+        tensors = [leaves[i] for i in self.tpos]
+        if not self.guard.check(tensors):
+            return False
+        if self.must_static or (self.plan.mutated and self.alias):
+            return _alias_pattern(tensors) == self.alias
+        return True
+
+
+def _alias_pattern(tensors: Sequence[torch.Tensor]) -> Tuple[int, ...]:
+    """Which tensor inputs share storage: a group id per input, -1 if alone."""
+    seen: Dict[int, int] = {}
+    ids = []
+    for t in tensors:
+        c = t.untyped_storage()._cdata
+        ids.append(seen.setdefault(c, len(seen)))
+    counts: Dict[int, int] = {}
+    for g in ids:
+        counts[g] = counts.get(g, 0) + 1
+    if all(c == 1 for c in counts.values()):
+        return ()
+    return tuple(g if counts[g] > 1 else -1 for g in ids)
+
+
+class _ThreadState:
+    __slots__ = ("cache", "last", "pool", "__weakref__")
+
+    def __init__(self, pool: PoolState):
+        self.cache: "OrderedDict[Hashable, _Entry]" = OrderedDict()
+        self.last: Optional[_Entry] = None
+        self.pool = pool
+
+    def clear(self) -> None:
+        for e in self.cache.values():
+            if e.rec is not None:
+                e.rec.close()
+        self.cache.clear()
+        self.last = None
+
+
+class Graphified(Generic[P, R]):
+    """A function that records itself into a graph per input signature.
+
+    Made by :func:`graphify`; see there for the semantics. Besides calling it,
+    use :meth:`trace`, :meth:`cache_info` and :meth:`cache_clear`.
+    """
+
+    def __init__(self, fn: Callable[P, R], *, static_argnums: Union[int, Sequence[int]] = (), static_argnames: Union[str, Sequence[str]] = (), pool: Optional[GraphPool] = None, maxsize: Optional[int] = 64):
+        if not callable(fn):
+            raise TypeError(f"graphify(fn): fn must be callable, got {type(fn).__name__}")
+        if isinstance(static_argnums, int):
+            static_argnums = (static_argnums,)
+        if isinstance(static_argnames, str):
+            static_argnames = (static_argnames,)
+        try:
+            nums = tuple(int(i) for i in static_argnums)
+        except (TypeError, ValueError):
+            raise TypeError(f"graphify(fn, static_argnums=...): expected ints, got {static_argnums!r}") from None
+        names = tuple(static_argnames)
+        if not all(isinstance(n, str) for n in names):
+            raise TypeError(f"graphify(fn, static_argnames=...): expected strings, got {static_argnames!r}")
+        if maxsize is not None and (not isinstance(maxsize, int) or maxsize < 1):
+            raise ValueError(f"graphify(fn, maxsize=...): expected a positive int or None, got {maxsize!r}")
+        if pool is not None and not isinstance(pool, GraphPool):
+            raise TypeError(f"graphify(fn, pool=...): expected gt.graph_pool(), got {type(pool).__name__}")
+        self._fn = fn
+        self._desc = describe_fn(fn)
+        nums, names = _resolve_static(fn, nums, names, self._desc)
+        self._static_argnums = frozenset(nums)
+        self._static_argnames = frozenset(names)
+        self._has_static = bool(nums or names)
+        self._pool = pool
+        self._maxsize = maxsize
+        self._tls = threading.local()
+        self._states: "weakref.WeakSet[_ThreadState]" = weakref.WeakSet()
+        self._hits = 0
+        self._misses = 0
+        functools.update_wrapper(self, fn)  # __wrapped__, __name__, __doc__, ...
+
+    # -- public ------------------------------------------------------------
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
+        if self._has_static:
+            args, kwargs, statics = self._split(args, kwargs)  # type: ignore[assignment]
+        else:
+            statics = ()
+        if _peek_functorch() is not None:
+            return self._fallback(args, kwargs, statics)
+        leaves, spec = flatten((args, kwargs))
+        try:
+            st = self._tls.state
+        except AttributeError:
+            st = self._new_state()
+        e = st.last
+        if e is None or e.spec != spec or not e.match(leaves, statics):
+            e = self._lookup(st, leaves, spec, args, kwargs, statics, record=True)
+        else:
+            self._hits += 1
+        if e.any_rg and _is_grad_enabled():
+            return self._fallback(args, kwargs, statics)
+        tensors = [leaves[i] for i in e.tpos]
+        lock = st.pool.lock
+        if lock is None:
+            return self._run(e, tensors)
+        with lock:
+            return self._run(e, tensors)
+
+    def trace(self, *args: P.args, **kwargs: P.kwargs) -> torch.fx.GraphModule:
+        """Trace ``fn`` for these inputs and return what would be recorded.
+
+        Like ``jax.make_jaxpr``: nothing is recorded or run. The graph takes
+        the flat tensor leaves of ``(args, kwargs)`` in order and returns the
+        tensor leaves of the output.
+
+        Returns:
+            A ``torch.fx.GraphModule`` of aten operations.
+
+        Examples:
+            >>> import torch, gtransform as gt
+            >>> f = gt.graphify(lambda x: x.sin() + 1)
+            >>> print(f.trace(torch.ones(3)).code.strip().splitlines()[0])
+            def forward(self, arg0_1):
+        """
+        if self._has_static:
+            args, kwargs, statics = self._split(args, kwargs)  # type: ignore[assignment]
+        else:
+            statics = ()
+        leaves, spec = flatten((args, kwargs))
+        try:
+            st = self._tls.state
+        except AttributeError:
+            st = self._new_state()
+        e = self._lookup(st, leaves, spec, args, kwargs, statics, record=False)
+        return e.plan.gm
+
+    def cache_info(self) -> CacheInfo:
+        """Hits, misses, maxsize and current size of the signature cache.
+
+        Examples:
+            >>> import torch, gtransform as gt
+            >>> f = gt.graphify(lambda x: x + 1)
+            >>> _ = f(torch.ones(2)); _ = f(torch.ones(2))
+            >>> f.cache_info()
+            CacheInfo(hits=1, misses=1, maxsize=64, currsize=1)
+        """
+        size = sum(len(s.cache) for s in list(self._states))
+        return CacheInfo(self._hits, self._misses, self._maxsize, size)
+
+    def cache_clear(self) -> None:
+        """Drop every recording of this function, in every thread.
+
+        Outputs already handed out stay valid (nothing will overwrite them).
+        """
+        for s in list(self._states):
+            s.clear()
+        self._hits = 0
+        self._misses = 0
+
+    def __get__(self, obj: Any, objtype: Any = None) -> Any:
+        if obj is None:
+            return self
+        return _BoundGraphified(self, obj)
+
+    def __repr__(self) -> str:
+        return f"<{self._desc}>"
+
+    # -- internals -----------------------------------------------------------
+    def _new_state(self) -> _ThreadState:
+        pool = self._pool._state if self._pool is not None else PoolState()
+        st = _ThreadState(pool)
+        self._tls.state = st
+        self._states.add(st)
+        return st
+
+    def _split(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[Tuple[Any, ...], Dict[str, Any], Tuple[Any, ...]]:
+        statics: List[Tuple[Any, Any]] = []
+        dyn = []
+        nums = self._static_argnums
+        for i, a in enumerate(args):
+            if i in nums:
+                statics.append((i, a))
+            else:
+                dyn.append(a)
+        if self._static_argnames and kwargs:
+            kw = {}
+            for k, v in kwargs.items():
+                if k in self._static_argnames:
+                    statics.append((k, v))
+                else:
+                    kw[k] = v
+            kwargs = kw
+        for where, v in statics:
+            try:
+                hash(v)
+            except TypeError:
+                label = f"args[{where}]" if isinstance(where, int) else f"kwargs[{where!r}]"
+                raise TypeError(
+                    f"{self._desc}: static argument {label} of type {type(v).__name__} is not hashable. "
+                    "Static arguments are part of the cache key. Fix: pass a hashable value "
+                    "(e.g. a tuple instead of a list), or do not mark it static."
+                ) from None
+        return tuple(dyn), kwargs, tuple(statics)
+
+    def _rebuild_args(self, args: Tuple[Any, ...], statics: Tuple[Any, ...]) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
+        pos = [(w, v) for w, v in statics if isinstance(w, int)]
+        kw = {w: v for w, v in statics if not isinstance(w, int)}
+        if not pos:
+            return args, kw
+        out = list(args)
+        for w, v in sorted(pos):
+            out.insert(w, v)
+        return tuple(out), kw
+
+    def _fallback(self, args: Tuple[Any, ...], kwargs: Dict[str, Any], statics: Tuple[Any, ...]) -> Any:
+        a, kw = self._rebuild_args(args, statics)
+        kw.update(kwargs)
+        return self._fn(*a, **kw)
+
+    def _lookup(self, st: _ThreadState, leaves: List[Any], spec: Any, args: Any, kwargs: Any, statics: Tuple[Any, ...], record: bool) -> _Entry:
+        parts: List[Any] = []
+        tpos: List[int] = []
+        paths: Optional[List[str]] = None
+        device = None
+        for i, x in enumerate(leaves):
+            if isinstance(x, torch.Tensor):
+                if type(x) is not torch.Tensor and type(x) is not _Parameter:
+                    if paths is None:
+                        paths = leaf_paths((args, kwargs))
+                    _bad_tensor(self._desc, paths[i], x)
+                if x.layout != torch.strided or x.is_nested or x.device.type == "meta":
+                    if paths is None:
+                        paths = leaf_paths((args, kwargs))
+                    _bad_tensor(self._desc, paths[i], x)
+                if device is None:
+                    device = x.device
+                elif x.device != device:
+                    if paths is None:
+                        paths = leaf_paths((args, kwargs))
+                    _mixed_devices(self._desc, leaves, paths)
+                parts.append(tensor_meta(x))
+                tpos.append(i)
+            else:
+                try:
+                    parts.append(static_leaf_key(x))
+                except TypeError:
+                    if paths is None:
+                        paths = leaf_paths((args, kwargs))
+                    raise TypeError(
+                        f"{self._desc}: the non-tensor leaf {paths[i]} of type {type(x).__name__} is not "
+                        "hashable. Non-tensor leaves are static: their values are part of the cache key. "
+                        "Fix: pass it as a tensor, make it hashable (e.g. a tuple instead of a list), or "
+                        "register its type as a pytree node with optree (namespace='gtransform')."
+                    ) from None
+        tensors = [leaves[i] for i in tpos]
+        alias = _alias_pattern(tensors)
+        key = (spec, tuple(parts), alias, statics, _is_grad_enabled())
+        e = st.cache.get(key)
+        if e is not None:
+            st.cache.move_to_end(key)
+            if record:
+                self._hits += 1
+            st.last = e
+            return e
+        self._misses += 1
+        if paths is None:
+            paths = leaf_paths((args, kwargs))
+        in_paths = [paths[i] for i in tpos]
+        cuda = device is not None and device.type == "cuda"
+        template = list(leaves)
+
+        def rebuild(ts: Sequence[torch.Tensor]) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
+            ls = list(template)
+            for p, t in zip(tpos, ts):
+                ls[p] = t
+            a, kw = unflatten(spec, ls)
+            a, skw = self._rebuild_args(a, statics)
+            if skw:
+                kw = dict(kw)
+                kw.update(skw)
+            return a, kw
+
+        specs = [(tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad) for t in tensors]
+        plan = trace(self._fn, rebuild, specs, in_paths, self._desc, cuda)
+        if device is None and plan.uses_cuda and torch.cuda.is_available():
+            cuda = True
+        e = _Entry(key, spec, leaves, tpos, statics, plan, cuda, alias)
+        st.cache[key] = e
+        if self._maxsize is not None:
+            while len(st.cache) > self._maxsize:
+                _, old = st.cache.popitem(last=False)
+                if old.rec is not None:
+                    old.rec.close()
+                if st.last is old:
+                    st.last = None
+        st.last = e
+        return e
+
+    def _run(self, e: _Entry, tensors: List[torch.Tensor]) -> Any:
+        rec = e.rec
+        e.calls += 1
+        if rec is None:
+            static = set(e.must_static)
+            static.update(i for i, t in enumerate(tensors) if type(t) is _Parameter)
+            rec = e.rec = self._record(e, tensors, static)
+            e.first_refs = [weakref.ref(t) for t in tensors]
+        elif e.first_refs is not None:
+            # Second call of this signature: inputs passed again as the very
+            # same tensors (parameters, persistent state) are read in place.
+            refs = e.first_refs
+            e.first_refs = None
+            same = [i for i in rec.copy_idx if refs[i]() is tensors[i]]
+            if same or not rec.statics_ok(tensors):
+                keep = [i for i in rec.static_idx if rec.static_refs[rec.static_idx.index(i)]() is tensors[i]]
+                rec.close()
+                rec = e.rec = self._record(e, tensors, set(same) | set(keep) | e.must_static)
+        elif rec.static_idx and not rec.statics_ok(tensors):
+            keep = [i for j, i in enumerate(rec.static_idx) if rec.static_refs[j]() is tensors[i] and tensors[i].data_ptr() == rec.static_ptrs[j]]
+            rec.close()
+            rec = e.rec = self._record(e, tensors, set(keep) | e.must_static)
+        return rec.run(tensors)
+
+    def _record(self, e: _Entry, tensors: List[torch.Tensor], static: Any) -> Recording:
+        st = self._tls.state
+        return make_recording(e.plan, tensors, sorted(static), st.pool, self._desc, e.cuda)
+
+
+class _BoundGraphified:
+    """A graphified function bound to an object (``obj.method``)."""
+
+    def __init__(self, g: Graphified, obj: Any):
+        self._g = g
+        self._obj = obj
+        self.__wrapped__ = g._fn.__get__(obj) if hasattr(g._fn, "__get__") else g._fn
+        self.__name__ = getattr(g, "__name__", "graphified")
+        self.__doc__ = g.__doc__
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._g(self._obj, *args, **kwargs)
+
+    def trace(self, *args: Any, **kwargs: Any) -> torch.fx.GraphModule:
+        return self._g.trace(self._obj, *args, **kwargs)
+
+    def cache_info(self) -> CacheInfo:
+        return self._g.cache_info()
+
+    def cache_clear(self) -> None:
+        self._g.cache_clear()
+
+
+def _resolve_static(fn: Callable[..., Any], nums: Tuple[int, ...], names: Tuple[str, ...], desc: str) -> Tuple[Tuple[int, ...], Tuple[str, ...]]:
+    """Map static_argnums and static_argnames onto each other, like jax.jit."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return nums, names
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    nums_out = set()
+    for i in nums:
+        j = i + len(positional) if i < 0 else i
+        if j < 0:
+            raise ValueError(f"{desc}: static_argnums={i} is out of range for {len(positional)} positional parameters")
+        nums_out.add(j)
+    names_out = set(names)
+    for j in list(nums_out):
+        if j < len(positional) and positional[j].kind == positional[j].POSITIONAL_OR_KEYWORD:
+            names_out.add(positional[j].name)
+    for n in names:
+        for j, p in enumerate(positional):
+            if p.name == n and p.kind == p.POSITIONAL_OR_KEYWORD:
+                nums_out.add(j)
+    return tuple(sorted(nums_out)), tuple(sorted(names_out))
+
+
+def _bad_tensor(desc: str, path: str, t: torch.Tensor) -> None:
+    if isinstance(t, StaleOutput):
+        msg = t.__dict__.get("_gt_message", "stale output")
+        raise OverwrittenOutputError(f"{msg}\n(passed as input {path} to {desc})")
+    if t.layout != torch.strided:
+        what, fix = f"a {t.layout} tensor", "pass a dense tensor (t.to_dense())"
+    elif t.is_nested:
+        what, fix = "a nested tensor", "pass padded dense tensors instead"
+    elif t.device.type == "meta":
+        what, fix = "a meta tensor (it has no data)", "pass a tensor on the CPU or a GPU"
+    else:
+        what, fix = (
+            f"a tensor subclass ({type(t).__name__})",
+            "pass a plain tensor (t.as_subclass(torch.Tensor)), or call the function eagerly",
+        )
+    raise GraphifyError(
+        f"{desc}: input {path} is {what}.\nWhy: graphify records dense strided tensors "
+        f"(torch.Tensor or nn.Parameter) only.\nFix: {fix}."
+    )
+
+
+def _mixed_devices(desc: str, leaves: Sequence[Any], paths: Sequence[str]) -> None:
+    by: Dict[str, List[str]] = {}
+    for p, x in zip(paths, leaves):
+        if isinstance(x, torch.Tensor):
+            by.setdefault(str(x.device), []).append(p)
+    listing = "; ".join(f"{d}: {', '.join(ps[:4])}{' ...' if len(ps) > 4 else ''}" for d, ps in by.items())
+    raise GraphifyError(
+        f"{desc}: tensor inputs are on different devices ({listing}).\n"
+        "Why: one recording runs on one device; a CPU tensor read by a CUDA graph would be "
+        "frozen at recording time.\n"
+        "Fix: move every tensor input to one device (x.to(device)); pass CPU scalars as Python numbers."
+    )
+
+
+@overload
+def graphify(fn: Callable[P, R], *, static_argnums: Union[int, Sequence[int]] = ..., static_argnames: Union[str, Sequence[str]] = ..., pool: Optional[GraphPool] = ..., maxsize: Optional[int] = ...) -> Graphified[P, R]: ...
+
+
+@overload
+def graphify(fn: None = ..., *, static_argnums: Union[int, Sequence[int]] = ..., static_argnames: Union[str, Sequence[str]] = ..., pool: Optional[GraphPool] = ..., maxsize: Optional[int] = ...) -> Callable[[Callable[P, R]], Graphified[P, R]]: ...
+
+
+def graphify(fn: Optional[Callable[P, R]] = None, *, static_argnums: Union[int, Sequence[int]] = (), static_argnames: Union[str, Sequence[str]] = (), pool: Optional[GraphPool] = None, maxsize: Optional[int] = 64) -> Any:
+    """Record ``fn`` into a graph per input signature and replay it.
+
+    ``graphify`` is ``jax.jit`` for PyTorch with CUDA graph capture as the
+    compiler. On each new signature (tree structure, each tensor's shape,
+    dtype, device, strides and ``requires_grad``, and the values of non-tensor
+    leaves), ``fn`` is traced with fake tensors into an aten graph, bound to
+    static input buffers, and recorded (a CUDA graph on the GPU; the traced
+    graph on the CPU). Later calls with the same signature replay it.
+
+    Rules:
+        * ``fn`` must be pure apart from in-place updates of its inputs, which
+          are applied to the caller's tensors exactly as eager would.
+        * Python control flow is resolved at trace time; reading a tensor's
+          value (``.item()``, ``if t > 0``) raises :class:`GraphifyError`.
+        * Non-tensor leaves (Python numbers, strings, ``None``...) are static:
+          a new value records a new graph.
+        * Tensors passed again as the same objects (parameters, state) are read
+          in place, so their in-place updates between calls are seen; others
+          are copied into static buffers in one batched copy.
+        * An output stays valid until the next call of the same function in
+          the same thread (or of any function sharing its pool); touching it
+          after that raises :class:`OverwrittenOutputError`. ``.clone()`` what
+          you keep.
+
+    Args:
+        fn: the function; its arguments are pytrees of tensors and other leaves.
+        static_argnums: positional arguments passed whole as static values
+            (hashable; not flattened).
+        static_argnames: keyword arguments passed whole as static values.
+        pool: a :func:`graph_pool` to share memory with other functions.
+        maxsize: how many signatures to keep per thread (least recently used
+            evicted), or ``None`` for no bound.
+
+    Returns:
+        A :class:`Graphified` callable (or a decorator, if ``fn`` is omitted).
+
+    Raises:
+        GraphifyError: ``fn`` cannot be recorded (at call time).
+        TypeError: an argument of ``graphify`` is of the wrong type.
+
+    Examples:
+        >>> import torch, gtransform as gt
+        >>> @gt.graphify
+        ... def step(params, x):
+        ...     return (x @ params["w"]).relu().sum()
+        >>> params = {"w": torch.randn(4, 3)}
+        >>> loss = step(params, torch.randn(8, 4))
+        >>> @gt.graphify(static_argnums=1)
+        ... def scale(x, k):
+        ...     return x * k
+        >>> scale(torch.ones(2), 3)
+        tensor([3., 3.])
+    """
+    if fn is None:
+        return functools.partial(
+            graphify, static_argnums=static_argnums, static_argnames=static_argnames, pool=pool, maxsize=maxsize
+        )
+    return Graphified(fn, static_argnums=static_argnums, static_argnames=static_argnames, pool=pool, maxsize=maxsize)

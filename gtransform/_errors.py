@@ -1,0 +1,130 @@
+"""Error classes and the helpers that make their messages point at user code."""
+
+from __future__ import annotations
+
+import os
+import traceback
+from typing import Optional
+
+__all__ = ["GraphifyError", "OverwrittenOutputError", "user_frame", "format_frame"]
+
+_PKG_DIR = os.path.dirname(os.path.abspath(__file__))
+_TORCH_DIR: Optional[str] = None
+_STDLIB_DIRS = tuple(
+    os.path.dirname(os.path.abspath(p)) for p in (os.__file__, traceback.__file__)
+)
+
+
+class GraphifyError(RuntimeError):
+    """A function could not be recorded into a graph.
+
+    Raised when ``graphify`` meets something a recording cannot contain: a
+    data-dependent operation (``.item()``, ``bool(t)``, ``nonzero``,
+    ``torch.unique``), a copy between the host and the device inside a CUDA
+    function, an operation on a CPU tensor inside a CUDA function, an in-place
+    resize of an input, mixed devices among the inputs, or a CUDA capture that
+    the driver rejected.
+
+    The message always says what happened, where (the function, the leaf path
+    such as ``args[0]['w']``, the operation and the user's ``file:line``), why a
+    recording cannot contain it, and how to fix it: make the value static
+    (a Python number, or ``static_argnums``), move the work out of the
+    function, or create tensors on the inputs' device.
+
+    A failed trace or capture leaves no half-state: the function, its cache,
+    the memory pool and the random number generator stay usable.
+
+    Examples:
+        >>> import torch, gtransform as gt
+        >>> @gt.graphify
+        ... def f(x):
+        ...     return x * x.sum().item()
+        >>> try:
+        ...     f(torch.ones(3))
+        ... except gt.GraphifyError as e:
+        ...     print("item" in str(e))
+        True
+    """
+
+
+class OverwrittenOutputError(RuntimeError):
+    """A stale output of a graphified function was touched.
+
+    Outputs of a graphified function live in its memory pool, and the next call
+    of the same function in the same thread (or of any function sharing its
+    pool) writes new results over them. An output object the caller still holds
+    at that moment is poisoned: any operation, method, indexing, printing or
+    NumPy conversion on it raises this error instead of silently showing the
+    new numbers.
+
+    Fix: ``.clone()`` an output you want to keep past the next call, or drop
+    it (let it go out of scope) before calling again. Views you derived from a
+    poisoned output keep the values of their own call (gtransform moves them
+    to private memory before overwriting), but the output object itself raises.
+
+    Examples:
+        >>> import torch, gtransform as gt
+        >>> f = gt.graphify(lambda x: x * 2)
+        >>> a = f(torch.ones(2))
+        >>> b = f(torch.ones(2))
+        >>> try:
+        ...     a + 1
+        ... except gt.OverwrittenOutputError:
+        ...     print("stale")
+        stale
+    """
+
+
+def _torch_dir() -> str:
+    global _TORCH_DIR
+    if _TORCH_DIR is None:
+        import torch
+
+        _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
+    return _TORCH_DIR
+
+
+def _is_library_file(filename: str) -> bool:
+    path = os.path.abspath(filename)
+    if path.startswith(_PKG_DIR) and not os.path.basename(path).startswith("test"):
+        return True
+    if path.startswith(_torch_dir()):
+        return True
+    if filename.startswith("<") and filename not in ("<stdin>", "<string>"):
+        # generated code (fx graph modules, eval'd helpers)
+        return True
+    for d in _STDLIB_DIRS:
+        if path.startswith(d) and "site-packages" not in path:
+            return True
+    return "site-packages/optree" in path
+
+
+def user_frame(tb: Optional[traceback.StackSummary] = None) -> Optional[traceback.FrameSummary]:
+    """Return the innermost frame that belongs to user code (not torch, not us)."""
+    if tb is None:
+        tb = traceback.extract_stack()
+    for fr in reversed(tb):
+        if not _is_library_file(fr.filename):
+            return fr
+    return None
+
+
+def user_frame_from_exc(exc: BaseException) -> Optional[traceback.FrameSummary]:
+    """The innermost user frame of an exception's traceback."""
+    return user_frame(traceback.extract_tb(exc.__traceback__))
+
+
+def format_frame(fr: Optional[traceback.FrameSummary]) -> str:
+    """``file:line in func`` plus the source line, or a placeholder."""
+    if fr is None:
+        return "<unknown location>"
+    s = f"{fr.filename}:{fr.lineno} in {fr.name}"
+    if fr.line:
+        s += f"\n    {fr.line.strip()}"
+    return s
+
+
+def describe_fn(fn: object) -> str:
+    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
+    return f"graphify({name})"
+

@@ -1,0 +1,226 @@
+"""Outputs that know when they are stale.
+
+A recording's tensor outputs live in memory that the next replay overwrites.
+Outputs that share one storage form an :class:`OutputGroup`. The caller gets
+tensor objects over an *alias* storage of that memory (a second storage
+object over the same bytes, which keeps the bytes alive through DLPack), so:
+
+* if the caller dropped every object of the group (and every view derived
+  from them), the next call hands the very same objects out again;
+* if the caller still holds an object, the next call poisons it: its class
+  becomes :class:`StaleOutput`, whose every operation raises
+  :class:`~gtransform.OverwrittenOutputError`. The group then gets fresh
+  objects over a fresh alias storage.
+* views the caller derived from an output (which we cannot reach) pin the
+  memory: the recording moves its outputs to new memory before it writes
+  them again, so those views keep the values of their own call and are never
+  silently changed.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, List, Optional, Sequence, Tuple
+
+import torch
+import torch.utils.dlpack as _dlpack
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from ._errors import OverwrittenOutputError
+
+__all__ = ["OutputGroup", "StaleOutput", "PoolState", "poison_tensor"]
+
+_getrefcount = sys.getrefcount
+_use_count = torch._C._storage_Use_Count
+
+# Attribute reads that stay legal on a stale output (metadata, no data).
+_ALLOWED = frozenset(
+    {
+        "shape", "dtype", "device", "ndim", "is_cuda", "layout", "requires_grad",
+        "size", "dim", "stride", "numel", "nelement", "element_size", "is_contiguous",
+        "__class__",
+    }
+)
+
+
+class StaleOutput(torch.Tensor):
+    """Type of an output object that a later call overwrote.
+
+    Every operation on it raises :class:`~gtransform.OverwrittenOutputError`;
+    ``repr`` shows a stale marker instead, so debuggers and tracebacks stay
+    readable. Metadata (``shape``, ``dtype``, ``device``...) still reads.
+    """
+
+    _gt_message: str
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
+        name = getattr(func, "__name__", "")
+        if name in _ALLOWED:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        if name in ("__repr__", "__format__", "__str__"):
+            return _stale_repr(args[0])
+        msg = None
+        for a in args:
+            if isinstance(a, StaleOutput):
+                msg = a.__dict__.get("_gt_message")
+                break
+        else:
+            for a in (kwargs or {}).values():
+                if isinstance(a, StaleOutput):
+                    msg = a.__dict__.get("_gt_message")
+                    break
+        raise OverwrittenOutputError(
+            f"{msg or 'stale gtransform output'}\n(operation: {name or func})"
+        ) from None
+
+    def __repr__(self, *args: Any, **kwargs: Any) -> str:  # noqa: D105
+        return _stale_repr(self)
+
+    __str__ = __repr__
+
+    def __format__(self, spec: str) -> str:  # noqa: D105
+        return _stale_repr(self)
+
+
+def _stale_repr(t: Any) -> str:
+    msg = t.__dict__.get("_gt_message", "") if isinstance(t, torch.Tensor) else ""
+    first = msg.split("\n", 1)[0]
+    return f"<stale gtransform output: {first}>"
+
+
+def poison_tensor(obj: torch.Tensor, message: str) -> None:
+    """Turn ``obj`` into a :class:`StaleOutput` that raises ``message``."""
+    obj.__class__ = StaleOutput
+    obj.__dict__["_gt_message"] = message
+
+
+def _alias_base(base_u8: torch.Tensor) -> torch.UntypedStorage:
+    """A new storage object over ``base_u8``'s bytes that keeps them alive."""
+    return _dlpack.from_dlpack(_dlpack.to_dlpack(base_u8)).untyped_storage()
+
+
+class OutputGroup:
+    """Outputs of one recording that share one storage in the pool.
+
+    Args:
+        storage: the pool storage the recording writes (kept alive here).
+        members: ``(size, stride, storage_offset, dtype)`` of each output.
+    """
+
+    __slots__ = ("base", "members", "device", "storage", "cdata", "objs", "limit", "pins", "owner")
+
+    def __init__(self, storage: torch.UntypedStorage, members: Sequence[Tuple[Any, Any, int, torch.dtype]], owner: Any = None):
+        self.device = storage.device
+        self.base = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage)
+        self.members = list(members)
+        self.pins: List[StorageWeakRef] = []
+        self.owner = owner
+        self.storage: torch.UntypedStorage
+        self.cdata = 0
+        self.objs: List[torch.Tensor] = []
+        self.limit = 0
+        self.fresh()
+
+    def fresh(self) -> None:
+        """New alias storage and new tensor objects over the pool memory."""
+        st = _alias_base(self.base)
+        dev = self.device
+        objs = []
+        for size, stride, offset, dtype in self.members:
+            objs.append(torch.empty(0, dtype=dtype, device=dev).set_(st, offset, size, stride))
+        self.storage = st
+        self.cdata = st._cdata
+        self.objs = objs
+        # our storage object + one TensorImpl per member object
+        self.limit = 1 + len(objs)
+
+    def held(self) -> bool:
+        """Whether the caller still holds an object of this group or a view of it."""
+        if _use_count(self.cdata) > self.limit:
+            return True
+        for o in self.objs:
+            # the list, the loop variable and getrefcount's argument
+            if _getrefcount(o) > 3:
+                return True
+        return False
+
+    def poison(self, message: str) -> None:
+        """Poison the objects the caller holds and give the group fresh ones.
+
+        Views the caller derived from the objects cannot be reached; if any
+        are alive the group is *pinned*: its owner must move its outputs to
+        new memory before it next writes them (see ``Recording.retire``), so
+        those views keep the values of their own call.
+        """
+        if _use_count(self.cdata) > self.limit:
+            self.pins.append(StorageWeakRef(self.storage))
+            if self.owner is not None:
+                self.owner.must_retire = True
+        for o in self.objs:
+            if _getrefcount(o) > 3:
+                poison_tensor(o, message)
+        self.fresh()
+
+    def pinned(self) -> bool:
+        """Whether views of an earlier call still use this group's memory."""
+        pins = self.pins
+        if pins:
+            pins[:] = [p for p in pins if not p.expired()]
+        return bool(pins)
+
+    def rebase(self, storage: torch.UntypedStorage) -> None:
+        """Point the group at new memory (after its owner re-recorded)."""
+        self.base = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage)
+        self.pins = []
+        self.fresh()
+
+    def detach(self) -> None:
+        """The recording goes away: held objects keep their memory (nothing
+        will overwrite it any more), so there is nothing to poison."""
+        self.objs = []
+        self.limit = 1
+        self.owner = None
+
+
+class PoolState:
+    """Liveness bookkeeping of one memory pool (in one thread, unless shared).
+
+    ``outstanding`` holds the groups handed out by the last call of any
+    function using this pool; the next such call poisons those still held.
+    """
+
+    __slots__ = ("outstanding", "calls", "lock", "cuda_pool", "last_desc", "__weakref__")
+
+    def __init__(self, lock: Any = None) -> None:
+        self.outstanding: List[OutputGroup] = []
+        self.calls = 0
+        self.lock = lock
+        self.cuda_pool: Optional[Any] = None
+        self.last_desc = ""
+
+    def begin_call(self, desc: str) -> None:
+        """Poison what the previous call handed out and is still held."""
+        self.calls += 1
+        out = self.outstanding
+        if out:
+            msg = None
+            for g in out:
+                if g.held():
+                    if msg is None:
+                        msg = _overwrite_message(self.last_desc, desc, self.calls)
+                    g.poison(msg)
+            self.outstanding = []
+        self.last_desc = desc
+
+
+def _overwrite_message(old_desc: str, new_desc: str, call_no: int) -> str:
+    return (
+        f"{old_desc}: this output of pool call #{call_no - 1} was overwritten by call "
+        f"#{call_no} ({new_desc}), "
+        "which reuses the same memory pool. An output stays valid only until the next "
+        "call of the same graphified function in the same thread, or of any function "
+        "sharing its pool. Fix: .clone() the output if you need it after the next call, "
+        "or drop it before calling again."
+    )

@@ -1,0 +1,311 @@
+"""Recordings: one traced signature, bound to buffers, ready to replay.
+
+The two backends share everything (static input buffers, copy-in, copy-back
+of in-place updates, the output pool and liveness) but how a replay happens:
+
+* CPU: the traced fx graph runs over the static buffers; its results are
+  copied into the recording's output memory.
+* CUDA: the traced graph is captured once into a ``torch.cuda.CUDAGraph``
+  whose memory comes from the function's private pool; a replay is one
+  ``graph.replay()``.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from ._errors import GraphifyError
+from ._liveness import OutputGroup, PoolState
+from ._trace import Plan
+from ._tree import unflatten
+
+__all__ = ["Recording", "make_recording"]
+
+_foreach_copy = torch._foreach_copy_
+
+
+def is_non_overlapping_and_dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements tile a block of memory exactly once."""
+    dims = sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz != 1)
+    expected = 1
+    for st, sz in dims:
+        if st != expected:
+            return False
+        expected *= sz
+    return True
+
+
+def _buffer_like(t: torch.Tensor) -> torch.Tensor:
+    """A static buffer with ``t``'s size, dtype, device and (dense) strides."""
+    if is_non_overlapping_and_dense(t):
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+    return torch.empty(t.shape, dtype=t.dtype, device=t.device)
+
+
+class Recording:
+    """One signature of a function, with a fixed choice of in-place inputs.
+
+    Args:
+        plan: the traced signature.
+        tensors: the flat tensor inputs of the call that records it.
+        static_idx: indices of the inputs read in place (no copy).
+        pool: liveness state of the memory pool this recording writes.
+        desc: ``graphify(name)`` for messages.
+    """
+
+    backend = "cpu"
+
+    def __init__(self, plan: Plan, tensors: Sequence[torch.Tensor], static_idx: Sequence[int], pool: PoolState, desc: str):
+        self.plan = plan
+        self.pool = pool
+        self.desc = desc
+        n = len(tensors)
+        st = sorted(set(static_idx))
+        self.static_idx = tuple(st)
+        self.static_refs = [weakref.ref(tensors[i]) for i in st]
+        self.static_ptrs = [tensors[i].data_ptr() for i in st]
+        sset = set(st)
+        self.copy_idx = tuple(i for i in range(n) if i not in sset)
+        self.bufs = [_buffer_like(tensors[i]) for i in self.copy_idx]
+        args: List[Any] = list(tensors)
+        for i, b in zip(self.copy_idx, self.bufs):
+            args[i] = b
+        self.gm_args = args
+        cb = [(i, b) for i, b in zip(self.copy_idx, self.bufs) if i in plan.mutated]
+        self.cb_idx = tuple(i for i, _ in cb)
+        self.cb_bufs = [b for _, b in cb]
+        self.groups: List[OutputGroup] = []
+        self.slots: Dict[int, Tuple[OutputGroup, int]] = {}
+        self.group_keys: List[int] = []  # a gm output index of each group
+        self.replays = 0
+        self.must_retire = False
+
+    # -- recording ---------------------------------------------------------
+    def _bind_outputs(self, outs: Sequence[torch.Tensor]) -> None:
+        """Group the pool outputs by storage and make their liveness groups."""
+        by_store: Dict[Any, List[int]] = {}
+        for e in self.plan.out_entries:
+            if e.kind != "pool":
+                continue
+            t = outs[e.index]
+            by_store.setdefault(StorageWeakRef(t.untyped_storage()), []).append(e.index)
+        for ks in by_store.values():
+            members: List[Tuple[Any, Any, int, torch.dtype]] = []
+            first: Dict[int, int] = {}
+            for k in ks:
+                t = outs[k]
+                m = first.get(id(t))
+                if m is None:
+                    m = first[id(t)] = len(members)
+                    members.append((tuple(t.shape), t.stride(), t.storage_offset(), t.dtype))
+                self.slots[k] = (None, m)  # type: ignore[assignment]
+            g = OutputGroup(outs[ks[0]].untyped_storage(), members, owner=self)
+            for k in ks:
+                self.slots[k] = (g, self.slots[k][1])
+            self.groups.append(g)
+            self.group_keys.append(ks[0])
+
+    # -- replay ------------------------------------------------------------
+    def statics_ok(self, tensors: Sequence[torch.Tensor]) -> bool:
+        """Whether the in-place inputs are the very tensors this recording reads."""
+        for i, r, p in zip(self.static_idx, self.static_refs, self.static_ptrs):
+            t = tensors[i]
+            if t is not r() or t.data_ptr() != p:
+                return False
+        return True
+
+    def _replay(self) -> None:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def _retire(self) -> None:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def run(self, tensors: Sequence[torch.Tensor]) -> Any:
+        """Copy in, poison stale outputs, replay, copy back, build outputs."""
+        if self.copy_idx:
+            _foreach_copy(self.bufs, [tensors[i] for i in self.copy_idx])
+        self.pool.begin_call(self.desc)
+        if self.must_retire:
+            self.must_retire = False
+            if any(g.pinned() for g in self.groups):
+                # The caller keeps views of an earlier call's outputs: move
+                # this recording's outputs to new memory instead of writing
+                # over them.
+                self._retire()
+        self._replay()
+        self.replays += 1
+        if self.cb_idx:
+            _foreach_copy([tensors[i] for i in self.cb_idx], self.cb_bufs)
+        groups = self.groups
+        if groups:
+            self.pool.outstanding.extend(groups)
+        res: List[Any] = []
+        slots = self.slots
+        for e in self.plan.out_entries:
+            kind = e.kind
+            if kind == "pool":
+                g, m = slots[e.index]
+                res.append(g.objs[m])
+            elif kind == "input":
+                t = tensors[e.index]
+                if e.identical:
+                    res.append(t)
+                else:
+                    res.append(t.as_strided(e.size, e.stride, t.storage_offset() + e.rel_offset))
+            else:
+                res.append(e.value)
+        return unflatten(self.plan.out_spec, res)
+
+    def close(self) -> None:
+        """Release the recording; outputs the caller holds stay valid."""
+        for g in self.groups:
+            g.detach()
+        self.groups = []
+
+
+class CPURecording(Recording):
+    """Replays the traced fx graph over the static buffers."""
+
+    backend = "cpu"
+
+    def __init__(self, *a: Any, **k: Any) -> None:
+        super().__init__(*a, **k)
+        self.stores: List[Tuple[torch.UntypedStorage, int]] = []
+        self.first = True
+        self.rebind = False
+
+    def _retire(self) -> None:
+        self.rebind = True
+
+    def _replay(self) -> None:
+        with torch.no_grad():
+            outs = self.plan.gm(*self.gm_args)
+        if self.first:
+            self.first = False
+            self._bind_outputs(outs)
+            self.stores = [(g.base.untyped_storage(), k) for g, k in zip(self.groups, self.group_keys)]
+            return
+        if self.rebind:
+            # the fresh results become the output memory; the old memory
+            # stays with the caller's views
+            self.rebind = False
+            for g, k in zip(self.groups, self.group_keys):
+                g.rebase(outs[k].untyped_storage())
+            self.stores = [(g.base.untyped_storage(), k) for g, k in zip(self.groups, self.group_keys)]
+            return
+        for dst, k in self.stores:
+            src = outs[k].untyped_storage()
+            if src.data_ptr() != dst.data_ptr():
+                dst.copy_(src)
+
+
+class CUDARecording(Recording):
+    """Captures the traced graph into a CUDA graph in the function's pool."""
+
+    backend = "cuda"
+
+    def __init__(self, plan: Plan, tensors: Sequence[torch.Tensor], static_idx: Sequence[int], pool: PoolState, desc: str):
+        super().__init__(plan, tensors, static_idx, pool, desc)
+        self.graph: Optional[torch.cuda.CUDAGraph] = None
+        self.device = next((t.device for t in tensors), torch.device("cuda", torch.cuda.current_device()))
+        self._capture(warmup=True)
+
+    def _retire(self) -> None:
+        # Re-capture: the new graph's outputs get new memory in the pool,
+        # while the old memory stays with the views the caller holds.
+        old = self.graph
+        self._capture(warmup=False)
+        if old is not None and not _HAVE_MEMPOOL:
+            _KEEP.append(old)
+
+    def _capture(self, warmup: bool) -> None:
+        dev = self.device
+        with torch.cuda.device(dev):
+            pool_id = _pool_id(self.pool, dev)
+            cur = torch.cuda.current_stream()
+            side = torch.cuda.Stream()
+            side.wait_stream(cur)
+            args = self.gm_args
+            if warmup:
+                # Warm-up (lazy library init) must have no visible effect:
+                # in-place inputs that the function mutates are cloned, and
+                # the RNG state is restored.
+                warm = list(args)
+                for i in self.static_idx:
+                    if i in self.plan.mutated:
+                        warm[i] = args[i].clone()
+                rng = torch.cuda.get_rng_state(dev) if self.plan.random else None
+                with torch.cuda.stream(side), torch.no_grad():
+                    self.plan.gm(*warm)
+                del warm
+                side.synchronize()
+                if rng is not None:
+                    torch.cuda.set_rng_state(rng, dev)
+            g = torch.cuda.CUDAGraph()
+            try:
+                with torch.cuda.stream(side), torch.no_grad():
+                    g.capture_begin(pool=pool_id, capture_error_mode="thread_local")
+                    try:
+                        outs = self.plan.gm(*args)
+                    finally:
+                        g.capture_end()
+            except Exception as e:  # driver-level failure
+                torch.cuda.synchronize(dev)
+                if isinstance(e, GraphifyError):
+                    raise
+                raise GraphifyError(
+                    f"{self.desc}: CUDA graph capture failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}\n"
+                    "Why: some operation in the function cannot be recorded into a CUDA graph "
+                    "(a synchronisation with the host, a pageable host copy, or a library call that "
+                    "is not capture-safe).\n"
+                    "Fix: move that operation out of the graphified function; "
+                    f"inspect what is recorded with {self.desc}.trace(...). "
+                    "The function, its pool and eager CUDA work stay usable."
+                ) from e
+            cur.wait_stream(side)
+            self.graph = g
+            self.outs = list(outs)
+            if self.groups:
+                for grp, k in zip(self.groups, self.group_keys):
+                    grp.rebase(self.outs[k].untyped_storage())
+            else:
+                self._bind_outputs(self.outs)
+
+    def _replay(self) -> None:
+        self.graph.replay()  # type: ignore[union-attr]
+
+    def close(self) -> None:
+        super().close()
+        if self.graph is not None and not _HAVE_MEMPOOL:  # pragma: no cover
+            _KEEP.append(self.graph)
+        self.graph = None
+
+
+_HAVE_MEMPOOL = hasattr(torch.cuda, "MemPool")
+_KEEP: List[Any] = []
+
+
+def _pool_id(pool: PoolState, dev: torch.device) -> Any:
+    """The CUDA memory pool id of ``pool`` (made on first use).
+
+    A ``torch.cuda.MemPool`` keeps the pool alive on its own, so recordings
+    can come and go (re-records, evictions) while the pool is reused.
+    """
+    if pool.cuda_pool is None:
+        if _HAVE_MEMPOOL:
+            with torch.cuda.device(dev):
+                pool.cuda_pool = torch.cuda.MemPool()
+        else:  # pragma: no cover - old torch
+            pool.cuda_pool = torch.cuda.graph_pool_handle()
+    p = pool.cuda_pool
+    return p.id if _HAVE_MEMPOOL else p
+
+
+def make_recording(plan: Plan, tensors: Sequence[torch.Tensor], static_idx: Sequence[int], pool: PoolState, desc: str, cuda: bool) -> Recording:
+    """Build the recording of ``plan`` for the given backend."""
+    cls = CUDARecording if cuda else CPURecording
+    return cls(plan, tensors, static_idx, pool, desc)

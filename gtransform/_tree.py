@@ -1,0 +1,87 @@
+"""One pytree policy for the whole library, leaf paths, and signature keys.
+
+Policy: optree with ``namespace="gtransform"`` and ``none_is_leaf=False``
+(``None`` is an empty subtree, as in JAX). Users may register their own
+containers in that namespace with ``optree.register_pytree_node(...,
+namespace="gtransform")``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Hashable, List, Sequence, Tuple
+
+import optree
+import torch
+
+__all__ = [
+    "NAMESPACE",
+    "flatten",
+    "unflatten",
+    "leaf_paths",
+    "static_leaf_key",
+    "tensor_meta",
+]
+
+NAMESPACE = "gtransform"
+
+
+def flatten(tree: Any) -> Tuple[List[Any], optree.PyTreeSpec]:
+    """Flatten ``tree`` with the library's policy."""
+    return optree.tree_flatten(tree, none_is_leaf=False, namespace=NAMESPACE)
+
+
+def unflatten(spec: optree.PyTreeSpec, leaves: Sequence[Any]) -> Any:
+    """Inverse of :func:`flatten`."""
+    return optree.tree_unflatten(spec, leaves)
+
+
+def leaf_paths(tree: Any, root: str = "args") -> List[str]:
+    """Human paths of every leaf, e.g. ``args[0]['w']`` or ``kwargs['lr']``.
+
+    ``tree`` is the ``(args, kwargs)`` pair for inputs (``root="args"``), or an
+    output tree (``root="output"``).
+    """
+    accessors = optree.tree_flatten_with_accessor(tree, none_is_leaf=False, namespace=NAMESPACE)[0]
+    out = []
+    for acc in accessors:
+        code = acc.codify("")
+        if root == "args":
+            if code.startswith("[0]"):
+                code = "args" + code[3:]
+            elif code.startswith("[1]"):
+                code = "kwargs" + code[3:]
+        else:
+            code = root + code
+        out.append(code)
+    return out
+
+
+class _NaN:
+    """Key stand-in for float NaN (NaN != NaN would defeat the cache)."""
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _NaN)
+
+    def __hash__(self) -> int:
+        return 0x7FF8
+
+
+_NAN = _NaN()
+
+
+def static_leaf_key(leaf: Any) -> Hashable:
+    """Cache-key entry of a non-tensor leaf: its type and value.
+
+    Raises:
+        TypeError: the leaf is not hashable (the caller adds the leaf path).
+    """
+    if type(leaf) is float and math.isnan(leaf):
+        return (float, _NAN)
+    hash(leaf)
+    return (type(leaf), leaf)
+
+
+def tensor_meta(t: torch.Tensor) -> Tuple[Any, ...]:
+    """Cache-key entry of a tensor leaf."""
+    return (type(t), tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad)

@@ -1,0 +1,72 @@
+"""Shared fixtures: devices (CPU always, CUDA under the `cuda` marker), tolerances,
+and a deterministic hypothesis profile."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+
+settings.register_profile(
+    "ci",
+    deadline=None,
+    derandomize=True,
+    max_examples=40,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture],
+)
+settings.register_profile(
+    "dev",
+    deadline=None,
+    max_examples=200,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture],
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+HAS_CUDA = torch.cuda.is_available()
+
+DEVICES = [
+    pytest.param("cpu", id="cpu"),
+    pytest.param(
+        "cuda",
+        id="cuda",
+        marks=[pytest.mark.cuda, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")],
+    ),
+]
+
+
+@pytest.fixture(params=DEVICES)
+def device(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+_TOL = {
+    torch.float64: (1e-10, 1e-10),
+    torch.float32: (1e-5, 1e-5),
+    torch.bfloat16: (1.6e-2, 1e-2),
+    torch.float16: (1e-3, 1e-3),
+}
+
+
+def tol(dtype: torch.dtype) -> dict:
+    """rtol/atol for comparing against eager, per dtype (exact for ints and bools)."""
+    rtol, atol = _TOL.get(dtype, (0.0, 0.0))
+    return {"rtol": rtol, "atol": atol}
+
+
+def assert_close(actual, expected) -> None:
+    """Structural + numerical equality of two pytrees (tensors within dtype tolerance)."""
+    import optree
+
+    la, sa = optree.tree_flatten(actual, none_is_leaf=False, namespace="gtransform")
+    le, se = optree.tree_flatten(expected, none_is_leaf=False, namespace="gtransform")
+    assert sa == se, f"tree structure differs: {sa} vs {se}"
+    for a, e in zip(la, le):
+        if isinstance(e, torch.Tensor):
+            assert isinstance(a, torch.Tensor), f"expected a tensor, got {type(a)}"
+            assert a.shape == e.shape and a.dtype == e.dtype and a.device == e.device, (a, e)
+            torch.testing.assert_close(a, e, equal_nan=True, **tol(e.dtype))
+        else:
+            assert a == e or (a != a and e != e), (a, e)
