@@ -11,6 +11,7 @@ from typing import Any, Callable, Dict, Generic, Hashable, List, NamedTuple, Opt
 
 import torch
 
+from ._autograd import call_with_autograd, make_backward
 from ._errors import GraphifyError, OverwrittenOutputError, describe_fn
 from ._liveness import PoolState, StaleOutput
 from ._pool import GraphPool
@@ -40,6 +41,10 @@ except AttributeError:  # pragma: no cover
         return None
 
 _is_grad_enabled = torch.is_grad_enabled
+try:
+    _GRAD = torch._C._functorch.TransformType.Grad
+except AttributeError:  # pragma: no cover
+    _GRAD = None
 _Parameter = torch.nn.Parameter
 
 
@@ -96,7 +101,7 @@ class _Entry:
 
     __slots__ = (
         "key", "spec", "tpos", "consts", "statics", "guard", "plan", "rec", "first_refs",
-        "calls", "cuda", "any_rg", "must_static", "alias", "n_leaves",
+        "calls", "cuda", "any_rg", "must_static", "alias", "n_leaves", "bwd",
     )
 
     def __init__(self, key: Hashable, spec: Any, leaves: Sequence[Any], tpos: List[int], statics: Any, plan: Plan, cuda: bool, alias: Tuple[int, ...]):
@@ -126,6 +131,16 @@ class _Entry:
                 if any(i in plan.mutated for i in members):
                     must.update(members)
         self.must_static = must
+        self.bwd: Dict[Tuple[bool, ...], "Graphified[Any, Any]"] = {}
+
+    def backward_for(self, need: Tuple[bool, ...], owner: "Graphified[Any, Any]") -> "Graphified[Any, Any]":
+        """The graphified backward of this signature for these needed inputs."""
+        g = self.bwd.get(need)
+        if g is None:
+            fn = make_backward(self.plan, need)
+            fn.__qualname__ = fn.__name__ = f"backward of {owner._desc}"
+            g = self.bwd[need] = Graphified(fn, maxsize=8)
+        return g
 
     def match(self, leaves: Sequence[Any], statics: Any) -> bool:
         if len(leaves) != self.n_leaves or statics != self.statics:
@@ -220,8 +235,9 @@ class Graphified(Generic[P, R]):
             args, kwargs, statics = self._split(args, kwargs)  # type: ignore[assignment]
         else:
             statics = ()
-        if _peek_functorch() is not None:
-            return self._fallback(args, kwargs, statics)
+        interp = _peek_functorch()
+        if interp is not None:
+            return self._call_transformed(interp, args, kwargs, statics)
         leaves, spec = flatten((args, kwargs))
         try:
             st = self._tls.state
@@ -233,13 +249,50 @@ class Graphified(Generic[P, R]):
         else:
             self._hits += 1
         if e.any_rg and _is_grad_enabled():
-            return self._fallback(args, kwargs, statics)
+            self._hits -= 1  # counted again inside the autograd wrapper
+            return call_with_autograd(self, leaves, spec, e.tpos, statics)
         tensors = [leaves[i] for i in e.tpos]
+        lock = st.pool.lock
+        if lock is None:
+            return e.plan.assemble(self._run(e, tensors))
+        with lock:
+            return e.plan.assemble(self._run(e, tensors))
+
+    def _call_plain(self, args: Any, kwargs: Any, statics: Any) -> Any:
+        """A call that is never differentiated (used for backward passes)."""
+        leaves, spec = flatten((args, kwargs))
+        e, st = self._entry_for(leaves, spec, statics)
+        return e.plan.assemble(self._run_flat(e, st, [leaves[i] for i in e.tpos]))
+
+    def _entry_for(self, leaves: List[Any], spec: Any, statics: Any) -> Tuple["_Entry", "_ThreadState"]:
+        try:
+            st = self._tls.state
+        except AttributeError:
+            st = self._new_state()
+        e = st.last
+        if e is None or e.spec != spec or not e.match(leaves, statics):
+            args, kwargs = unflatten(spec, leaves)
+            e = self._lookup(st, leaves, spec, args, kwargs, statics, record=True)
+        else:
+            self._hits += 1
+        return e, st
+
+    def _run_flat(self, e: "_Entry", st: "_ThreadState", tensors: List[torch.Tensor]) -> List[torch.Tensor]:
         lock = st.pool.lock
         if lock is None:
             return self._run(e, tensors)
         with lock:
             return self._run(e, tensors)
+
+    def _call_transformed(self, interp: Any, args: Any, kwargs: Any, statics: Any) -> Any:
+        """A call under torch.func transforms: grad/vjp go through the
+        autograd wrapper; vmap and jvp run the function eagerly (correct,
+        not recorded)."""
+        if interp.key() == _GRAD:
+            leaves, spec = flatten((args, kwargs))
+            tpos = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+            return call_with_autograd(self, leaves, spec, tpos, statics)
+        return self._fallback(args, kwargs, statics)
 
     def trace(self, *args: P.args, **kwargs: P.kwargs) -> torch.fx.GraphModule:
         """Trace ``fn`` for these inputs and return what would be recorded.
@@ -389,7 +442,7 @@ class Graphified(Generic[P, R]):
                     ) from None
         tensors = [leaves[i] for i in tpos]
         alias = _alias_pattern(tensors)
-        key = (spec, tuple(parts), alias, statics, _is_grad_enabled())
+        key = (spec, tuple(parts), alias, statics)
         e = st.cache.get(key)
         if e is not None:
             st.cache.move_to_end(key)
@@ -453,7 +506,7 @@ class Graphified(Generic[P, R]):
             keep = [i for j, i in enumerate(rec.static_idx) if rec.static_refs[j]() is tensors[i] and tensors[i].data_ptr() == rec.static_ptrs[j]]
             rec.close()
             rec = e.rec = self._record(e, tensors, set(keep) | e.must_static)
-        return rec.run(tensors)
+        return rec.run_flat(tensors)
 
     def _record(self, e: _Entry, tensors: List[torch.Tensor], static: Any) -> Recording:
         st = self._tls.state

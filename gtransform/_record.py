@@ -124,8 +124,12 @@ class Recording:
     def _retire(self) -> None:  # pragma: no cover - overridden
         raise NotImplementedError
 
-    def run(self, tensors: Sequence[torch.Tensor]) -> Any:
-        """Copy in, poison stale outputs, replay, copy back, build outputs."""
+    def run_flat(self, tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        """Copy in, poison stale outputs, replay, copy back.
+
+        Returns:
+            The tensor outputs in the traced graph's order.
+        """
         if self.copy_idx:
             _foreach_copy(self.bufs, [tensors[i] for i in self.copy_idx])
         self.pool.begin_call(self.desc)
@@ -143,22 +147,23 @@ class Recording:
         groups = self.groups
         if groups:
             self.pool.outstanding.extend(groups)
-        res: List[Any] = []
+        res: List[torch.Tensor] = []
         slots = self.slots
-        for e in self.plan.out_entries:
-            kind = e.kind
-            if kind == "pool":
+        for e in self.plan.tensor_entries:
+            if e.kind == "pool":
                 g, m = slots[e.index]
                 res.append(g.objs[m])
-            elif kind == "input":
+            else:
                 t = tensors[e.index]
                 if e.identical:
                     res.append(t)
                 else:
                     res.append(t.as_strided(e.size, e.stride, t.storage_offset() + e.rel_offset))
-            else:
-                res.append(e.value)
-        return unflatten(self.plan.out_spec, res)
+        return res
+
+    def run(self, tensors: Sequence[torch.Tensor]) -> Any:
+        """Replay for these inputs and return the output tree."""
+        return self.plan.assemble(self.run_flat(tensors))
 
     def close(self) -> None:
         """Release the recording; outputs the caller holds stay valid."""

@@ -27,7 +27,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._errors import GraphifyError, format_frame, user_frame, user_frame_from_exc
-from ._tree import flatten
+from ._tree import flatten, unflatten
 
 try:  # torch >= 2.1
     from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
@@ -85,6 +85,16 @@ class Plan:
     random: bool
     op_count: int
     notes: List[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.tensor_entries = [e for e in self.out_entries if e.kind != "const"]
+        self.all_const = not self.tensor_entries
+
+    def assemble(self, flat: Sequence[Any]) -> Any:
+        """Output tree from the tensor outputs (in graph order)."""
+        it = iter(flat)
+        leaves = [e.value if e.kind == "const" else next(it) for e in self.out_entries]
+        return unflatten(self.out_spec, leaves)
 
 
 def _tensors_in(v: Any) -> List[torch.Tensor]:

@@ -1,0 +1,182 @@
+"""Differentiating through a graphified function.
+
+A call that needs gradients (an input requires grad under grad mode, or the
+call happens inside ``torch.func.grad``/``vjp``) goes through
+:class:`_GraphFn`, an ``autograd.Function`` with ``setup_context``, so both
+``loss.backward()`` and ``torch.func`` transforms see it. Its forward replays
+the forward recording; its backward is itself a graphified function (traced
+once per signature from the forward's aten graph and ``torch.autograd.grad``,
+recorded, and replayed), so on CUDA both passes replay from graphs.
+
+The backward recomputes the forward inside its own recording instead of
+saving activations: it saves only the inputs, so the pool holds no saved
+activations between the passes, at the price of running the forward's
+kernels twice.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Sequence, Tuple
+
+import torch
+
+from ._errors import GraphifyError
+
+__all__ = ["call_with_autograd", "GraphFn"]
+
+try:
+    _peek = torch._C._functorch.peek_interpreter_stack
+except AttributeError:  # pragma: no cover
+    def _peek() -> Any:
+        return None
+
+
+_is_wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
+_get_unwrapped = getattr(torch._C._functorch, "get_unwrapped", None)
+try:
+    from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack as _clear_stack
+except ImportError:  # pragma: no cover
+    _clear_stack = None  # type: ignore[assignment]
+
+
+class _no_functorch:
+    """Run the backward recording outside torch.func's interpreters (first order)."""
+
+    def __enter__(self) -> None:
+        self.cm = _clear_stack() if _clear_stack is not None else None
+        if self.cm is not None:
+            self.cm.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.cm is not None:
+            self.cm.__exit__(*exc)
+
+
+def _unwrap(t: torch.Tensor) -> Tuple[torch.Tensor, int]:
+    """The plain tensor under torch.func's wrappers, and how many there were."""
+    n = 0
+    if _is_wrapped is not None:
+        while _is_wrapped(t):
+            t = _get_unwrapped(t)
+            n += 1
+    return t, n
+
+
+def _higher_order(desc: str) -> GraphifyError:
+    return GraphifyError(
+        f"{desc}: higher-order differentiation through a graphified function "
+        "(grad of grad, or backward with create_graph=True) is not supported.\n"
+        "Why: the backward pass is a recording; its result is not differentiable again.\n"
+        "Fix: graphify the whole transformed function instead, e.g. "
+        "graphify(torch.func.grad(torch.func.grad(f))), or differentiate the eager function."
+    )
+
+
+class _Box:
+    """Per-call carrier between ``forward`` and ``backward`` (not a tensor)."""
+
+    __slots__ = ("g", "template", "spec", "tpos", "statics", "entry")
+
+    def __init__(self, g: Any, template: List[Any], spec: Any, tpos: List[int], statics: Any):
+        self.g = g
+        self.template = template
+        self.spec = spec
+        self.tpos = tpos
+        self.statics = statics
+        self.entry: Any = None
+
+
+class GraphFn(torch.autograd.Function):
+    """``autograd.Function`` around one graphified call (torch.func-compatible)."""
+
+    @staticmethod
+    def forward(box: _Box, *tensors: torch.Tensor) -> Tuple[torch.Tensor, ...]:  # type: ignore[override]
+        g = box.g
+        if _peek() is not None:
+            raise _higher_order(g._desc)
+        leaves = list(box.template)
+        for p, t in zip(box.tpos, tensors):
+            leaves[p] = t
+        e, st = g._entry_for(leaves, box.spec, box.statics)
+        if e.plan.mutated:
+            paths = ", ".join(e.plan.in_paths[i] for i in sorted(e.plan.mutated))
+            raise GraphifyError(
+                f"{g._desc}: the function updates its inputs in place ({paths}) and is being "
+                "differentiated.\nWhy: in-place updates of inputs are not supported through "
+                "the autograd wrapper of a recording.\n"
+                "Fix: return the new values instead of updating the inputs in place, or call the "
+                "function under torch.no_grad()."
+            )
+        box.entry = e
+        return tuple(g._run_flat(e, st, list(tensors)))
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: Tuple[Any, ...], output: Any) -> None:
+        box = inputs[0]
+        ctx.box = box
+        ctx.save_for_backward(*inputs[1:])
+        nd = [o for o in output if not (o.is_floating_point() or o.is_complex())]
+        if nd:
+            ctx.mark_non_differentiable(*nd)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Tuple[Any, ...]:  # type: ignore[override]
+        box: _Box = ctx.box
+        need = tuple(bool(n) for n in ctx.needs_input_grad[1:])
+        bwd = box.entry.backward_for(need, box.g)
+        functorch = _peek() is not None
+        if not functorch and torch.is_grad_enabled():
+            raise _higher_order(box.g._desc)
+        with _no_functorch():
+            prims, depth = [], 0
+            for p in ctx.saved_tensors:
+                t, n = _unwrap(p)
+                prims.append(t)
+                depth = max(depth, n)
+            tangents = []
+            for gr in grads:
+                t, n = _unwrap(gr)
+                tangents.append(t)
+                depth = max(depth, n)
+            if depth > 1:
+                raise _higher_order(box.g._desc)
+            res = bwd._call_plain((prims, tangents), {}, ())
+        out: List[Any] = [None]
+        j = 0
+        for n in need:
+            if n:
+                out.append(res[j])
+                j += 1
+            else:
+                out.append(None)
+        return tuple(out)
+
+
+def make_backward(plan: Any, need: Sequence[bool]) -> Any:
+    """The backward of ``plan``'s graph as a plain function of
+    ``(primals, tangents)`` returning the gradients of the inputs in ``need``.
+    """
+    gm = plan.gm
+    diff = [i for i, n in enumerate(need) if n]
+
+    def backward(primals: List[torch.Tensor], tangents: List[torch.Tensor]) -> List[torch.Tensor]:
+        with torch.enable_grad():
+            ps = [p.detach().requires_grad_(True) if i in diff else p.detach() for i, p in enumerate(primals)]
+            outs = gm(*ps)
+            pairs = [(o, t) for o, t in zip(outs, tangents) if o.requires_grad]
+            wrt = [ps[i] for i in diff]
+            if pairs:
+                got = torch.autograd.grad([o for o, _ in pairs], wrt, [t for _, t in pairs], allow_unused=True)
+            else:
+                got = (None,) * len(wrt)
+        return [g if g is not None else torch.zeros_like(w) for g, w in zip(got, wrt)]
+
+    backward.__name__ = backward.__qualname__ = f"backward_of_{getattr(gm, '_gt_name', 'fn')}"
+    return backward
+
+
+def call_with_autograd(g: Any, leaves: List[Any], spec: Any, tpos: List[int], statics: Any) -> Any:
+    """Call graphified ``g`` through :class:`GraphFn` and return the output tree."""
+    box = _Box(g, leaves, spec, tpos, statics)
+    outs = GraphFn.apply(box, *[leaves[i] for i in tpos])
+    return box.entry.plan.assemble(outs)
