@@ -109,7 +109,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     # 2. Keep outputs past the next call: .clone() them.
     kept = [predict(params, x)["probs"].clone() for x in batches]
-    for i, (x, probs) in enumerate(zip(batches, kept)):
+    for i, (x, probs) in enumerate(zip(batches, kept, strict=True)):
         check(f"cloned probs of batch {i}", probs, classify(params, x)["probs"])
 
     # A view you derived from an output keeps the values of its own call:

@@ -41,7 +41,7 @@ def init_params(sizes: Sequence[int], device: torch.device, seed: int) -> Params
     """Plain tensors (requires_grad=False): torch.func.grad differentiates by itself."""
     gen = torch.Generator().manual_seed(seed)
     params: Params = {}
-    for i, (n_in, n_out) in enumerate(zip(sizes[:-1], sizes[1:])):
+    for i, (n_in, n_out) in enumerate(zip(sizes[:-1], sizes[1:], strict=True)):
         params[f"w{i}"] = (torch.randn(n_in, n_out, generator=gen) / n_in**0.5).to(device)
         params[f"b{i}"] = torch.zeros(n_out).to(device)
     return params

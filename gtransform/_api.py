@@ -500,13 +500,19 @@ class Graphified(Generic[P, R]):
             same = [i for i in rec.copy_idx if refs[i]() is tensors[i]]
             if same or not rec.statics_ok(tensors):
                 keep = [i for i in rec.static_idx if rec.static_refs[rec.static_idx.index(i)]() is tensors[i]]
-                rec.close()
-                rec = e.rec = self._record(e, tensors, set(same) | set(keep) | e.must_static)
+                rec = e.rec = self._rerecord(e, rec, tensors, set(same) | set(keep) | e.must_static)
         elif rec.static_idx and not rec.statics_ok(tensors):
             keep = [i for j, i in enumerate(rec.static_idx) if rec.static_refs[j]() is tensors[i] and tensors[i].data_ptr() == rec.static_ptrs[j]]
-            rec.close()
-            rec = e.rec = self._record(e, tensors, set(keep) | e.must_static)
+            rec = e.rec = self._rerecord(e, rec, tensors, set(keep) | e.must_static)
         return rec.run_flat(tensors)
+
+    def _rerecord(self, e: _Entry, old: Recording, tensors: List[torch.Tensor], static: Any) -> Recording:
+        """Record the signature again with other in-place inputs; output
+        objects the caller dropped keep their identity."""
+        new = self._record(e, tensors, static)
+        new.adopt_outputs(old)
+        old.close()
+        return new
 
     def _record(self, e: _Entry, tensors: List[torch.Tensor], static: Any) -> Recording:
         st = self._tls.state

@@ -20,6 +20,7 @@ object over the same bytes, which keeps the bytes alive through DLPack), so:
 from __future__ import annotations
 
 import sys
+import weakref
 from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
@@ -33,13 +34,12 @@ __all__ = ["OutputGroup", "StaleOutput", "PoolState", "poison_tensor"]
 _getrefcount = sys.getrefcount
 _use_count = torch._C._storage_Use_Count
 
-# Attribute reads that stay legal on a stale output (metadata, no data).
+# Reads that stay legal on a stale output: metadata, no data.
+_PROPS = ("shape", "dtype", "device", "ndim", "is_cuda", "layout", "requires_grad", "is_leaf", "grad_fn")
+_METHODS = ("size", "dim", "stride", "numel", "nelement", "element_size", "is_contiguous", "is_floating_point")
 _ALLOWED = frozenset(
-    {
-        "shape", "dtype", "device", "ndim", "is_cuda", "layout", "requires_grad",
-        "size", "dim", "stride", "numel", "nelement", "element_size", "is_contiguous",
-        "__class__",
-    }
+    [getattr(torch.Tensor, n).__get__ for n in _PROPS if hasattr(torch.Tensor, n)]
+    + [getattr(torch.Tensor, n) for n in _METHODS if hasattr(torch.Tensor, n)]
 )
 
 
@@ -56,7 +56,7 @@ class StaleOutput(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
         name = getattr(func, "__name__", "")
-        if name in _ALLOWED:
+        if func in _ALLOWED:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))
         if name in ("__repr__", "__format__", "__str__"):
@@ -116,7 +116,9 @@ class OutputGroup:
         self.base = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage)
         self.members = list(members)
         self.pins: List[StorageWeakRef] = []
-        self.owner = owner
+        # weak: the pool's list of outstanding groups must not keep a
+        # dropped function's recordings alive
+        self.owner = weakref.ref(owner) if owner is not None else None
         self.storage: torch.UntypedStorage
         self.cdata = 0
         self.objs: List[torch.Tensor] = []
@@ -156,12 +158,32 @@ class OutputGroup:
         """
         if _use_count(self.cdata) > self.limit:
             self.pins.append(StorageWeakRef(self.storage))
-            if self.owner is not None:
-                self.owner.must_retire = True
+            owner = self.owner() if self.owner is not None else None
+            if owner is not None:
+                owner.must_retire = True
         for o in self.objs:
             if _getrefcount(o) > 3:
                 poison_tensor(o, message)
         self.fresh()
+
+    def adopt(self, old: "OutputGroup") -> None:
+        """Keep handing out ``old``'s tensor objects, now over this group's memory.
+
+        Used when a signature is recorded again (e.g. when inputs start being
+        read in place): objects the caller dropped keep their identity.
+        """
+        if len(old.objs) != len(self.objs) or _use_count(old.cdata) > old.limit:
+            return
+        free = [type(o) is torch.Tensor and _getrefcount(o) <= 3 for o in old.objs]
+        for m, (o_old, o_new) in enumerate(zip(old.objs, self.objs)):
+            if free[m]:
+                try:
+                    torch.utils.swap_tensors(o_old, o_new)
+                except RuntimeError:
+                    continue
+                self.objs[m] = o_old
+        old.objs = []
+        old.limit = 1
 
     def pinned(self) -> bool:
         """Whether views of an earlier call still use this group's memory."""
@@ -191,13 +213,14 @@ class PoolState:
     function using this pool; the next such call poisons those still held.
     """
 
-    __slots__ = ("outstanding", "calls", "lock", "cuda_pool", "last_desc", "__weakref__")
+    __slots__ = ("outstanding", "calls", "lock", "cuda_pool", "keeper", "last_desc", "__weakref__")
 
     def __init__(self, lock: Any = None) -> None:
         self.outstanding: List[OutputGroup] = []
         self.calls = 0
         self.lock = lock
         self.cuda_pool: Optional[Any] = None
+        self.keeper: Optional[Any] = None
         self.last_desc = ""
 
     def begin_call(self, desc: str) -> None:

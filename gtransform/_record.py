@@ -12,6 +12,8 @@ of in-place updates, the output pool and liveness) but how a replay happens:
 
 from __future__ import annotations
 
+import threading
+import warnings
 import weakref
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -165,6 +167,22 @@ class Recording:
         """Replay for these inputs and return the output tree."""
         return self.plan.assemble(self.run_flat(tensors))
 
+    def adopt_outputs(self, old: "Recording") -> None:
+        """Hand out ``old``'s output objects from now on (see OutputGroup.adopt)."""
+        self._pending_adopt = old.groups
+        old.groups = []
+        if self.groups:
+            self._adopt_now()
+
+    def _adopt_now(self) -> None:
+        olds = getattr(self, "_pending_adopt", None)
+        if olds is None:
+            return
+        self._pending_adopt = None
+        if len(olds) == len(self.groups):
+            for new, old in zip(self.groups, olds):
+                new.adopt(old)
+
     def close(self) -> None:
         """Release the recording; outputs the caller holds stay valid."""
         for g in self.groups:
@@ -192,6 +210,7 @@ class CPURecording(Recording):
         if self.first:
             self.first = False
             self._bind_outputs(outs)
+            self._adopt_now()
             self.stores = [(g.base.untyped_storage(), k) for g, k in zip(self.groups, self.group_keys)]
             return
         if self.rebind:
@@ -224,8 +243,8 @@ class CUDARecording(Recording):
         # while the old memory stays with the views the caller holds.
         old = self.graph
         self._capture(warmup=False)
-        if old is not None and not _HAVE_MEMPOOL:
-            _KEEP.append(old)
+        if old is not None:
+            self.pool.keeper = old
 
     def _capture(self, warmup: bool) -> None:
         dev = self.device
@@ -251,26 +270,32 @@ class CUDARecording(Recording):
                 if rng is not None:
                     torch.cuda.set_rng_state(rng, dev)
             g = torch.cuda.CUDAGraph()
-            try:
-                with torch.cuda.stream(side), torch.no_grad():
-                    g.capture_begin(pool=pool_id, capture_error_mode="thread_local")
-                    try:
-                        outs = self.plan.gm(*args)
-                    finally:
-                        g.capture_end()
-            except Exception as e:  # driver-level failure
-                torch.cuda.synchronize(dev)
-                if isinstance(e, GraphifyError):
-                    raise
-                raise GraphifyError(
-                    f"{self.desc}: CUDA graph capture failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}\n"
-                    "Why: some operation in the function cannot be recorded into a CUDA graph "
-                    "(a synchronisation with the host, a pageable host copy, or a library call that "
-                    "is not capture-safe).\n"
-                    "Fix: move that operation out of the graphified function; "
-                    f"inspect what is recorded with {self.desc}.trace(...). "
-                    "The function, its pool and eager CUDA work stay usable."
-                ) from e
+            with _CAPTURE_LOCK:
+                try:
+                    with torch.cuda.stream(side), torch.no_grad():
+                        g.capture_begin(pool=pool_id, capture_error_mode="thread_local")
+                        try:
+                            outs = self.plan.gm(*args)
+                        finally:
+                            with warnings.catch_warnings():
+                                # a function that only returns (views of) its inputs
+                                # records no kernel: an empty graph is fine here
+                                warnings.filterwarnings("ignore", message="The CUDA Graph is empty")
+                                g.capture_end()
+                except Exception as e:  # driver-level failure
+                    torch.cuda.synchronize(dev)
+                    if isinstance(e, GraphifyError):
+                        raise
+                    first = str(e).splitlines()[0] if str(e) else type(e).__name__
+                    raise GraphifyError(
+                        f"{self.desc}: CUDA graph capture failed: {first}\n"
+                        "Why: some operation in the function cannot be recorded into a CUDA graph "
+                        "(a synchronisation with the host, a pageable host copy, or a library call "
+                        "that is not capture-safe).\n"
+                        "Fix: move that operation out of the graphified function; inspect what is "
+                        f"recorded with {self.desc}.trace(...). The function, its pool and eager "
+                        "CUDA work stay usable."
+                    ) from e
             cur.wait_stream(side)
             self.graph = g
             self.outs = list(outs)
@@ -285,29 +310,23 @@ class CUDARecording(Recording):
 
     def close(self) -> None:
         super().close()
-        if self.graph is not None and not _HAVE_MEMPOOL:  # pragma: no cover
-            _KEEP.append(self.graph)
+        if self.graph is not None:
+            # The allocators drop a graph pool once no graph refers to it and
+            # then refuse to capture into its id again: the pool's last
+            # closed graph is kept alive to keep the id usable.
+            self.pool.keeper = self.graph
         self.graph = None
 
 
-_HAVE_MEMPOOL = hasattr(torch.cuda, "MemPool")
-_KEEP: List[Any] = []
+_CAPTURE_LOCK = threading.Lock()
 
 
 def _pool_id(pool: PoolState, dev: torch.device) -> Any:
-    """The CUDA memory pool id of ``pool`` (made on first use).
-
-    A ``torch.cuda.MemPool`` keeps the pool alive on its own, so recordings
-    can come and go (re-records, evictions) while the pool is reused.
-    """
+    """The CUDA memory pool id of ``pool`` (made on first use)."""
     if pool.cuda_pool is None:
-        if _HAVE_MEMPOOL:
-            with torch.cuda.device(dev):
-                pool.cuda_pool = torch.cuda.MemPool()
-        else:  # pragma: no cover - old torch
+        with torch.cuda.device(dev):
             pool.cuda_pool = torch.cuda.graph_pool_handle()
-    p = pool.cuda_pool
-    return p.id if _HAVE_MEMPOOL else p
+    return pool.cuda_pool
 
 
 def make_recording(plan: Plan, tensors: Sequence[torch.Tensor], static_idx: Sequence[int], pool: PoolState, desc: str, cuda: bool) -> Recording:

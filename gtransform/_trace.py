@@ -10,6 +10,7 @@ device and operations on CPU tensors, naming the user's source line.
 
 from __future__ import annotations
 
+import threading
 import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
@@ -34,12 +35,16 @@ try:  # torch >= 2.1
 except ImportError:  # pragma: no cover
     GuardOnDataDependentSymNode = DataDependentOutputException  # type: ignore[misc,assignment]
 
-__all__ = ["Plan", "OutEntry", "trace"]
+__all__ = ["Plan", "OutEntry", "trace", "TRACE_LOCK"]
+
+TRACE_LOCK = threading.RLock()
 
 _aten = torch.ops.aten
 _RESIZES = {_aten.resize_.default, _aten.resize_as_.default}
 _SETS = {getattr(_aten.set_, o) for o in _aten.set_.overloads()}
 _COPIES = {_aten._to_copy.default, _aten.copy_.default, _aten.copy.default}
+# fresh constants made from Python data inside the function (torch.tensor(3.0), x[0] = 5.)
+_LIFTS = {_aten.lift_fresh.default, _aten.lift_fresh_copy.default}
 try:
     _SEEDED = torch.Tag.nondeterministic_seeded
 except AttributeError:  # pragma: no cover
@@ -118,6 +123,7 @@ class _Watch(TorchDispatchMode):
         self.uses_cuda = False
         self.random = False
         self.ops = 0
+        self.lifted: Set[int] = set()  # ids of constants made inside the function
 
     def _fail(self, what: str, why: str, fix: str) -> None:
         fr = user_frame(traceback.extract_stack())
@@ -152,6 +158,8 @@ class _Watch(TorchDispatchMode):
         if _SEEDED is not None and _SEEDED in func.tags:
             self.random = True
         out = func(*args, **kwargs)
+        if func in _LIFTS:
+            self.lifted.update(id(t) for t in _tensors_in(out))
         if self.cuda or self.uses_cuda:
             self._check_devices(func, args, kwargs, out)
         else:
@@ -164,8 +172,10 @@ class _Watch(TorchDispatchMode):
         self.uses_cuda = True
         ins = [t for v in list(args) + list(kwargs.values()) for t in _tensors_in(v)]
         outs = _tensors_in(out)
+        if func in _LIFTS:
+            return  # constants are moved to the device when recorded
         if func in _COPIES:
-            devs = {t.device.type for t in ins + outs}
+            devs = {t.device.type for t in ins + outs if id(t) not in self.lifted}
             if "cpu" in devs and "cuda" in devs:
                 self._fail(
                     f"{func} copies between the host and the GPU inside a CUDA function.",
@@ -175,13 +185,15 @@ class _Watch(TorchDispatchMode):
                     "as inputs, or move the copy out of the graphified function.",
                 )
         for t in ins:
-            if t.device.type == "cpu" and not isinstance(t, FakeTensor):
+            if t.device.type == "cpu" and not isinstance(t, FakeTensor) and func not in _LIFTS:
                 self._fail(
                     f"{func} reads a CPU tensor that the function closes over, inside a CUDA function.",
                     "its value would be read once, at recording time, and frozen into the graph.",
                     "pass the tensor as an argument on the GPU, or use a Python number.",
                 )
         for t in outs:
+            if id(t) in self.lifted:
+                continue
             if t.device.type == "cpu" and (t.dim() > 0 or (_SEEDED is not None and _SEEDED in func.tags)):
                 self._fail(
                     f"{func} makes a CPU tensor of shape {tuple(t.shape)} inside a CUDA function.",
@@ -210,6 +222,19 @@ def _data_dependent(desc: str, exc: BaseException) -> GraphifyError:
         "(pass a Python number, or mark the argument with static_argnums/static_argnames), "
         "or move this part out of the graphified function."
     )
+
+
+def _constants_to_device(gm: torch.fx.GraphModule, device: Optional[torch.device]) -> None:
+    """Move tensor constants made inside a CUDA function (``torch.tensor(5.)``,
+    ``x[0] = 5.``) to the device once, so the recording copies them on the
+    device instead of from pageable host memory."""
+    if device is None:
+        return
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            val = getattr(gm, node.target, None)
+            if isinstance(val, torch.Tensor) and val.device.type == "cpu":
+                setattr(gm, node.target, val.to(device))
 
 
 def trace(
@@ -262,7 +287,8 @@ def trace(
         return tuple(x for x in leaves if isinstance(x, torch.Tensor))
 
     try:
-        with mode:
+        # fx tracing keeps global state (its patcher): one trace at a time
+        with TRACE_LOCK, mode:
             gm = make_fx(flat_fn, tracing_mode="real", _allow_non_fake_inputs=True)(*fakes)
     except (DataDependentOutputException, DynamicOutputShapeException, GuardOnDataDependentSymNode) as e:
         raise _data_dependent(desc, e) from None
@@ -274,6 +300,8 @@ def trace(
             "shape rule (meta kernel).\nFix: move this operation out of the graphified function."
         ) from None
 
+    if cuda:
+        _constants_to_device(gm, next((t.device for t in fakes), None))
     inputs = box["inputs"]
     in_store = {StorageWeakRef(t.untyped_storage()): i for i, t in enumerate(inputs)}
     entries: List[OutEntry] = []

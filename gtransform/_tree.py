@@ -76,8 +76,11 @@ def static_leaf_key(leaf: Any) -> Hashable:
     Raises:
         TypeError: the leaf is not hashable (the caller adds the leaf path).
     """
-    if type(leaf) is float and math.isnan(leaf):
-        return (float, _NAN)
+    if type(leaf) is float:
+        if math.isnan(leaf):
+            return (float, _NAN)
+        # -0.0 == 0.0 in Python, but 1/x tells them apart
+        return (float, leaf, math.copysign(1.0, leaf))
     hash(leaf)
     return (type(leaf), leaf)
 

@@ -1,0 +1,317 @@
+"""Errors (DESIGN semantics 2 and 9): what cannot be recorded is a GraphifyError
+that names the op, the user's source line and the fix; user mistakes are the
+errors a plain call gives; nothing leaves a half-state behind."""
+
+from __future__ import annotations
+
+import inspect
+import os
+
+import pytest
+import torch
+from conftest import HAS_CUDA, assert_close
+
+import gtransform as gt
+
+THIS_FILE = os.path.basename(__file__)
+
+
+def _line_of(fn, marker):
+    """Absolute line number of the source line of ``fn`` that contains ``marker``."""
+    lines, start = inspect.getsourcelines(fn)
+    for i, line in enumerate(lines):
+        if marker in line:
+            return start + i
+    raise AssertionError(f"{marker!r} not in {fn.__name__}")
+
+
+# -- data-dependent operations ---------------------------------------------------------
+
+
+def dd_item(x, ok):
+    if ok:
+        return x * 2
+    return x * x.sum().item()  # MARK
+
+
+def dd_bool(x, ok):
+    if ok:
+        return x * 2
+    if x.sum() > 0:  # MARK
+        return x
+    return -x
+
+
+def dd_nonzero(x, ok):
+    if ok:
+        return x * 2
+    return torch.nonzero(x)  # MARK
+
+
+def dd_unique(x, ok):
+    if ok:
+        return x * 2
+    return torch.unique(x)  # MARK
+
+
+def dd_mask(x, ok):
+    if ok:
+        return x * 2
+    return x[x > 0]  # MARK
+
+
+def dd_float(x, ok):
+    if ok:
+        return x * 2
+    return x + float(x.max())  # MARK
+
+
+def dd_tolist(x, ok):
+    if ok:
+        return x * 2
+    return x * len([v for v in x.tolist() if v > 0])  # MARK
+
+
+DATA_DEPENDENT = {
+    dd_item: ("item",),
+    dd_bool: ("bool",),
+    dd_nonzero: ("nonzero",),
+    dd_unique: ("unique",),
+    dd_mask: ("nonzero", "mask", "index"),
+    dd_float: ("float",),
+    dd_tolist: ("tolist",),
+}
+
+
+@pytest.mark.parametrize("fn", list(DATA_DEPENDENT), ids=lambda f: f.__name__)
+def test_data_dependent_op_is_graphify_error(device, fn):
+    g = gt.graphify(fn)
+    x = torch.tensor([1.0, -2.0, 3.0, 1.0], device=device)
+    for _ in range(2):  # the failure is not cached as a half-made entry
+        with pytest.raises(gt.GraphifyError) as ei:
+            g(x, False)
+        msg = str(ei.value)
+        assert any(w in msg for w in DATA_DEPENDENT[fn]), msg
+        assert fn.__name__ in msg
+        assert f"{THIS_FILE}:{_line_of(fn, '# MARK')}" in msg, msg
+        assert "Fix:" in msg
+    assert isinstance(ei.value, RuntimeError)
+    # the same function works for good inputs afterwards
+    assert_close(g(x, True), x * 2)
+    assert_close(g(x + 1, True), (x + 1) * 2)
+    # and still refuses the bad signature
+    with pytest.raises(gt.GraphifyError):
+        g(x, False)
+
+
+def test_data_dependent_op_in_a_helper_names_the_helper_line(device):
+    def helper(t):
+        return t.max().item()  # HELPER
+
+    def fn(x):
+        return x / helper(x)
+
+    with pytest.raises(gt.GraphifyError) as ei:
+        gt.graphify(fn)(torch.ones(3, device=device))
+    assert f"{THIS_FILE}:{_line_of(helper, '# HELPER')}" in str(ei.value)
+
+
+def test_trace_raises_the_same_graphify_error(device):
+    g = gt.graphify(dd_item)
+    with pytest.raises(gt.GraphifyError) as ei:
+        g.trace(torch.ones(3, device=device), False)
+    assert "item" in str(ei.value)
+    assert isinstance(g.trace(torch.ones(3, device=device), True), torch.fx.GraphModule)
+
+
+def test_resize_of_an_input_is_graphify_error(device):
+    def fn(x):
+        x.resize_(10)  # MARK
+        return x
+
+    g = gt.graphify(fn)
+    x = torch.ones(3, device=device)
+    with pytest.raises(gt.GraphifyError) as ei:
+        g(x)
+    assert "Fix:" in str(ei.value)
+    assert x.shape == (3,)
+    assert_close(x, torch.ones(3, device=device))
+
+
+# -- the user's own exceptions ---------------------------------------------------------------
+
+
+class UserError(Exception):
+    pass
+
+
+USER_ERR = UserError("my own failure")
+
+
+def raises_on_flag(x, flag):
+    y = x * 2
+    if flag == "user":
+        raise USER_ERR
+    if flag == "value":
+        raise ValueError("bad value from user code")
+    if flag == "shape":
+        return y + torch.ones(x.shape[0] + 1, device=x.device)  # a shape error, like eager
+    return y
+
+
+@pytest.mark.parametrize("flag,exc", [("user", UserError), ("value", ValueError), ("shape", RuntimeError)])
+def test_user_exception_propagates_unchanged(device, flag, exc):
+    g = gt.graphify(raises_on_flag)
+    x = torch.ones(3, device=device)
+    with pytest.raises(exc) as eager_info:
+        raises_on_flag(x, flag)
+    for _ in range(2):
+        with pytest.raises(exc) as ei:
+            g(x, flag)
+        assert type(ei.value) is type(eager_info.value)
+        if flag == "user":
+            assert ei.value is USER_ERR
+        if flag == "value":
+            assert str(ei.value) == "bad value from user code"
+    assert_close(g(x, "ok"), x * 2)
+    assert_close(g(x + 1, "ok"), (x + 1) * 2)
+
+
+def test_user_exception_on_a_new_shape_keeps_old_recordings(device):
+    def fn(x):
+        if x.shape[0] == 0:
+            raise UserError("empty")
+        return x.sin()
+
+    g = gt.graphify(fn)
+    x = torch.randn(3, device=device)
+    assert_close(g(x), x.sin())
+    with pytest.raises(UserError):
+        g(torch.randn(0, device=device))
+    x = torch.randn(3, device=device)
+    assert_close(g(x), x.sin())
+    info = g.cache_info()
+    assert info.currsize == 1
+
+
+# -- call errors like a plain call -----------------------------------------------------
+
+
+def two_args(x, y):
+    return x + y
+
+
+def _plain_type_error(*a, **k):
+    with pytest.raises(TypeError) as ei:
+        two_args(*a, **k)
+    return str(ei.value)
+
+
+@pytest.mark.parametrize(
+    "call",
+    ["missing", "extra_positional", "unknown_kwarg", "duplicate"],
+)
+def test_wrong_arity_is_type_error_like_a_plain_call(device, call):
+    g = gt.graphify(two_args)
+    x = torch.ones(2, device=device)
+    a, k = {
+        "missing": ((x,), {}),
+        "extra_positional": ((x, x, x), {}),
+        "unknown_kwarg": ((x, x), {"z": x}),
+        "duplicate": ((x, x), {"x": x}),
+    }[call]
+    want = _plain_type_error(*a, **k)
+    with pytest.raises(TypeError) as ei:
+        g(*a, **k)
+    assert want in str(ei.value)
+    assert not isinstance(ei.value, gt.GraphifyError)
+    assert_close(g(x, x), x + x)
+
+
+# -- inputs that cannot be recorded ----------------------------------------------------------
+
+
+def test_unhashable_static_leaf_names_its_path(device):
+    g = gt.graphify(two_args)
+    x = torch.ones(2, device=device)
+    with pytest.raises(TypeError) as ei:
+        g(x, {"a": {1, 2}})
+    msg = str(ei.value)
+    assert "args[1]['a']" in msg
+    assert "hashable" in msg
+    with pytest.raises(TypeError) as ei:
+        g(x, y=[torch.ones(2, device=device), {"k": bytearray(b"x")}])
+    assert "kwargs['y'][1]['k']" in str(ei.value)
+    assert_close(g(x, x), x + x)
+
+
+class MyTensor(torch.Tensor):
+    pass
+
+
+BAD_INPUTS = {
+    "sparse": lambda d: torch.ones(2, device=d).to_sparse(),
+    "meta": lambda d: torch.ones(2, device="meta"),
+    "subclass": lambda d: torch.ones(2, device=d).as_subclass(MyTensor),
+}
+
+
+@pytest.mark.parametrize("kind", list(BAD_INPUTS))
+def test_unsupported_tensor_input_names_its_path(device, kind):
+    def fn(x, tree):
+        return x + 1
+
+    g = gt.graphify(fn)
+    x = torch.ones(2, device=device)
+    with pytest.raises(gt.GraphifyError) as ei:
+        g(x, {"w": [x, BAD_INPUTS[kind](device)]})
+    msg = str(ei.value)
+    assert "args[1]['w'][1]" in msg
+    assert "Fix:" in msg
+    assert_close(g(x, {"w": [x, x]}), x + 1)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_mixed_cpu_and_cuda_inputs_name_the_leaves():
+    g = gt.graphify(lambda p, x: p["w"] * x + p["b"])
+    p = {"w": torch.ones(3, device="cuda"), "b": torch.ones(3)}
+    x = torch.ones(3, device="cuda")
+    with pytest.raises(gt.GraphifyError) as ei:
+        g(p, x)
+    msg = str(ei.value)
+    assert "args[0]['b']" in msg
+    assert "args[0]['w']" in msg or "args[1]" in msg
+    assert "Fix:" in msg
+    p["b"] = p["b"].cuda()
+    assert_close(g(p, x), p["w"] * x + p["b"])
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_host_device_copy_inside_cuda_function_is_graphify_error():
+    def fn(x):
+        return x + torch.ones(3).to(x.device)  # MARK
+
+    g = gt.graphify(fn)
+    with pytest.raises(gt.GraphifyError) as ei:
+        g(torch.ones(3, device="cuda"))
+    msg = str(ei.value)
+    assert f"{THIS_FILE}:{_line_of(fn, '# MARK')}" in msg
+    assert "Fix:" in msg
+
+
+def test_stale_output_as_input_is_overwritten_output_error(device):
+    g = gt.graphify(lambda x: x * 2)
+    a = g(torch.ones(2, device=device))
+    g(torch.ones(2, device=device))
+    with pytest.raises(gt.OverwrittenOutputError):
+        g(a)
+    assert_close(g(torch.ones(2, device=device)), torch.full((2,), 2.0, device=device))
+
+
+def test_error_classes():
+    assert issubclass(gt.GraphifyError, RuntimeError)
+    assert issubclass(gt.OverwrittenOutputError, RuntimeError)
+    assert gt.GraphifyError.__doc__ and "fix" in gt.GraphifyError.__doc__.lower()
+    assert gt.OverwrittenOutputError.__doc__ and "clone()" in gt.OverwrittenOutputError.__doc__

@@ -1,0 +1,407 @@
+"""Inputs (DESIGN semantics 3): in-place updates that fn makes to its inputs
+reach the caller's tensors exactly as in eager, nothing else is ever written,
+tensors passed again are read in place, and strided/aliased inputs work."""
+
+from __future__ import annotations
+
+import contextlib
+
+import optree
+import pytest
+import torch
+from conftest import assert_close
+from hypothesis import given, settings
+from strategies import build, clone_tree, pytrees, tensor_leaves
+
+import gtransform as gt
+
+
+def _run_both(fn, make, device, calls=4, same=False, nograd=False):
+    """Run ``graphify(fn)`` and ``fn`` side by side on twin inputs.
+
+    ``make(device, seed)`` returns ``(args, roots)``: the call's arguments and
+    every tensor they are made from (bases of views included). It is called
+    twice per seed, so the eager world and the graphified world get equal
+    values with the same aliasing. With ``same=True`` the same tensors are
+    passed on every call (their values evolve by fn's own updates).
+    After every call, the outputs and all roots must be equal.
+    """
+    g = gt.graphify(fn)
+    if same:
+        ga, groots = make(device, 0)
+        ea, eroots = make(device, 0)
+    for k in range(calls):
+        if not same:
+            ga, groots = make(device, k)
+            ea, eroots = make(device, k)
+        with torch.no_grad() if nograd else contextlib.nullcontext():
+            out = g(*ga)
+            exp = fn(*ea)
+        assert_close(out, exp)
+        assert_close(groots, eroots)
+        del out
+    return g
+
+
+def _randn(device, seed, *shape, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype).to(device)
+
+
+def _two(device, seed, shape=(3, 4)):
+    x, y = _randn(device, seed, *shape), _randn(device, seed + 100, *shape)
+    return (x, y), [x, y]
+
+
+# -- in-place updates of inputs --------------------------------------------------------
+
+
+def add_inplace(x, y):
+    x.add_(y)
+    return x * 2
+
+
+def setitem(x, y):
+    x[0] = 3
+    y[1] = x[1]
+    return x.sum(0)
+
+
+def out_variant(x, y):
+    buf = torch.empty_like(x)
+    torch.add(x, y, out=buf)
+    torch.mul(x, y, out=x)
+    return buf
+
+
+def mutate_then_return_input(x, y):
+    x.sub_(y)
+    return x
+
+
+def mutate_view_of_input(x, y):
+    x[1:].mul_(2)
+    x.view(-1)[0] = -1
+    v = y.t()
+    v.add_(1)
+    return x + 0, v.sum()
+
+
+def copy_into_input(x, y):
+    x.copy_(y * 2)
+    return None
+
+
+def only_intermediate_mutated(x, y):
+    z = x.clone()
+    z.add_(1)
+    w = y * 1
+    w[0] = 0
+    return z, w
+
+
+MUTATORS = [add_inplace, setitem, out_variant, mutate_then_return_input, mutate_view_of_input, copy_into_input, only_intermediate_mutated]
+
+
+@pytest.mark.parametrize("same", [False, True], ids=["fresh", "same"])
+@pytest.mark.parametrize("fn", MUTATORS, ids=lambda f: f.__name__)
+def test_inplace_updates_match_eager(device, fn, same):
+    g = _run_both(fn, _two, device, same=same)
+    assert g.cache_info().misses == 1
+
+
+def test_mutated_returned_input_is_the_callers_tensor(device):
+    g = gt.graphify(mutate_then_return_input)
+    for k in range(3):
+        x, y = _two(device, k)[0]
+        want = x - y
+        out = g(x, y)
+        assert out is x
+        assert_close(x, want)
+
+
+@pytest.mark.parametrize("same", [False, True], ids=["fresh", "same"])
+def test_optimizer_like_state_update(device, same):
+    def step(state, grad, lr):
+        state["m"].mul_(0.9).add_(grad)
+        state["p"].sub_(lr * state["m"])
+        state["t"].add_(1)
+        return {"p": state["p"] * 1, "t": state["t"]}
+
+    def make(device, seed):
+        state = {
+            "m": torch.zeros(5, device=device),
+            "p": _randn(device, seed, 5),
+            "t": torch.zeros((), dtype=torch.int64, device=device),
+        }
+        grad = _randn(device, seed + 7, 5)
+        return (state, grad, 0.1), [state["m"], state["p"], state["t"], grad]
+
+    _run_both(step, make, device, calls=5, same=same)
+
+
+@pytest.mark.parametrize(
+    "dtype,op",
+    [(torch.int64, lambda x: x.add_(3)), (torch.bool, lambda x: x.logical_not_()), (torch.float64, lambda x: x.neg_())],
+    ids=["int64", "bool", "float64"],
+)
+def test_inplace_on_int_bool_float64(device, dtype, op):
+    def fn(x):
+        op(x)
+        return x.sum() if dtype != torch.bool else x.any()
+
+    def make(device, seed):
+        gen = torch.Generator().manual_seed(seed)
+        x = torch.randint(0, 2, (4,), generator=gen).to(dtype).to(device)
+        return (x,), [x]
+
+    _run_both(fn, make, device, same=True)
+    _run_both(fn, make, device, same=False)
+
+
+@pytest.mark.parametrize("shape", [(), (0,), (2, 0)], ids=["0d", "empty", "empty2d"])
+def test_inplace_on_0d_and_empty(device, shape):
+    _run_both(add_inplace, lambda d, s: _two(d, s, shape), device, same=True)
+
+
+def test_mutation_of_a_slice_of_a_bigger_base(device):
+    def fn(x):
+        x.mul_(-1)
+        return x.sum()
+
+    def make(device, seed):
+        base = _randn(device, seed, 4, 5)
+        return (base[1:3, ::2],), [base]
+
+    _run_both(fn, make, device)
+    _run_both(fn, make, device, same=True)
+
+
+def test_mutation_of_a_transposed_input(device):
+    def fn(x, y):
+        x.mul_(2).add_(y)
+        return x.t().contiguous()
+
+    def make(device, seed):
+        x = _randn(device, seed, 4, 3).t()
+        y = _randn(device, seed + 1, 3, 4)
+        return (x, y), [x, y]
+
+    _run_both(fn, make, device)
+    _run_both(fn, make, device, same=True)
+
+
+# -- nothing else is written --------------------------------------------------------------
+
+
+def _bits(t):
+    return t.detach().cpu().clone()
+
+
+@given(spec=pytrees())
+@settings(max_examples=25)
+def test_pure_function_never_writes_inputs(device, spec):
+    def fn(tree):
+        return optree.tree_map(
+            lambda x: (x * 2 if x.dtype != torch.bool else ~x) if isinstance(x, torch.Tensor) else x,
+            tree,
+            none_is_leaf=False,
+            namespace="gtransform",
+        )
+
+    g = gt.graphify(fn)
+    args = build(spec, device)
+    before = [_bits(t) for t in tensor_leaves(args)]
+    for _ in range(3):
+        assert_close(g(args), fn(clone_tree(args)))
+        for b, t in zip(before, tensor_leaves(args)):
+            torch.testing.assert_close(_bits(t), b, rtol=0, atol=0, equal_nan=True)
+
+
+def test_only_the_mutated_input_changes(device):
+    def fn(a, b, c):
+        b.add_(a)
+        return a * c
+
+    def make(device, seed):
+        a, b, c = (_randn(device, seed + i, 3) for i in range(3))
+        return (a, b, c), [a, b, c]
+
+    _run_both(fn, make, device)
+    _run_both(fn, make, device, same=True)
+
+
+# -- tensors passed again are read in place ----------------------------------------------
+
+
+def test_parameter_updates_between_calls_are_seen(device):
+    def fn(p, x):
+        return (x @ p["w"]).tanh() + p["b"]
+
+    g = gt.graphify(fn)
+    p = {"w": torch.randn(4, 3, device=device), "b": torch.randn(3, device=device)}
+    for k in range(5):
+        x = torch.randn(2, 4, device=device)
+        assert_close(g(p, x), fn(p, x))
+        # an optimizer step outside the function
+        p["w"].add_(0.5)
+        p["b"].mul_(-1)
+    assert g.cache_info().misses == 1
+
+
+def test_nn_parameters_under_no_grad(device):
+    lin = torch.nn.Linear(4, 3).to(device)
+    g = gt.graphify(lambda m, x: m(x))
+    for k in range(4):
+        x = torch.randn(2, 4, device=device)
+        with torch.no_grad():
+            assert_close(g(lin, x), lin(x))
+            lin.weight.add_(0.25)
+            lin.bias.sub_(1)
+
+
+def test_parameter_data_swapped_between_calls(device):
+    g = gt.graphify(lambda p, x: p * x)
+    p = torch.ones(3, device=device)
+    x = torch.arange(3.0, device=device)
+    for k in range(4):
+        assert_close(g(p, x), p * x)
+        p.data = torch.full((3,), float(k + 2), device=device)
+
+
+def test_same_tensor_each_call_then_fresh(device):
+    def fn(p, x):
+        return p * x + 1
+
+    g = gt.graphify(fn)
+    p = torch.randn(3, device=device)
+    for _ in range(3):
+        x = torch.randn(3, device=device)
+        assert_close(g(p, x), fn(p, x))
+    for _ in range(3):
+        p2 = torch.randn(3, device=device)
+        assert_close(g(p2, x), fn(p2, x))
+    p.add_(3)
+    assert_close(g(p, x), fn(p, x))
+
+
+# -- strided, aliased, overlapping inputs ------------------------------------------------
+
+
+STRIDED = {
+    "transposed": lambda d, s: _randn(d, s, 4, 3).t(),
+    "step_slice": lambda d, s: _randn(d, s, 3, 8)[:, ::2],
+    "offset_slice": lambda d, s: _randn(d, s, 5, 4)[1:4],
+    "expanded": lambda d, s: _randn(d, s, 4).expand(3, 4),
+    "expanded_0d": lambda d, s: _randn(d, s).expand(3, 4),
+    "column": lambda d, s: _randn(d, s, 4, 3)[:, 1].unsqueeze(0).expand(3, 4) * 1,
+    "permuted3d": lambda d, s: _randn(d, s, 4, 3, 2).permute(1, 0, 2)[:, :, 1],
+    "negative_looking": lambda d, s: _randn(d, s, 3, 4).flip(0),
+}
+
+
+@pytest.mark.parametrize("same", [False, True], ids=["fresh", "same"])
+@pytest.mark.parametrize("kind", list(STRIDED))
+def test_strided_inputs(device, kind, same):
+    def fn(x, y):
+        return (x * 2 + y).cumsum(1), x.t()
+
+    def make(device, seed):
+        x = STRIDED[kind](device, seed)
+        y = _randn(device, seed + 3, 3, 4)
+        return (x, y), [x, y]
+
+    g = _run_both(fn, make, device, same=same)
+    assert g.cache_info().misses == 1
+
+
+@pytest.mark.parametrize("mutate", [False, True])
+def test_input_passed_twice(device, mutate):
+    def fn(a, b):
+        if mutate:
+            a.add_(1)
+        return b * 2 + a
+
+    def make(device, seed):
+        x = _randn(device, seed, 3)
+        return (x, x), [x]
+
+    _run_both(fn, make, device)
+    _run_both(fn, make, device, same=True)
+
+
+@pytest.mark.parametrize("mutate", [False, True])
+def test_overlapping_views(device, mutate):
+    def fn(a, b):
+        if mutate:
+            a.mul_(2)
+        return a + b
+
+    def make(device, seed):
+        x = _randn(device, seed, 6)
+        return (x[:-1], x[1:]), [x]
+
+    _run_both(fn, make, device)
+    _run_both(fn, make, device, same=True)
+
+
+@pytest.mark.parametrize("mutate", [False, True])
+def test_view_and_its_base_both_passed(device, mutate):
+    def fn(base, view):
+        if mutate:
+            view.fill_(7)
+        return base.sum(), view * 1
+
+    def make(device, seed):
+        x = _randn(device, seed, 3, 4)
+        return (x, x[1]), [x]
+
+    _run_both(fn, make, device)
+    _run_both(fn, make, device, same=True)
+
+
+def test_aliasing_pattern_change_between_calls(device):
+    # same shapes, but aliased on one call and separate on the next
+    def fn(a, b):
+        a.add_(1)
+        return a * b
+
+    g = gt.graphify(fn)
+    for k in range(3):
+        for aliased in (True, False, True):
+            x = _randn(device, k, 4)
+            ex = x.clone()
+            if aliased:
+                out, exp = g(x, x), fn(ex, ex)
+                assert_close(x, ex)
+            else:
+                y = _randn(device, k + 9, 4)
+                ey = y.clone()
+                out, exp = g(x, y), fn(ex, ey)
+                assert_close((x, y), (ex, ey))
+            assert_close(out, exp)
+            del out
+
+
+# -- special values -------------------------------------------------------------------------
+
+
+def test_nan_and_inf_like_eager(device):
+    def fn(x, y):
+        return {
+            "div": x / y,
+            "log": x.log(),
+            "sqrt": x.sqrt(),
+            "max": torch.maximum(x, y),
+            "nan_to_num": (x / y).nan_to_num(0.0, 1e6, -1e6),
+            "sum": (x / y).sum(),
+            "softmax": torch.softmax(x / y, 0),
+        }
+
+    vals = torch.tensor([0.0, -0.0, 1.0, -1.0, float("inf"), float("-inf"), float("nan"), 3.0])
+    for k in range(3):
+        x = vals.roll(k).to(device)
+        y = vals.roll(-k).flip(0).to(device)
+        g = gt.graphify(fn)
+        assert_close(g(x, y), fn(x, y))
+        assert_close(g(y, x), fn(y, x))

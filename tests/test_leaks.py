@@ -1,0 +1,136 @@
+"""Leaks: dropped functions and cleared or evicted recordings are collected;
+outputs the user still holds stay valid and keep their values."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import weakref
+
+import torch
+from conftest import assert_close
+
+import gtransform as gt
+
+
+def _make_fn():
+    # a fresh closure each time, so nothing at module level refers to it
+    scale = 2.0
+
+    def fn(x, p):
+        return {"y": x * scale + p, "s": (x * p).sum()}
+
+    return fn
+
+
+def _collected(*refs):
+    gc.collect()
+    return [r() is None for r in refs]
+
+
+def test_dropped_function_and_its_recordings_are_collected(device):
+    fn = _make_fn()
+    g = gt.graphify(fn)
+    p = torch.randn(3, device=device)
+    for k in range(3):
+        g(torch.randn(3, device=device), p)  # p passed again: read in place
+    g(torch.randn(5, device=device), torch.randn(5, device=device))  # a second signature
+    gm = g.trace(torch.randn(3, device=device), p)
+    refs = [weakref.ref(g), weakref.ref(fn), weakref.ref(gm), weakref.ref(p)]
+    del g, fn, gm, p
+    assert _collected(*refs) == [True, True, True, True]
+
+
+def test_held_output_survives_the_function(device):
+    fn = _make_fn()
+    g = gt.graphify(fn)
+    x = torch.randn(3, device=device)
+    p = torch.randn(3, device=device)
+    g(x + 1, p)
+    out = g(x, p)
+    want = fn(x, p)
+    wr = weakref.ref(g)
+    del g, fn
+    assert _collected(wr) == [True]
+    assert_close(out, want)
+    # other work that allocates does not change it
+    for _ in range(3):
+        junk = torch.randn(3, device=device) * 7
+        del junk
+    gc.collect()
+    assert_close(out, want)
+    y = out["y"] + 1
+    assert_close(y, want["y"] + 1)
+
+
+def test_dropped_function_in_a_shared_pool_is_collected(device):
+    pool = gt.graph_pool()
+    fn = _make_fn()
+    g = gt.graphify(fn, pool=pool)
+    other = gt.graphify(lambda x: x - 1, pool=pool)
+    x = torch.randn(3, device=device)
+    other(x)
+    out = g(x, x)  # g made the pool's latest call
+    want = fn(x, x)
+    gm = g.trace(x, x)
+    refs = [weakref.ref(g), weakref.ref(fn), weakref.ref(gm)]
+    del g, fn, gm
+    assert _collected(*refs) == [True, True, True]
+    assert_close(out, want)
+    # the pool and the other function keep working
+    assert_close(other(x), x - 1)
+
+
+def test_recordings_made_in_other_threads_are_collected(device):
+    fn = _make_fn()
+    g = gt.graphify(fn)
+    gms = []
+
+    def work():
+        x = torch.randn(3, device=device)
+        g(x, x)
+        gms.append(weakref.ref(g.trace(x, x)))
+
+    threads = [threading.Thread(target=work) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert g.cache_info().misses == 3
+    refs = [weakref.ref(g), weakref.ref(fn)] + gms
+    del g, fn
+    assert all(_collected(*refs))
+
+
+def test_cache_clear_releases_recordings_and_keeps_outputs(device):
+    fn = _make_fn()
+    g = gt.graphify(fn)
+    p = torch.randn(3, device=device)
+    x = torch.randn(3, device=device)
+    g(x, p)
+    out = g(x + 1, p)
+    want = fn(x + 1, p)
+    wr_gm = weakref.ref(g.trace(x, p))
+    wr_p = weakref.ref(p)
+    g.cache_clear()
+    del p
+    assert _collected(wr_gm, wr_p) == [True, True]
+    assert_close(out, want)
+    # the next calls of g do not overwrite (or poison) what cache_clear left to the user
+    for k in range(3):
+        z = torch.randn(3, device=device)
+        assert_close(g(z, z), fn(z, z))
+    assert_close(out, want)
+
+
+def test_evicted_recordings_are_released(device):
+    g = gt.graphify(lambda x: x * 2, maxsize=1)
+    x = torch.randn(3, device=device)
+    a = g(x)
+    wr = weakref.ref(g.trace(x))
+    y = torch.randn(4, device=device)
+    b = g(y)  # evicts the first signature
+    assert g.cache_info().currsize == 1
+    assert _collected(wr) == [True]
+    assert_close(b, y * 2)
+    del a
