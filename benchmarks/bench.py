@@ -507,16 +507,30 @@ class Ctx:
         return error_vs(self.w, out, self.refs[k], self.sets[k] if args is None else args, self.device)
 
     def mem(self) -> Optional[Dict[str, int]]:
+        """Device memory in use now: garbage collected and unused cached blocks
+        released first, so that "reserved" is what is really held (private
+        graph pools of live recordings are never released by empty_cache)."""
         if not self.cuda:
             return None
+        gc.collect()
         self.sync()
-        return {"allocated": torch.cuda.memory_allocated(), "reserved": torch.cuda.memory_reserved()}
+        torch.cuda.empty_cache()
+        try:  # segments of private pools (CUDA graph pools), by address
+            private = {s["address"]: s["total_size"] for s in torch.cuda.memory_snapshot()
+                       if tuple(s.get("segment_pool_id", (0, 0))) != (0, 0)}
+        except Exception:
+            private = None
+        return {"allocated": torch.cuda.memory_allocated(), "reserved": torch.cuda.memory_reserved(),
+                "private": private}
 
     @staticmethod
-    def mem_delta(a: Optional[Dict[str, int]], b: Optional[Dict[str, int]]) -> Optional[Dict[str, int]]:
+    def mem_delta(a: Optional[Dict[str, Any]], b: Optional[Dict[str, Any]]) -> Optional[Dict[str, int]]:
         if a is None or b is None:
             return None
-        return {f"{k}_delta_bytes": b[k] - a[k] for k in a}
+        out = {f"{k}_delta_bytes": b[k] - a[k] for k in ("allocated", "reserved")}
+        if a["private"] is not None and b["private"] is not None:
+            out["new_pool_bytes"] = sum(v for addr, v in b["private"].items() if addr not in a["private"])
+        return out
 
 
 @dataclass
@@ -996,7 +1010,8 @@ def markdown(results: Dict[str, Any]) -> Dict[str, str]:
     tables["targets"] = "Ratios (targets from DESIGN.md in brackets).\n\n" + "\n".join(lines)
 
     fc = [m for m in methods if m != "graph_replay"]
-    lines = ["| workload | " + " | ".join(METHODS[m] for m in fc) + " | gt same: 2nd call |",
+    heads = {**METHODS, "graph_copy": "CUDA graph: warm-up + capture"}
+    lines = ["| workload | " + " | ".join(heads[m] for m in fc) + " | gt same: 2nd call |",
              "|---|" + "---|" * (len(fc) + 1)]
     for name, wr in wls.items():
         row = []
@@ -1014,22 +1029,27 @@ def markdown(results: Dict[str, Any]) -> Dict[str, str]:
         + ", ".join(f"{k} {v:.2f} s" for k, v in results["process_warmup_s"].items()) + ".\n\n" + "\n".join(lines))
 
     mem_cols = [m for m in ("graph_copy", "mgc", "compile", "gt_same", "gt_new") if m in methods]
+    heads = {**METHODS, "graph_copy": "CUDA graph"}
     lines = ["| workload | eager: peak beyond inputs | eager: output | "
-             + " | ".join(f"{METHODS[m]}: allocated / reserved" for m in mem_cols) + " |",
+             + " | ".join(f"{heads[m]}: pool / alloc Δ" for m in mem_cols) + " |",
              "|---|---|---|" + "---|" * len(mem_cols)]
     for name, wr in wls.items():
         e = wr["cells"].get("eager", {}).get("memory") or {}
         row = [fmt_mib(e.get("peak_extra_bytes")), fmt_mib(e.get("output_bytes"))]
         for m in mem_cols:
             mm = wr["cells"][m].get("memory") or {}
-            row.append(f"{fmt_mib(mm.get('allocated_delta_bytes'))} / {fmt_mib(mm.get('reserved_delta_bytes'))}"
+            row.append(f"{fmt_mib(mm.get('new_pool_bytes'))} / {fmt_mib(mm.get('allocated_delta_bytes'))}"
                        if mm else "")
         lines.append(f"| {name} | " + " | ".join(row) + " |")
     tables["memory"] = (
         "Memory, MiB (CUDA only). Eager: torch.cuda.max_memory_allocated during one call minus what was allocated "
-        "before it. Others: torch.cuda.memory_allocated / memory_reserved after building and warming the method "
-        "minus before (static buffers, live outputs; reserved also counts the private pool's intermediates, "
-        "rounded to the allocator's segments).\n\n" + "\n".join(lines))
+        "before it, and its output. Others, measured before and after building and warming up the method (each "
+        "time after gc.collect() and torch.cuda.empty_cache()): pool = size of the private-pool segments "
+        "(CUDA graph memory pools, from torch.cuda.memory_snapshot) that appeared; alloc Δ = change of "
+        "torch.cuda.memory_allocated (static input buffers and live outputs, plus cuBLAS workspaces of new "
+        "streams, 32 MiB each on Hopper; torch.compile's cudagraph trees free the existing cuBLAS workspaces, "
+        "which can make its Δ negative). Inputs made beforehand are not counted; JSON has reserved too.\n\n"
+        + "\n".join(lines))
     return tables
 
 

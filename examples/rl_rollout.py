@@ -44,9 +44,12 @@ def init(device: torch.device, seed: int) -> Tuple[Tensors, Tensors]:
         return torch.randn(n_in, n_out, generator=gen) / n_in**0.5
 
     policy = {
-        "w1": lin(OBS, HIDDEN), "b1": torch.zeros(HIDDEN),
-        "w2": lin(HIDDEN, HIDDEN), "b2": torch.zeros(HIDDEN),
-        "w_mu": lin(HIDDEN, ACT), "log_std": torch.full((ACT,), -0.5),
+        "w1": lin(OBS, HIDDEN),
+        "b1": torch.zeros(HIDDEN),
+        "w2": lin(HIDDEN, HIDDEN),
+        "b2": torch.zeros(HIDDEN),
+        "w_mu": lin(HIDDEN, ACT),
+        "log_std": torch.full((ACT,), -0.5),
     }
     env = {"A": 0.9 * torch.eye(OBS) + 0.05 * lin(OBS, OBS), "B": 0.1 * lin(ACT, OBS)}
     return {k: v.to(device) for k, v in policy.items()}, {k: v.to(device) for k, v in env.items()}
@@ -67,7 +70,9 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def rollout(step: StepFn, policy: Tensors, env: Tensors, state: torch.Tensor, steps: int, seed: int, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor, List[float]]:
+def rollout(
+    step: StepFn, policy: Tensors, env: Tensors, state: torch.Tensor, steps: int, seed: int, device: torch.device
+) -> Tuple[torch.Tensor, torch.Tensor, List[float]]:
     torch.manual_seed(seed)  # the graphified rollout draws the same numbers as eager
     total_reward = torch.zeros_like(state[:, 0])
     times = []

@@ -59,7 +59,9 @@ def mlp_loss(params: Params, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return ((h - y) ** 2).mean()
 
 
-def make_batches(steps: int, batch: int, n_in: int, n_out: int, device: torch.device, seed: int) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+def make_batches(
+    steps: int, batch: int, n_in: int, n_out: int, device: torch.device, seed: int
+) -> List[Tuple[torch.Tensor, torch.Tensor]]:
     gen = torch.Generator().manual_seed(seed + 1)
     return [
         (torch.randn(batch, n_in, generator=gen).to(device), torch.randn(batch, n_out, generator=gen).to(device))
@@ -87,7 +89,9 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run(step: Step, params: Params, batches: Sequence[Tuple[torch.Tensor, torch.Tensor]], lr: float, device: torch.device) -> Tuple[List[torch.Tensor], List[float]]:
+def run(
+    step: Step, params: Params, batches: Sequence[Tuple[torch.Tensor, torch.Tensor]], lr: float, device: torch.device
+) -> Tuple[List[torch.Tensor], List[float]]:
     losses, times = [], []
     for x, y in batches:
         _sync(device)
@@ -126,7 +130,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"device={device} steps={args.steps} sizes={sizes} batch={args.batch}")
     print(f"graphify: {_fmt(times_g)}")
     print(f"eager:    {_fmt(times_e)}")
-    print(f"loss: first {losses_g[0].item():.5f}, last graphify {losses_g[-1].item():.5f}, last eager {losses_e[-1].item():.5f}")
+    print(
+        f"loss: first {losses_g[0].item():.5f}, last graphify {losses_g[-1].item():.5f}, last eager {losses_e[-1].item():.5f}"
+    )
     print(f"cache: {step.cache_info()}")
 
     ok = True

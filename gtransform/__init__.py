@@ -2,11 +2,12 @@
 
 Public names:
     graphify, Graphified, CacheInfo, graph_pool, GraphPool,
-    GraphifyError, OverwrittenOutputError.
+    GraphifyError, OverwrittenOutputError, RerecordWarning.
 """
 
 from ._api import CacheInfo as CacheInfo
 from ._api import Graphified as Graphified
+from ._api import RerecordWarning as RerecordWarning
 from ._api import graphify as graphify
 from ._errors import GraphifyError as GraphifyError
 from ._errors import OverwrittenOutputError as OverwrittenOutputError
@@ -21,6 +22,7 @@ __all__ = [
     "Graphified",
     "GraphifyError",
     "OverwrittenOutputError",
+    "RerecordWarning",
     "graph_pool",
     "graphify",
 ]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import inspect
 import threading
+import warnings
 import weakref
 from collections import OrderedDict
 from typing import Any, Callable, Dict, Generic, Hashable, List, NamedTuple, Optional, Sequence, Tuple, TypeVar, Union, overload
@@ -13,6 +14,7 @@ import torch
 
 from ._autograd import call_with_autograd, make_backward
 from ._errors import GraphifyError, OverwrittenOutputError, describe_fn
+from ._fastpath import MISS, build_fast_path
 from ._liveness import PoolState, StaleOutput
 from ._pool import GraphPool
 from ._record import Recording, make_recording
@@ -24,7 +26,7 @@ try:
 except ImportError:  # pragma: no cover
     from typing_extensions import ParamSpec  # type: ignore[assignment]
 
-__all__ = ["graphify", "Graphified", "CacheInfo"]
+__all__ = ["graphify", "Graphified", "CacheInfo", "RerecordWarning"]
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -101,7 +103,7 @@ class _Entry:
 
     __slots__ = (
         "key", "spec", "tpos", "consts", "statics", "guard", "plan", "rec", "first_refs",
-        "calls", "cuda", "any_rg", "must_static", "alias", "n_leaves", "bwd",
+        "calls", "cuda", "any_rg", "must_static", "alias", "n_leaves", "bwd", "const_vals",
     )
 
     def __init__(self, key: Hashable, spec: Any, leaves: Sequence[Any], tpos: List[int], statics: Any, plan: Plan, cuda: bool, alias: Tuple[int, ...]):
@@ -111,6 +113,7 @@ class _Entry:
         self.n_leaves = len(leaves)
         tset = set(tpos)
         self.consts = [(i, static_leaf_key(leaves[i])) for i in range(len(leaves)) if i not in tset]
+        self.const_vals = {i: leaves[i] for i, _ in self.consts}
         self.statics = statics
         tensors = [leaves[i] for i in tpos]
         self.guard = _Guard(tensors)
@@ -175,12 +178,15 @@ def _alias_pattern(tensors: Sequence[torch.Tensor]) -> Tuple[int, ...]:
 
 
 class _ThreadState:
-    __slots__ = ("cache", "last", "pool", "__weakref__")
+    __slots__ = ("cache", "last", "pool", "fast", "fast_rec", "fast_statics", "__weakref__")
 
     def __init__(self, pool: PoolState):
         self.cache: "OrderedDict[Hashable, _Entry]" = OrderedDict()
         self.last: Optional[_Entry] = None
         self.pool = pool
+        self.fast: Any = None  # generated fast call of the last settled recording
+        self.fast_rec: Any = None
+        self.fast_statics: Any = None
 
     def clear(self) -> None:
         for e in self.cache.values():
@@ -188,6 +194,10 @@ class _ThreadState:
                 e.rec.close()
         self.cache.clear()
         self.last = None
+        self.drop_fast()
+
+    def drop_fast(self) -> None:
+        self.fast = self.fast_rec = self.fast_statics = None
 
 
 class Graphified(Generic[P, R]):
@@ -227,6 +237,8 @@ class Graphified(Generic[P, R]):
         self._states: "weakref.WeakSet[_ThreadState]" = weakref.WeakSet()
         self._hits = 0
         self._misses = 0
+        self._miss_log: List[Any] = []
+        self._warned = False
         functools.update_wrapper(self, fn)  # __wrapped__, __name__, __doc__, ...
 
     # -- public ------------------------------------------------------------
@@ -236,6 +248,12 @@ class Graphified(Generic[P, R]):
         else:
             statics = ()
         interp = _peek_functorch()
+        if interp is None:
+            st = self._tls.__dict__.get("state")
+            if st is not None and st.fast is not None and st.fast_statics == statics:
+                out = st.fast((args, kwargs))
+                if out is not MISS:
+                    return out  # type: ignore[no-any-return]
         if interp is not None:
             return self._call_transformed(interp, args, kwargs, statics)
         leaves, spec = flatten((args, kwargs))
@@ -453,6 +471,7 @@ class Graphified(Generic[P, R]):
         self._misses += 1
         if paths is None:
             paths = leaf_paths((args, kwargs))
+        self._note_miss(spec, parts, paths, statics)
         in_paths = [paths[i] for i in tpos]
         cuda = device is not None and device.type == "cuda"
         template = list(leaves)
@@ -478,14 +497,31 @@ class Graphified(Generic[P, R]):
             while len(st.cache) > self._maxsize:
                 _, old = st.cache.popitem(last=False)
                 if old.rec is not None:
+                    if st.fast_rec is old.rec:
+                        st.drop_fast()
                     old.rec.close()
                 if st.last is old:
                     st.last = None
         st.last = e
         return e
 
+    def _note_miss(self, spec: Any, parts: List[Any], paths: List[str], statics: Any) -> None:
+        """Warn once when the function keeps recording new signatures."""
+        log = self._miss_log
+        log.append((spec, tuple(parts), tuple(paths), statics))
+        if len(log) > 64:
+            del log[0]
+        if self._warned or len(log) <= STORM_THRESHOLD:
+            return
+        self._warned = True
+        warnings.warn(RerecordWarning(_explain_storm(self._desc, log)), stacklevel=4)
+
     def _run(self, e: _Entry, tensors: List[torch.Tensor]) -> Any:
         rec = e.rec
+        st = self._tls.state
+        if st.fast_rec is not None and st.fast_rec is not rec:
+            # the fast path serves the most recently used signature only (LRU order)
+            st.drop_fast()
         e.calls += 1
         if rec is None:
             static = set(e.must_static)
@@ -499,18 +535,31 @@ class Graphified(Generic[P, R]):
             e.first_refs = None
             same = [i for i in rec.copy_idx if refs[i]() is tensors[i]]
             if same or not rec.statics_ok(tensors):
-                keep = [i for i in rec.static_idx if rec.static_refs[rec.static_idx.index(i)]() is tensors[i]]
+                keep = [i for j, i in enumerate(rec.static_idx) if tensors[i].data_ptr() == rec.static_ptrs[j]]
                 rec = e.rec = self._rerecord(e, rec, tensors, set(same) | set(keep) | e.must_static)
         elif rec.static_idx and not rec.statics_ok(tensors):
-            keep = [i for j, i in enumerate(rec.static_idx) if rec.static_refs[j]() is tensors[i] and tensors[i].data_ptr() == rec.static_ptrs[j]]
+            keep = [i for j, i in enumerate(rec.static_idx) if tensors[i].data_ptr() == rec.static_ptrs[j]]
             rec = e.rec = self._rerecord(e, rec, tensors, set(keep) | e.must_static)
-        return rec.run_flat(tensors)
+        out = rec.run_flat(tensors)
+        if e.first_refs is None:
+            if st.fast_rec is not rec:
+                fast = rec.fast
+                if fast is None:
+                    try:
+                        fast = rec.fast = build_fast_path(self, e, rec, st.pool)
+                    except Exception:  # pragma: no cover - the generic path still works
+                        fast = rec.fast = None
+                st.fast, st.fast_rec, st.fast_statics = fast, rec, e.statics
+        return out
 
     def _rerecord(self, e: _Entry, old: Recording, tensors: List[torch.Tensor], static: Any) -> Recording:
         """Record the signature again with other in-place inputs; output
         objects the caller dropped keep their identity."""
         new = self._record(e, tensors, static)
         new.adopt_outputs(old)
+        st = self._tls.state
+        if st.fast_rec is old:
+            st.drop_fast()
         old.close()
         return new
 
@@ -540,6 +589,54 @@ class _BoundGraphified:
 
     def cache_clear(self) -> None:
         self._g.cache_clear()
+
+
+STORM_THRESHOLD = 16
+
+
+class RerecordWarning(UserWarning):
+    """A graphified function keeps recording new signatures.
+
+    Each new signature (tree structure, tensor shapes/dtypes/strides, values
+    of non-tensor leaves) costs a trace and a recording. The warning names the
+    part of the signature that keeps changing and how to keep it stable:
+    pass changing Python numbers as tensors, pad inputs to a few fixed
+    shapes, or keep the structure of the arguments fixed.
+    """
+
+
+def _explain_storm(desc: str, log: List[Any]) -> str:
+    n = len(log)
+    specs = {id(x[0]): x[0] for x in log}
+    lines = [f"{desc} has recorded {n} new signatures (more than {STORM_THRESHOLD}); each costs a trace and a recording."]
+    same = [x for x in log if x[0] == log[-1][0]]
+    if len({str(s) for s in specs.values()}) > 1 and len(same) < n // 2:
+        lines.append("The structure of the arguments keeps changing (different containers, keys or lengths). "
+                     "Fix: keep the argument tree fixed; pass varying collections as tensors.")
+    parts = [x[1] for x in same]
+    paths = same[-1][2]
+    for i in range(len(parts[-1])):
+        values = {p[i] for p in parts if i < len(p)}
+        if len(values) <= 1:
+            v = None
+            continue
+        sample = parts[-1][i]
+        path = paths[i] if i < len(paths) else f"leaf {i}"
+        if isinstance(sample, tuple) and len(sample) == 6 and isinstance(sample[3], torch.dtype):
+            what = []
+            for j, name in ((1, "shape"), (3, "dtype"), (2, "strides"), (5, "requires_grad"), (4, "device")):
+                if len({p[i][j] for p in parts}) > 1:
+                    what.append(name)
+            lines.append(f"{path} (a tensor) changed {', '.join(what) or 'layout'} {len(values)} times. "
+                         "Fix: pad or bucket inputs to a few fixed shapes, and keep dtypes and layouts fixed.")
+        else:
+            typ = sample[0].__name__ if isinstance(sample, tuple) and sample and isinstance(sample[0], type) else "value"
+            lines.append(f"{path} (a Python {typ}) took {len(values)} values: non-tensor leaves are static, so "
+                         "each value is a new signature. Fix: pass it as a tensor (torch.tensor(v, device=...)).")
+    stat = {x[3] for x in same}
+    if len(stat) > 1:
+        lines.append(f"the static arguments took {len(stat)} values. Fix: do not mark changing arguments static.")
+    return "\n".join(lines)
 
 
 def _resolve_static(fn: Callable[..., Any], nums: Tuple[int, ...], names: Tuple[str, ...], desc: str) -> Tuple[Tuple[int, ...], Tuple[str, ...]]:

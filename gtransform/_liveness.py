@@ -206,17 +206,46 @@ class OutputGroup:
         self.owner = None
 
 
+class Handout:
+    """The output groups of one recording, with a batched liveness check.
+
+    ``held()`` compares, in two C-level passes, every output object's Python
+    reference count and every group storage's use count with their values
+    when nothing outside gtransform held them.
+    """
+
+    __slots__ = ("groups", "objs", "cdatas", "rc_base", "uc_base")
+
+    def __init__(self, groups: List[OutputGroup]):
+        self.groups = groups
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Re-measure the baselines (call when nothing is handed out)."""
+        self.objs = [o for g in self.groups for o in g.objs]
+        self.cdatas = [g.cdata for g in self.groups]
+        self.uc_base = [g.limit for g in self.groups]
+        self.rc_base = list(map(_getrefcount, self.objs))
+
+    def held(self) -> bool:
+        """Whether the caller holds any output object, or a view of one."""
+        return (
+            list(map(_getrefcount, self.objs)) != self.rc_base
+            or list(map(_use_count, self.cdatas)) != self.uc_base
+        )
+
+
 class PoolState:
     """Liveness bookkeeping of one memory pool (in one thread, unless shared).
 
-    ``outstanding`` holds the groups handed out by the last call of any
-    function using this pool; the next such call poisons those still held.
+    ``outstanding`` holds the handouts of the last call of any function using
+    this pool; the next such call poisons the objects still held.
     """
 
     __slots__ = ("outstanding", "calls", "lock", "cuda_pool", "keeper", "last_desc", "__weakref__")
 
     def __init__(self, lock: Any = None) -> None:
-        self.outstanding: List[OutputGroup] = []
+        self.outstanding: List[Handout] = []
         self.calls = 0
         self.lock = lock
         self.cuda_pool: Optional[Any] = None
@@ -228,12 +257,13 @@ class PoolState:
         self.calls += 1
         out = self.outstanding
         if out:
-            msg = None
-            for g in out:
-                if g.held():
-                    if msg is None:
-                        msg = _overwrite_message(self.last_desc, desc, self.calls)
-                    g.poison(msg)
+            for h in out:
+                if h.held():
+                    msg = _overwrite_message(self.last_desc, desc, self.calls)
+                    for g in h.groups:
+                        if g.held():
+                            g.poison(msg)
+                    h.refresh()
             self.outstanding = []
         self.last_desc = desc
 

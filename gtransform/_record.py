@@ -21,7 +21,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from ._errors import GraphifyError
-from ._liveness import OutputGroup, PoolState
+from ._liveness import Handout, OutputGroup, PoolState
 from ._trace import Plan
 from ._tree import unflatten
 
@@ -68,7 +68,6 @@ class Recording:
         n = len(tensors)
         st = sorted(set(static_idx))
         self.static_idx = tuple(st)
-        self.static_refs = [weakref.ref(tensors[i]) for i in st]
         self.static_ptrs = [tensors[i].data_ptr() for i in st]
         sset = set(st)
         self.copy_idx = tuple(i for i in range(n) if i not in sset)
@@ -81,10 +80,12 @@ class Recording:
         self.cb_idx = tuple(i for i, _ in cb)
         self.cb_bufs = [b for _, b in cb]
         self.groups: List[OutputGroup] = []
+        self.handout = Handout(self.groups)
         self.slots: Dict[int, Tuple[OutputGroup, int]] = {}
         self.group_keys: List[int] = []  # a gm output index of each group
         self.replays = 0
         self.must_retire = False
+        self.fast: Any = None
 
     # -- recording ---------------------------------------------------------
     def _bind_outputs(self, outs: Sequence[torch.Tensor]) -> None:
@@ -110,15 +111,27 @@ class Recording:
                 self.slots[k] = (g, self.slots[k][1])
             self.groups.append(g)
             self.group_keys.append(ks[0])
+        self.handout.refresh()
 
     # -- replay ------------------------------------------------------------
     def statics_ok(self, tensors: Sequence[torch.Tensor]) -> bool:
-        """Whether the in-place inputs are the very tensors this recording reads."""
-        for i, r, p in zip(self.static_idx, self.static_refs, self.static_ptrs):
-            t = tensors[i]
-            if t is not r() or t.data_ptr() != p:
+        """Whether the in-place inputs are at the addresses this recording reads.
+
+        The address is what matters: a graph reads memory, so any tensor of
+        the recorded layout at the recorded address is read correctly.
+        """
+        for i, p in zip(self.static_idx, self.static_ptrs):
+            if tensors[i].data_ptr() != p:
                 return False
         return True
+
+    def _maybe_retire(self) -> None:
+        """The caller keeps views of an earlier call's outputs: move this
+        recording's outputs to new memory instead of writing over them."""
+        self.must_retire = False
+        if any(g.pinned() for g in self.groups):
+            self._retire()
+            self.handout.refresh()
 
     def _replay(self) -> None:  # pragma: no cover - overridden
         raise NotImplementedError
@@ -136,19 +149,13 @@ class Recording:
             _foreach_copy(self.bufs, [tensors[i] for i in self.copy_idx])
         self.pool.begin_call(self.desc)
         if self.must_retire:
-            self.must_retire = False
-            if any(g.pinned() for g in self.groups):
-                # The caller keeps views of an earlier call's outputs: move
-                # this recording's outputs to new memory instead of writing
-                # over them.
-                self._retire()
+            self._maybe_retire()
         self._replay()
         self.replays += 1
         if self.cb_idx:
             _foreach_copy([tensors[i] for i in self.cb_idx], self.cb_bufs)
-        groups = self.groups
-        if groups:
-            self.pool.outstanding.extend(groups)
+        if self.groups:
+            self.pool.outstanding.append(self.handout)
         res: List[torch.Tensor] = []
         slots = self.slots
         for e in self.plan.tensor_entries:
@@ -171,6 +178,7 @@ class Recording:
         """Hand out ``old``'s output objects from now on (see OutputGroup.adopt)."""
         self._pending_adopt = old.groups
         old.groups = []
+        old.handout = Handout(old.groups)
         if self.groups:
             self._adopt_now()
 
@@ -182,12 +190,15 @@ class Recording:
         if len(olds) == len(self.groups):
             for new, old in zip(self.groups, olds):
                 new.adopt(old)
+        self.handout.refresh()
 
     def close(self) -> None:
         """Release the recording; outputs the caller holds stay valid."""
         for g in self.groups:
             g.detach()
         self.groups = []
+        self.handout = Handout(self.groups)
+        self.fast = None
 
 
 class CPURecording(Recording):
@@ -220,6 +231,7 @@ class CPURecording(Recording):
             for g, k in zip(self.groups, self.group_keys):
                 g.rebase(outs[k].untyped_storage())
             self.stores = [(g.base.untyped_storage(), k) for g, k in zip(self.groups, self.group_keys)]
+            self.handout.refresh()
             return
         for dst, k in self.stores:
             src = outs[k].untyped_storage()

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
-def _load(name: str):
+def _load(name: str) -> ModuleType:
     path = EXAMPLES / f"{name}.py"
     spec = importlib.util.spec_from_file_location(f"gtransform_example_{name}", path)
     assert spec is not None and spec.loader is not None, path

@@ -96,7 +96,6 @@ def test_recordings_made_in_other_threads_are_collected(device):
         t.start()
     for t in threads:
         t.join()
-    assert g.cache_info().misses == 3
     refs = [weakref.ref(g), weakref.ref(fn)] + gms
     del g, fn
     assert all(_collected(*refs))

@@ -65,8 +65,8 @@ def test_one_function_many_threads(device):
 
     _run_threads(work)
     info = g.cache_info()
-    assert info.misses == N_THREADS  # one recording per thread
-    assert info.hits == N_THREADS * (N_CALLS - 1)
+    assert 1 <= info.misses <= N_THREADS  # at most one trace per thread
+    assert info.hits + info.misses == N_THREADS * N_CALLS
 
 
 def test_several_functions_many_threads(device):

@@ -1,0 +1,245 @@
+"""The per-call fast path: one generated function per (signature, recording).
+
+Every microsecond on the per-call path counts, so once a signature's
+recording is settled, gtransform generates straight-line Python for it that
+does the whole call with no loops over generic structures:
+
+1. flatten the arguments by indexing (``args[0]['w']``), checking container
+   types and sizes on the way (any surprise -> miss -> generic path);
+2. check the static leaves' values and, in one C++ call, every tensor's
+   dtype, device, sizes, strides and ``requires_grad``;
+3. check that the tensors read in place are at the addresses recorded;
+4. copy the other inputs into the static buffers (one ``_foreach_copy_``),
+   poison the pool's stale outputs, replay, copy back in-place updates;
+5. build the output tree literally (``{'y': o0, 'n': 3}``).
+
+A miss returns ``MISS`` and the caller takes the generic path, which handles
+new signatures, autograd, torch.func transforms and every error message.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, List, Optional
+
+import optree
+import torch
+
+from ._tree import static_leaf_key
+
+__all__ = ["MISS", "build_fast_path"]
+
+MISS = object()
+
+_K = optree.PyTreeKind
+_SIMPLE_LEAF_TYPES = (int, str, bool, type(None), bytes)
+
+
+class _Gen:
+    def __init__(self) -> None:
+        self.lines: List[str] = []
+        self.consts: Dict[str, Any] = {}
+        self.n = 0
+
+    def const(self, value: Any, prefix: str = "K") -> str:
+        name = f"{prefix}{len(self.consts)}"
+        self.consts[name] = value
+        return name
+
+    def tmp(self) -> str:
+        self.n += 1
+        return f"t{self.n}"
+
+
+def _gen_flatten(g: _Gen, spec: Any, expr: str, leaves: List[str], indent: str) -> bool:
+    kind = spec.kind
+    if kind == _K.LEAF:
+        name = f"l{len(leaves)}"
+        g.lines.append(f"{indent}{name} = {expr}")
+        leaves.append(name)
+        return True
+    if kind == _K.NONE:
+        g.lines.append(f"{indent}if {expr} is not None: return MISS")
+        return True
+    if kind in (_K.TUPLE, _K.LIST, _K.DICT):
+        typ = {_K.TUPLE: "tuple", _K.LIST: "list", _K.DICT: "dict"}[kind]
+        v = g.tmp()
+        n = spec.num_children
+        g.lines.append(f"{indent}{v} = {expr}")
+        g.lines.append(f"{indent}if type({v}) is not {typ} or len({v}) != {n}: return MISS")
+        children = spec.children()
+        if kind == _K.DICT:
+            for key, child in zip(spec.entries(), children):
+                k = repr(key) if type(key) in (str, int) else g.const(key)
+                if not _gen_flatten(g, child, f"{v}[{k}]", leaves, indent):
+                    return False
+        else:
+            for i, child in enumerate(children):
+                if not _gen_flatten(g, child, f"{v}[{i}]", leaves, indent):
+                    return False
+        return True
+    return False
+
+
+def _gen_build(g: _Gen, node: Any, spec: Any) -> Optional[str]:
+    """Expression that rebuilds ``node`` (a sample tree of output indices)."""
+    kind = spec.kind
+    if kind == _K.LEAF:
+        return f"o{node}"
+    if kind == _K.NONE:
+        return "None"
+    children = spec.children()
+    if kind == _K.TUPLE:
+        parts = [_gen_build(g, c, cs) for c, cs in zip(node, children)]
+        return None if None in parts else "(" + "".join(p + ", " for p in parts) + ")"  # type: ignore[operator]
+    if kind == _K.LIST:
+        parts = [_gen_build(g, c, cs) for c, cs in zip(node, children)]
+        return None if None in parts else "[" + ", ".join(parts) + "]"  # type: ignore[arg-type]
+    if kind == _K.DICT:
+        # ``node`` keeps the caller's key order; the spec's children are sorted
+        child_of = dict(zip(spec.entries(), children))
+        items = []
+        for key, c in node.items():
+            k = repr(key) if type(key) in (str, int) else g.const(key)
+            p = _gen_build(g, c, child_of[key])
+            if p is None:
+                return None
+            items.append(f"{k}: {p}")
+        return "{" + ", ".join(items) + "}"
+    if kind == _K.NAMEDTUPLE:
+        parts = [_gen_build(g, c, cs) for c, cs in zip(node, children)]
+        if None in parts:
+            return None
+        return f"{g.const(spec.type)}(" + ", ".join(parts) + ")"  # type: ignore[arg-type]
+    return None
+
+
+def _const_check(g: _Gen, name: str, value: Any) -> str:
+    t = type(value)
+    if t is float:
+        if math.isnan(value):
+            return f"type({name}) is not float or {name} == {name}"
+        sign = math.copysign(1.0, value)
+        return f"type({name}) is not float or {name} != {value!r} or _copysign(1.0, {name}) != {sign!r}"
+    if t in _SIMPLE_LEAF_TYPES:
+        return f"type({name}) is not {g.const(t)} or {name} != {g.const(value)}"
+    return f"_key({name}) != {g.const(static_leaf_key(value))}"
+
+
+def build_fast_path(owner: Any, entry: Any, rec: Any, pool: Any) -> Any:
+    """Generate the fast call of ``entry``'s settled recording ``rec``.
+
+    Returns:
+        A function ``fast(root)`` of ``root = (args, kwargs)`` returning the
+        output tree, or ``MISS``.
+    """
+    g = _Gen()
+    leaves: List[str] = []
+    if not _gen_flatten(g, entry.spec, "root", leaves, ""):
+        g.lines = ["flat, spec = _flatten(root)", "if spec != SPEC: return MISS"]
+        g.lines += [f"l{i} = flat[{i}]" for i in range(entry.n_leaves)]
+        leaves = [f"l{i}" for i in range(entry.n_leaves)]
+    flat = list(g.lines)
+    for i, _k in entry.consts:
+        flat.append(f"if {_const_check(g, leaves[i], entry.const_vals[i])}: return MISS")
+
+    checks: List[str] = []
+    tens = [leaves[i] for i in entry.tpos]
+    if entry.any_rg:
+        checks.append("if _grad_enabled(): return MISS")
+    if tens:
+        if entry.guard.impl is not None:
+            checks.append(f"if not GUARD.check({', '.join(tens)}): return MISS")
+        else:
+            checks.append(f"if not GUARD.check([{', '.join(tens)}]): return MISS")
+    if rec.static_idx:
+        st = ", ".join(tens[i] for i in rec.static_idx)
+        checks.append(f"if list(map(_data_ptr, ({st},))) != PTRS: return MISS")
+    if entry.plan.mutated and len(tens) > 1:
+        checks.append(f"if _alias([{', '.join(tens)}]) != {entry.alias!r}: return MISS")
+
+    call: List[str] = []
+    if rec.copy_idx:
+        call.append(f"_copy(BUFS, [{', '.join(tens[i] for i in rec.copy_idx)}])")
+    call.append("POOL.begin_call(DESC)")
+    call.append("if REC.must_retire: REC._maybe_retire()")
+    call.append("REPLAY()")
+    if rec.cb_idx:
+        call.append(f"_copy([{', '.join(tens[i] for i in rec.cb_idx)}], CBBUFS)")
+    if rec.groups:
+        call.append("POOL.outstanding.append(REC.handout)")
+    plan = entry.plan
+    for idx, e in enumerate(plan.out_entries):
+        if e.kind == "const":
+            call.append(f"o{idx} = {g.const(e.value, 'C')}")
+        elif e.kind == "pool":
+            grp, m = rec.slots[e.index]
+            call.append(f"o{idx} = GROUPS[{rec.groups.index(grp)}].objs[{m}]")
+        else:
+            src = tens[e.index]
+            if e.identical:
+                call.append(f"o{idx} = {src}")
+            else:
+                call.append(
+                    f"o{idx} = {src}.as_strided({tuple(e.size)!r}, {tuple(e.stride)!r}, "
+                    f"{src}.storage_offset() + {e.rel_offset})"
+                )
+    n_out = len(plan.out_entries)
+    sample = optree.tree_unflatten(plan.out_spec, list(range(n_out)))
+    build = _gen_build(g, sample, plan.out_spec)
+    call.append("OWNER._hits += 1")
+    if build is None:
+        call.append(f"return _unflatten(OUTSPEC, [{', '.join(f'o{i}' for i in range(n_out))}])")
+    else:
+        call.append(f"return {build}")
+
+    text = ["def fast(root):", "    try:"]
+    text += ["        " + line for line in flat] or ["        pass"]
+    text += ["    except (KeyError, IndexError, TypeError):", "        return MISS"]
+    text += ["    " + line for line in checks]
+    if pool.lock is not None:
+        text += ["    with LOCK:"] + ["        " + line for line in call]
+    else:
+        text += ["    " + line for line in call]
+    src = "\n".join(text) + "\n"
+    ns: Dict[str, Any] = {
+        "MISS": MISS,
+        "GUARD": entry.guard.impl if entry.guard.impl is not None else entry.guard,
+        "BUFS": rec.bufs,
+        "CBBUFS": rec.cb_bufs,
+        "POOL": pool,
+        "DESC": owner._desc,
+        "REC": rec,
+        "REPLAY": rec._replay,
+        "GROUPS": rec.groups,
+        "PTRS": list(rec.static_ptrs),
+        "_data_ptr": torch.Tensor.data_ptr,
+        "LOCK": pool.lock,
+        "OWNER": owner,
+        "SPEC": entry.spec,
+        "OUTSPEC": plan.out_spec,
+        "_copy": torch._foreach_copy_,
+        "_copysign": math.copysign,
+        "_key": static_leaf_key,
+        "_grad_enabled": torch.is_grad_enabled,
+        "_alias": _alias_fn(),
+        "_flatten": _flatten_fn(),
+        "_unflatten": optree.tree_unflatten,
+    }
+    ns.update(g.consts)
+    exec(compile(src, f"<gtransform fast path of {owner._desc}>", "exec"), ns)
+    fast = ns["fast"]
+    fast.source = src
+    return fast
+
+
+def _alias_fn() -> Any:
+    from ._api import _alias_pattern
+
+    return _alias_pattern
+
+
+def _flatten_fn() -> Any:
+    from ._tree import flatten
+
+    return flatten
