@@ -162,6 +162,16 @@ class _Entry:
         return True
 
 
+def _only_grad_transforms() -> bool:
+    """Whether every active torch.func transform is grad/vjp (no vmap, jvp)."""
+    try:
+        from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+
+        return all(i.key() == _GRAD for i in retrieve_all_functorch_interpreters())
+    except Exception:  # pragma: no cover
+        return False
+
+
 def _alias_pattern(tensors: Sequence[torch.Tensor]) -> Tuple[int, ...]:
     """Which tensor inputs share storage: a group id per input, -1 if alone."""
     seen: Dict[int, int] = {}
@@ -238,8 +248,15 @@ class Graphified(Generic[P, R]):
         self._hits = 0
         self._misses = 0
         self._miss_log: List[Any] = []
+        self._miss_keys: set = set()
+        self._warned_consts = False
         self._warned = False
-        functools.update_wrapper(self, fn)  # __wrapped__, __name__, __doc__, ...
+        # __wrapped__, __name__, __qualname__, __doc__, __module__ (not __dict__:
+        # fn may be an nn.Module)
+        try:
+            functools.update_wrapper(self, fn, updated=())
+        except AttributeError:  # pragma: no cover
+            self.__wrapped__ = fn
 
     # -- public ------------------------------------------------------------
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
@@ -269,6 +286,16 @@ class Graphified(Generic[P, R]):
         if e.any_rg and _is_grad_enabled():
             self._hits -= 1  # counted again inside the autograd wrapper
             return call_with_autograd(self, leaves, spec, e.tpos, statics)
+        if e.plan.grad_consts and _is_grad_enabled() and not self._warned_consts:
+            self._warned_consts = True
+            warnings.warn(
+                f"{self._desc} reads tensors that require grad but are not among its inputs "
+                "(closed over, e.g. an nn.Module's parameters): its outputs do not require grad and no "
+                "gradient will reach those tensors. For inference, call it under torch.no_grad(); to "
+                "train, pass the parameters as inputs (torch.func.functional_call).",
+                UserWarning,
+                stacklevel=2,
+            )
         tensors = [leaves[i] for i in e.tpos]
         lock = st.pool.lock
         if lock is None:
@@ -306,7 +333,7 @@ class Graphified(Generic[P, R]):
         """A call under torch.func transforms: grad/vjp go through the
         autograd wrapper; vmap and jvp run the function eagerly (correct,
         not recorded)."""
-        if interp.key() == _GRAD:
+        if interp.key() == _GRAD and _only_grad_transforms():
             leaves, spec = flatten((args, kwargs))
             tpos = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
             return call_with_autograd(self, leaves, spec, tpos, statics)
@@ -507,11 +534,15 @@ class Graphified(Generic[P, R]):
 
     def _note_miss(self, spec: Any, parts: List[Any], paths: List[str], statics: Any) -> None:
         """Warn once when the function keeps recording new signatures."""
+        if self._warned:
+            return
+        key = (spec, tuple(parts), statics)
+        if key in self._miss_keys:  # the same signature in another thread, or after eviction
+            return
+        self._miss_keys.add(key)
         log = self._miss_log
         log.append((spec, tuple(parts), tuple(paths), statics))
-        if len(log) > 64:
-            del log[0]
-        if self._warned or len(log) <= STORM_THRESHOLD:
+        if len(log) <= STORM_THRESHOLD:
             return
         self._warned = True
         warnings.warn(RerecordWarning(_explain_storm(self._desc, log)), stacklevel=4)

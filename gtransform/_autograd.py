@@ -32,6 +32,7 @@ except AttributeError:  # pragma: no cover
 
 
 _is_wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
+_is_batched = getattr(torch._C._functorch, "is_batchedtensor", None)
 _get_unwrapped = getattr(torch._C._functorch, "get_unwrapped", None)
 try:
     from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack as _clear_stack
@@ -53,13 +54,35 @@ class _no_functorch:
 
 
 def _unwrap(t: torch.Tensor) -> Tuple[torch.Tensor, int]:
-    """The plain tensor under torch.func's wrappers, and how many there were."""
+    """The plain tensor under torch.func's wrappers, and how many there were
+    (``-1`` if one of them is a vmap batch: then the backward must stay eager)."""
     n = 0
     if _is_wrapped is not None:
         while _is_wrapped(t):
+            if _is_batched is not None and _is_batched(t):
+                return t, -1
             t = _get_unwrapped(t)
             n += 1
     return t, n
+
+
+def _eager_backward(gm: Any, prims: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], need: Sequence[bool]) -> List[torch.Tensor]:
+    """The backward as plain differentiable torch code, for torch.func
+    transforms (vmap over the backward, as in jacrev) that a recording cannot
+    take part in. Right, not recorded."""
+    diff = [i for i, n in enumerate(need) if n]
+
+    def f(*d: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        full = list(prims)
+        for i, t in zip(diff, d):
+            full[i] = t
+        outs = gm(*full)
+        return tuple(o for o in outs if o.is_floating_point() or o.is_complex())
+
+    _, vjp_fn = torch.func.vjp(f, *[prims[i] for i in diff])
+    outs = gm(*prims)
+    tangents = tuple(g for o, g in zip(outs, grads) if o.is_floating_point() or o.is_complex())
+    return list(vjp_fn(tangents))
 
 
 def _higher_order(desc: str) -> GraphifyError:
@@ -107,6 +130,16 @@ class GraphFn(torch.autograd.Function):
                 "Fix: return the new values instead of updating the inputs in place, or call the "
                 "function under torch.no_grad()."
             )
+        if e.plan.grad_consts:
+            raise GraphifyError(
+                f"{g._desc}: the function reads {e.plan.grad_consts} tensor(s) that require grad but are "
+                "not among its inputs (closed over, e.g. an nn.Module's parameters), and it is being "
+                "differentiated.\nWhy: gradients only flow to the inputs of a graphified function; "
+                "those tensors would silently get no gradient.\n"
+                "Fix: pass them as inputs, e.g. graphify(lambda params, x: "
+                "torch.func.functional_call(model, params, (x,)))(dict(model.named_parameters()), x); "
+                "or, for inference, call under torch.no_grad()."
+            )
         box.entry = e
         return tuple(g._run_flat(e, st, list(tensors)))
 
@@ -124,9 +157,11 @@ class GraphFn(torch.autograd.Function):
         box: _Box = ctx.box
         need = tuple(bool(n) for n in ctx.needs_input_grad[1:])
         bwd = box.entry.backward_for(need, box.g)
-        functorch = _peek() is not None
-        if not functorch and torch.is_grad_enabled():
-            raise _higher_order(box.g._desc)
+        create_graph = torch.is_grad_enabled()
+        batched = any(_unwrap(t)[1] < 0 for t in list(ctx.saved_tensors) + list(grads))
+        if batched:
+            res = _eager_backward(box.entry.plan.gm, ctx.saved_tensors, grads, need)
+            return (None, *[res.pop(0) if n else None for n in need])
         with _no_functorch():
             prims, depth = [], 0
             for p in ctx.saved_tensors:
@@ -138,7 +173,9 @@ class GraphFn(torch.autograd.Function):
                 t, n = _unwrap(gr)
                 tangents.append(t)
                 depth = max(depth, n)
-            if depth > 1:
+            # torch.func runs backward with grad mode on and tangents wrapped
+            # once; plain autograd with create_graph=True has plain tangents
+            if depth > 1 or (depth == 0 and create_graph):
                 raise _higher_order(box.g._desc)
             res = bwd._call_plain((prims, tangents), {}, ())
         out: List[Any] = [None]

@@ -125,6 +125,6 @@ def format_frame(fr: Optional[traceback.FrameSummary]) -> str:
 
 
 def describe_fn(fn: object) -> str:
-    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
+    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
     return f"graphify({name})"
 

@@ -89,6 +89,7 @@ class Plan:
     uses_cuda: bool
     random: bool
     op_count: int
+    grad_consts: int = 0
     notes: List[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -124,6 +125,8 @@ class _Watch(TorchDispatchMode):
         self.random = False
         self.ops = 0
         self.lifted: Set[int] = set()  # ids of constants made inside the function
+        self.grad_consts = 0  # closed-over tensors that require grad (module parameters)
+        self._seen: Set[int] = set()
 
     def _fail(self, what: str, why: str, fix: str) -> None:
         fr = user_frame(traceback.extract_stack())
@@ -157,6 +160,11 @@ class _Watch(TorchDispatchMode):
                     self.mutated.add(idx)
         if _SEEDED is not None and _SEEDED in func.tags:
             self.random = True
+        for v in list(args) + list(kwargs.values()):
+            for t in _tensors_in(v):
+                if t.requires_grad and not isinstance(t, FakeTensor) and id(t) not in self._seen:
+                    self._seen.add(id(t))
+                    self.grad_consts += 1
         out = func(*args, **kwargs)
         if func in _LIFTS:
             self.lifted.update(id(t) for t in _tensors_in(out))
@@ -339,4 +347,5 @@ def trace(
         uses_cuda=watch.uses_cuda,
         random=watch.random,
         op_count=watch.ops,
+        grad_consts=watch.grad_consts,
     )

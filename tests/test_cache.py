@@ -35,7 +35,7 @@ def test_hits_and_misses(device):
     body, calls = _counting(affine)
     g = gt.graphify(body)
     assert g.cache_info() == gt.CacheInfo(0, 0, 64, 0)
-    for k in range(5):
+    for _k in range(5):
         x = torch.randn(3, device=device)
         y = torch.randn(3, device=device)
         assert_close(g(x, y), affine(x, y))
@@ -110,7 +110,7 @@ def test_requires_grad_input_matches_eager_with_grad_enabled(device):
 
 def test_same_signature_with_new_values_hits(device):
     g = gt.graphify(lambda d: {k: v.sin() for k, v in d.items()})
-    for k in range(4):
+    for _k in range(4):
         d = {"a": torch.randn(2, device=device), "b": torch.randn(3, 2, device=device)}
         assert_close(g(d), {kk: v.sin() for kk, v in d.items()})
     assert g.cache_info().misses == 1

@@ -100,7 +100,15 @@ def only_intermediate_mutated(x, y):
     return z, w
 
 
-MUTATORS = [add_inplace, setitem, out_variant, mutate_then_return_input, mutate_view_of_input, copy_into_input, only_intermediate_mutated]
+MUTATORS = [
+    add_inplace,
+    setitem,
+    out_variant,
+    mutate_then_return_input,
+    mutate_view_of_input,
+    copy_into_input,
+    only_intermediate_mutated,
+]
 
 
 @pytest.mark.parametrize("same", [False, True], ids=["fresh", "same"])
@@ -214,7 +222,7 @@ def test_pure_function_never_writes_inputs(device, spec):
     before = [_bits(t) for t in tensor_leaves(args)]
     for _ in range(3):
         assert_close(g(args), fn(clone_tree(args)))
-        for b, t in zip(before, tensor_leaves(args)):
+        for b, t in zip(before, tensor_leaves(args), strict=True):
             torch.testing.assert_close(_bits(t), b, rtol=0, atol=0, equal_nan=True)
 
 
@@ -240,7 +248,7 @@ def test_parameter_updates_between_calls_are_seen(device):
 
     g = gt.graphify(fn)
     p = {"w": torch.randn(4, 3, device=device), "b": torch.randn(3, device=device)}
-    for k in range(5):
+    for _k in range(5):
         x = torch.randn(2, 4, device=device)
         assert_close(g(p, x), fn(p, x))
         # an optimizer step outside the function
@@ -252,7 +260,7 @@ def test_parameter_updates_between_calls_are_seen(device):
 def test_nn_parameters_under_no_grad(device):
     lin = torch.nn.Linear(4, 3).to(device)
     g = gt.graphify(lambda m, x: m(x))
-    for k in range(4):
+    for _k in range(4):
         x = torch.randn(2, 4, device=device)
         with torch.no_grad():
             assert_close(g(lin, x), lin(x))

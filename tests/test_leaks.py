@@ -32,7 +32,7 @@ def test_dropped_function_and_its_recordings_are_collected(device):
     fn = _make_fn()
     g = gt.graphify(fn)
     p = torch.randn(3, device=device)
-    for k in range(3):
+    for _k in range(3):
         g(torch.randn(3, device=device), p)  # p passed again: read in place
     g(torch.randn(5, device=device), torch.randn(5, device=device))  # a second signature
     gm = g.trace(torch.randn(3, device=device), p)
@@ -86,12 +86,12 @@ def test_recordings_made_in_other_threads_are_collected(device):
     g = gt.graphify(fn)
     gms = []
 
-    def work():
+    def work(f):
         x = torch.randn(3, device=device)
-        g(x, x)
-        gms.append(weakref.ref(g.trace(x, x)))
+        f(x, x)
+        gms.append(weakref.ref(f.trace(x, x)))
 
-    threads = [threading.Thread(target=work) for _ in range(3)]
+    threads = [threading.Thread(target=work, args=(g,)) for _ in range(3)]
     for t in threads:
         t.start()
     for t in threads:
@@ -116,7 +116,7 @@ def test_cache_clear_releases_recordings_and_keeps_outputs(device):
     assert _collected(wr_gm, wr_p) == [True, True]
     assert_close(out, want)
     # the next calls of g do not overwrite (or poison) what cache_clear left to the user
-    for k in range(3):
+    for _k in range(3):
         z = torch.randn(3, device=device)
         assert_close(g(z, z), fn(z, z))
     assert_close(out, want)

@@ -119,7 +119,7 @@ class LivenessMachine(RuleBasedStateMachine):
         self.calls[fn] += 1
         assert_close(out, expected)
         got, exp = tensor_leaves(out), tensor_leaves(expected)
-        pairs = list(zip(got, exp))
+        pairs = list(zip(got, exp, strict=True))
         if keep == "first":
             pairs = pairs[:1]
         elif keep == "last":
@@ -413,7 +413,7 @@ def test_outputs_that_are_inputs_are_the_callers_tensors(device):
     r1 = g(x, y)
     assert r1[0] is x
     assert r1[3]["y"] is y
-    for k in range(3):
+    for _k in range(3):
         x2 = torch.randn(3, 3, device=device)
         r = g(x2, y)
         assert r[0] is x2
@@ -443,13 +443,13 @@ def test_views_of_inputs_returned_are_views_of_the_callers_tensor(device):
     for _ in range(3):
         x = torch.randn(3, 3, device=device)
         outs = g(x)
-        for o, e in zip(outs, fn(x)):
+        for o, e in zip(outs, fn(x), strict=True):
             assert o.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
             assert (o.shape, o.stride(), o.storage_offset()) == (e.shape, e.stride(), e.storage_offset())
             assert_close(o, e)
         # they follow the caller's tensor
         x.add_(1)
-        for o, e in zip(outs, fn(x)):
+        for o, e in zip(outs, fn(x), strict=True):
             assert_close(o, e)
 
 

@@ -112,7 +112,7 @@ def test_returned_inputs_are_the_callers_tensors(device, spec):
     for salt in range(3):
         args = build(spec, device, salt)
         same, _ = g(args)
-        for a, b in zip(tensor_leaves(same), tensor_leaves(args)):
+        for a, b in zip(tensor_leaves(same), tensor_leaves(args), strict=True):
             assert a is b
 
 

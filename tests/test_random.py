@@ -27,7 +27,13 @@ def mixed(x):
     a = torch.randn_like(x)
     b = torch.rand(x.shape, device=x.device, dtype=x.dtype)
     c = torch.randint(0, 10, x.shape, device=x.device)
-    return {"a": a, "b": x * b, "c": c, "d": F.dropout(x, 0.3, training=True), "n": torch.empty_like(x).normal_(2.0, 3.0)}
+    return {
+        "a": a,
+        "b": x * b,
+        "c": c,
+        "d": F.dropout(x, 0.3, training=True),
+        "n": torch.empty_like(x).normal_(2.0, 3.0),
+    }
 
 
 RANDOM_FNS = [noise_like, rand_on_device, dropout, mixed]
@@ -68,7 +74,7 @@ def test_follows_manual_seed_like_eager(device, fn, seed):
     torch.manual_seed(seed)
     got = [_clone(g(x)) for _ in range(n)]  # the first call records
     got_after = torch.rand(3, device=device)
-    for a, e in zip(got, eager):
+    for a, e in zip(got, eager, strict=True):
         assert_close(a, e)
     # the generator is left where eager leaves it
     assert_close(got_after, eager_after)
@@ -76,7 +82,7 @@ def test_follows_manual_seed_like_eager(device, fn, seed):
     # again, now that the recording exists
     torch.manual_seed(seed)
     got = [_clone(g(x)) for _ in range(n)]
-    for a, e in zip(got, eager):
+    for a, e in zip(got, eager, strict=True):
         assert_close(a, e)
     assert g.cache_info().misses == 1
 
@@ -87,7 +93,7 @@ def test_interleaved_with_eager_random_ops(device):
     def program(call):
         torch.manual_seed(7)
         res = []
-        for k in range(3):
+        for _k in range(3):
             res.append(_clone(call(x)))
             res.append(torch.randn(2, device=device))
         return res

@@ -58,7 +58,7 @@ def test_one_function_many_threads(device):
 
     def work(i):
         gen = torch.Generator().manual_seed(i)
-        for k in range(N_CALLS):
+        for _k in range(N_CALLS):
             x = torch.randn(4, 6, generator=gen).to(device)
             out = g(p, x)
             assert_close(out, mlp(p, x))
