@@ -587,11 +587,10 @@ class Graphified(Generic[P, R]):
         """Record the signature again with other in-place inputs; output
         objects the caller dropped keep their identity."""
         new = self._record(e, tensors, static)
-        new.adopt_outputs(old)
+        new.adopt_outputs(old)  # old is closed after new's first replay
         st = self._tls.state
         if st.fast_rec is old:
             st.drop_fast()
-        old.close()
         return new
 
     def _record(self, e: _Entry, tensors: List[torch.Tensor], static: Any) -> Recording:

@@ -86,6 +86,7 @@ class Recording:
         self.replays = 0
         self.must_retire = False
         self.fast: Any = None
+        self._pending_adopt: Optional["Recording"] = None
 
     # -- recording ---------------------------------------------------------
     def _bind_outputs(self, outs: Sequence[torch.Tensor]) -> None:
@@ -152,6 +153,8 @@ class Recording:
             self._maybe_retire()
         self._replay()
         self.replays += 1
+        if self._pending_adopt is not None:
+            self._adopt_now()
         if self.cb_idx:
             _foreach_copy([tensors[i] for i in self.cb_idx], self.cb_bufs)
         if self.groups:
@@ -175,21 +178,23 @@ class Recording:
         return self.plan.assemble(self.run_flat(tensors))
 
     def adopt_outputs(self, old: "Recording") -> None:
-        """Hand out ``old``'s output objects from now on (see OutputGroup.adopt)."""
-        self._pending_adopt = old.groups
-        old.groups = []
-        old.handout = Handout(old.groups)
-        if self.groups:
-            self._adopt_now()
+        """Hand out ``old``'s output objects from now on (see OutputGroup.adopt).
+
+        Done at this recording's first replay, after the pool poisoned what
+        the caller still holds of ``old``'s outputs; ``old`` is closed then.
+        """
+        self._pending_adopt = old
 
     def _adopt_now(self) -> None:
-        olds = getattr(self, "_pending_adopt", None)
-        if olds is None:
-            return
+        old = self._pending_adopt
         self._pending_adopt = None
-        if len(olds) == len(self.groups):
-            for new, old in zip(self.groups, olds):
-                new.adopt(old)
+        old.handout = Handout([])  # drop its references to the objects first
+        if len(old.groups) == len(self.groups):
+            for new, og in zip(self.groups, old.groups):
+                new.adopt(og)
+        old.groups = []
+        old.handout = Handout(old.groups)
+        old.close()
         self.handout.refresh()
 
     def close(self) -> None:
@@ -221,7 +226,6 @@ class CPURecording(Recording):
         if self.first:
             self.first = False
             self._bind_outputs(outs)
-            self._adopt_now()
             self.stores = [(g.base.untyped_storage(), k) for g, k in zip(self.groups, self.group_keys)]
             return
         if self.rebind:
@@ -259,11 +263,15 @@ class CUDARecording(Recording):
             self.pool.keeper = old
 
     def _capture(self, warmup: bool) -> None:
+        with _CAPTURE_LOCK:
+            self._capture_locked(warmup)
+
+    def _capture_locked(self, warmup: bool) -> None:
         dev = self.device
         with torch.cuda.device(dev):
             pool_id = _pool_id(self.pool, dev)
             cur = torch.cuda.current_stream()
-            side = torch.cuda.Stream()
+            side = _capture_stream(dev)
             side.wait_stream(cur)
             args = self.gm_args
             if warmup:
@@ -282,7 +290,7 @@ class CUDARecording(Recording):
                 if rng is not None:
                     torch.cuda.set_rng_state(rng, dev)
             g = torch.cuda.CUDAGraph()
-            with _CAPTURE_LOCK:
+            if True:
                 try:
                     with torch.cuda.stream(side), torch.no_grad():
                         g.capture_begin(pool=pool_id, capture_error_mode="thread_local")
@@ -330,7 +338,19 @@ class CUDARecording(Recording):
         self.graph = None
 
 
-_CAPTURE_LOCK = threading.Lock()
+_CAPTURE_LOCK = threading.RLock()
+_STREAMS: Dict[int, Any] = {}
+
+
+def _capture_stream(dev: torch.device) -> Any:
+    """One side stream per device for every warm-up and capture (like
+    torch.cuda.graph's default capture stream): libraries such as cuBLAS keep
+    a workspace per stream, so a new stream per recording would cost memory."""
+    idx = dev.index if dev.index is not None else torch.cuda.current_device()
+    s = _STREAMS.get(idx)
+    if s is None:
+        s = _STREAMS[idx] = torch.cuda.Stream(device=idx)
+    return s
 
 
 def _pool_id(pool: PoolState, dev: torch.device) -> Any:
