@@ -1082,7 +1082,7 @@ def plot(results: Dict[str, Any], path: str) -> None:
     fig, axes = plt.subplots(rows, cols, figsize=(7.5 * cols, (0.3 * len(methods) + 1.1) * rows + 0.6),
                              squeeze=False, layout="constrained")
     colors = plt.get_cmap("tab10")
-    for ax, (name, wr) in zip(axes.flat, wls.items()):
+    for ax, wr in zip(axes.flat, wls.values()):
         cells = [wr["cells"][m] for m in methods]
         vals = [c["us_median"] if c["status"] == "ok" else math.nan for c in cells]
         y = np.arange(len(methods))
@@ -1136,6 +1136,18 @@ def environment(device: torch.device, opts: argparse.Namespace) -> Dict[str, Any
         meta["jax"] = jax.__version__
     except Exception:
         meta["jax"] = None
+    try:  # identifies the gtransform sources even where the checkout has no .git (the device machine)
+        import hashlib
+
+        src = os.path.dirname(os.path.abspath(gt.__file__))
+        h = hashlib.sha256()
+        for fname in sorted(os.listdir(src)):
+            if fname.endswith(".py"):
+                with open(os.path.join(src, fname), "rb") as fh:
+                    h.update(fname.encode() + b"\0" + fh.read())
+        meta["gtransform_src_sha256"] = h.hexdigest()[:12]
+    except Exception:
+        meta["gtransform_src_sha256"] = None
     try:
         meta["git"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                      cwd=os.path.dirname(os.path.abspath(__file__)), timeout=10).stdout.strip() or None
@@ -1242,7 +1254,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     with open(md_path, "w") as fh:
         m = results["meta"]
         fh.write(f"# gtransform benchmark\n\n{m['device_name']}, torch {m['torch']}, jax {m['jax']}, "
-                 f"gtransform {m['gtransform']} (git {m['git']}), {m['date']}, "
+                 f"gtransform {m['gtransform']} (git {m['git']}, sources {m['gtransform_src_sha256']}), {m['date']}, "
                  f"{'quick' if m['quick'] else 'full'} run, {m['total_s']:.0f} s.\n\n")
         for key, title in (("per_call", "Per call"), ("targets", "Targets"), ("first_call", "First call"),
                            ("memory", "Memory")):

@@ -8,7 +8,21 @@ import threading
 import warnings
 import weakref
 from collections import OrderedDict
-from typing import Any, Callable, Dict, Generic, Hashable, List, NamedTuple, Optional, Sequence, Tuple, TypeVar, Union, overload
+from typing import (
+    Any,
+    Callable,
+    Dict,
+    Generic,
+    Hashable,
+    List,
+    NamedTuple,
+    Optional,
+    Sequence,
+    Tuple,
+    TypeVar,
+    Union,
+    overload,
+)
 
 import torch
 
@@ -31,6 +45,7 @@ __all__ = ["graphify", "Graphified", "CacheInfo", "RerecordWarning"]
 P = ParamSpec("P")
 R = TypeVar("R")
 
+_TensorGuards: Any
 try:
     from torch._C._dynamo.guards import TensorGuards as _TensorGuards
 except Exception:  # pragma: no cover
@@ -43,6 +58,7 @@ except AttributeError:  # pragma: no cover
         return None
 
 _is_grad_enabled = torch.is_grad_enabled
+_GRAD: Any
 try:
     _GRAD = torch._C._functorch.TransformType.Grad
 except AttributeError:  # pragma: no cover
@@ -73,13 +89,13 @@ class _Guard:
 
     def __init__(self, tensors: Sequence[torch.Tensor]):
         self.metas = [tensor_meta(t) for t in tensors]
-        self.impl = None
+        self.impl: Any = None
         if _TensorGuards is not None and tensors:
             try:
                 self.impl = _TensorGuards(
                     *tensors,
-                    dynamic_dims_sizes=[list(t.size()) for t in tensors],
-                    dynamic_dims_strides=[list(t.stride()) for t in tensors],
+                    dynamic_dims_sizes=[list(t.size()) for t in tensors],  # type: ignore[misc]
+                    dynamic_dims_strides=[list(t.stride()) for t in tensors],  # type: ignore[misc]
                 )
                 if not self.impl.check(*tensors):  # pragma: no cover - defensive
                     self.impl = None
@@ -134,9 +150,9 @@ class _Entry:
                 if any(i in plan.mutated for i in members):
                     must.update(members)
         self.must_static = must
-        self.bwd: Dict[Tuple[bool, ...], "Graphified[Any, Any]"] = {}
+        self.bwd: Dict[Tuple[bool, ...], Graphified[Any, Any]] = {}
 
-    def backward_for(self, need: Tuple[bool, ...], owner: "Graphified[Any, Any]") -> "Graphified[Any, Any]":
+    def backward_for(self, need: Tuple[bool, ...], owner: Graphified[Any, Any]) -> Graphified[Any, Any]:
         """The graphified backward of this signature for these needed inputs."""
         g = self.bwd.get(need)
         if g is None:
@@ -191,7 +207,7 @@ class _ThreadState:
     __slots__ = ("cache", "last", "pool", "fast", "fast_rec", "fast_statics", "__weakref__")
 
     def __init__(self, pool: PoolState):
-        self.cache: "OrderedDict[Hashable, _Entry]" = OrderedDict()
+        self.cache: OrderedDict[Hashable, _Entry] = OrderedDict()
         self.last: Optional[_Entry] = None
         self.pool = pool
         self.fast: Any = None  # generated fast call of the last settled recording
@@ -244,7 +260,7 @@ class Graphified(Generic[P, R]):
         self._pool = pool
         self._maxsize = maxsize
         self._tls = threading.local()
-        self._states: "weakref.WeakSet[_ThreadState]" = weakref.WeakSet()
+        self._states: weakref.WeakSet[_ThreadState] = weakref.WeakSet()
         self._hits = 0
         self._misses = 0
         self._miss_log: List[Any] = []
@@ -309,7 +325,7 @@ class Graphified(Generic[P, R]):
         e, st = self._entry_for(leaves, spec, statics)
         return e.plan.assemble(self._run_flat(e, st, [leaves[i] for i in e.tpos]))
 
-    def _entry_for(self, leaves: List[Any], spec: Any, statics: Any) -> Tuple["_Entry", "_ThreadState"]:
+    def _entry_for(self, leaves: List[Any], spec: Any, statics: Any) -> Tuple[_Entry, _ThreadState]:
         try:
             st = self._tls.state
         except AttributeError:
@@ -322,7 +338,7 @@ class Graphified(Generic[P, R]):
             self._hits += 1
         return e, st
 
-    def _run_flat(self, e: "_Entry", st: "_ThreadState", tensors: List[torch.Tensor]) -> List[torch.Tensor]:
+    def _run_flat(self, e: _Entry, st: _ThreadState, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
         lock = st.pool.lock
         if lock is None:
             return self._run(e, tensors)
@@ -330,9 +346,11 @@ class Graphified(Generic[P, R]):
             return self._run(e, tensors)
 
     def _call_transformed(self, interp: Any, args: Any, kwargs: Any, statics: Any) -> Any:
-        """A call under torch.func transforms: grad/vjp go through the
-        autograd wrapper; vmap and jvp run the function eagerly (correct,
-        not recorded)."""
+        """A call under torch.func transforms.
+
+        grad/vjp go through the autograd wrapper; vmap and jvp run the function eagerly
+        (correct, not recorded).
+        """
         if interp.key() == _GRAD and _only_grad_transforms():
             leaves, spec = flatten((args, kwargs))
             tpos = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
@@ -584,8 +602,10 @@ class Graphified(Generic[P, R]):
         return out
 
     def _rerecord(self, e: _Entry, old: Recording, tensors: List[torch.Tensor], static: Any) -> Recording:
-        """Record the signature again with other in-place inputs; output
-        objects the caller dropped keep their identity."""
+        """Record the signature again with other in-place inputs.
+
+        Output objects the caller dropped keep their identity.
+        """
         new = self._record(e, tensors, static)
         new.adopt_outputs(old)  # old is closed after new's first replay
         st = self._tls.state
@@ -648,7 +668,6 @@ def _explain_storm(desc: str, log: List[Any]) -> str:
     for i in range(len(parts[-1])):
         values = {p[i] for p in parts if i < len(p)}
         if len(values) <= 1:
-            v = None
             continue
         sample = parts[-1][i]
         path = paths[i] if i < len(paths) else f"leaf {i}"

@@ -16,7 +16,7 @@ kernels twice.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, List, Sequence, Tuple
 
 import torch
 
@@ -31,9 +31,9 @@ except AttributeError:  # pragma: no cover
         return None
 
 
-_is_wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
-_is_batched = getattr(torch._C._functorch, "is_batchedtensor", None)
-_get_unwrapped = getattr(torch._C._functorch, "get_unwrapped", None)
+_is_wrapped: Any = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
+_is_batched: Any = getattr(torch._C._functorch, "is_batchedtensor", None)
+_get_unwrapped: Any = getattr(torch._C._functorch, "get_unwrapped", None)
 try:
     from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack as _clear_stack
 except ImportError:  # pragma: no cover
@@ -54,8 +54,11 @@ class _no_functorch:
 
 
 def _unwrap(t: torch.Tensor) -> Tuple[torch.Tensor, int]:
-    """The plain tensor under torch.func's wrappers, and how many there were
-    (``-1`` if one of them is a vmap batch: then the backward must stay eager)."""
+    """The plain tensor under torch.func's wrappers, and how many there were.
+
+    The count is ``-1`` if one of them is a vmap batch: then the backward must
+    stay eager.
+    """
     n = 0
     if _is_wrapped is not None:
         while _is_wrapped(t):
@@ -67,9 +70,11 @@ def _unwrap(t: torch.Tensor) -> Tuple[torch.Tensor, int]:
 
 
 def _eager_backward(gm: Any, prims: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], need: Sequence[bool]) -> List[torch.Tensor]:
-    """The backward as plain differentiable torch code, for torch.func
-    transforms (vmap over the backward, as in jacrev) that a recording cannot
-    take part in. Right, not recorded."""
+    """The backward as plain differentiable torch code.
+
+    For torch.func transforms that a recording cannot take part in (vmap over
+    the backward, as in jacrev): right, not recorded.
+    """
     diff = [i for i, n in enumerate(need) if n]
 
     def f(*d: torch.Tensor) -> Tuple[torch.Tensor, ...]:
@@ -79,7 +84,7 @@ def _eager_backward(gm: Any, prims: Sequence[torch.Tensor], grads: Sequence[torc
         outs = gm(*full)
         return tuple(o for o in outs if o.is_floating_point() or o.is_complex())
 
-    _, vjp_fn = torch.func.vjp(f, *[prims[i] for i in diff])
+    vjp_fn = torch.func.vjp(f, *[prims[i] for i in diff])[1]
     outs = gm(*prims)
     tangents = tuple(g for o, g in zip(outs, grads) if o.is_floating_point() or o.is_complex())
     return list(vjp_fn(tangents))
@@ -190,8 +195,9 @@ class GraphFn(torch.autograd.Function):
 
 
 def make_backward(plan: Any, need: Sequence[bool]) -> Any:
-    """The backward of ``plan``'s graph as a plain function of
-    ``(primals, tangents)`` returning the gradients of the inputs in ``need``.
+    """The backward of ``plan``'s graph as a plain function.
+
+    It maps ``(primals, tangents)`` to the gradients of the inputs in ``need``.
     """
     gm = plan.gm
     diff = [i for i, n in enumerate(need) if n]
@@ -202,10 +208,9 @@ def make_backward(plan: Any, need: Sequence[bool]) -> Any:
             outs = gm(*ps)
             pairs = [(o, t) for o, t in zip(outs, tangents) if o.requires_grad]
             wrt = [ps[i] for i in diff]
+            got: Sequence[Any] = (None,) * len(wrt)
             if pairs:
                 got = torch.autograd.grad([o for o, _ in pairs], wrt, [t for _, t in pairs], allow_unused=True)
-            else:
-                got = (None,) * len(wrt)
         return [g if g is not None else torch.zeros_like(w) for g, w in zip(got, wrt)]
 
     backward.__name__ = backward.__qualname__ = f"backward_of_{getattr(gm, '_gt_name', 'fn')}"

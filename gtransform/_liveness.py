@@ -75,7 +75,7 @@ class StaleOutput(torch.Tensor):
             f"{msg or 'stale gtransform output'}\n(operation: {name or func})"
         ) from None
 
-    def __repr__(self, *args: Any, **kwargs: Any) -> str:  # noqa: D105
+    def __repr__(self, *args: Any, **kwargs: Any) -> str:  # type: ignore[override]  # noqa: D105
         return _stale_repr(self)
 
     __str__ = __repr__
@@ -166,7 +166,7 @@ class OutputGroup:
                 poison_tensor(o, message)
         self.fresh()
 
-    def adopt(self, old: "OutputGroup") -> None:
+    def adopt(self, old: OutputGroup) -> None:
         """Keep handing out ``old``'s tensor objects, now over this group's memory.
 
         Used when a signature is recorded again (e.g. when inputs start being
@@ -199,8 +199,11 @@ class OutputGroup:
         self.fresh()
 
     def detach(self) -> None:
-        """The recording goes away: held objects keep their memory (nothing
-        will overwrite it any more), so there is nothing to poison."""
+        """The recording goes away.
+
+        Held objects keep their memory (nothing will overwrite it any more), so there is
+        nothing to poison.
+        """
         self.objs = []
         self.limit = 1
         self.owner = None

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import threading
 import warnings
-import weakref
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -23,7 +22,6 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from ._errors import GraphifyError
 from ._liveness import Handout, OutputGroup, PoolState
 from ._trace import Plan
-from ._tree import unflatten
 
 __all__ = ["Recording", "make_recording"]
 
@@ -86,7 +84,7 @@ class Recording:
         self.replays = 0
         self.must_retire = False
         self.fast: Any = None
-        self._pending_adopt: Optional["Recording"] = None
+        self._pending_adopt: Optional[Recording] = None
 
     # -- recording ---------------------------------------------------------
     def _bind_outputs(self, outs: Sequence[torch.Tensor]) -> None:
@@ -105,7 +103,7 @@ class Recording:
                 m = first.get(id(t))
                 if m is None:
                     m = first[id(t)] = len(members)
-                    members.append((tuple(t.shape), t.stride(), t.storage_offset(), t.dtype))
+                    members.append((tuple(t.shape), t.stride(), int(t.storage_offset()), t.dtype))
                 self.slots[k] = (None, m)  # type: ignore[assignment]
             g = OutputGroup(outs[ks[0]].untyped_storage(), members, owner=self)
             for k in ks:
@@ -127,8 +125,11 @@ class Recording:
         return True
 
     def _maybe_retire(self) -> None:
-        """The caller keeps views of an earlier call's outputs: move this
-        recording's outputs to new memory instead of writing over them."""
+        """Move the outputs to new memory if the caller keeps views of them.
+
+        The caller's views of an earlier call then keep their values instead
+        of being written over.
+        """
         self.must_retire = False
         if any(g.pinned() for g in self.groups):
             self._retire()
@@ -177,7 +178,7 @@ class Recording:
         """Replay for these inputs and return the output tree."""
         return self.plan.assemble(self.run_flat(tensors))
 
-    def adopt_outputs(self, old: "Recording") -> None:
+    def adopt_outputs(self, old: Recording) -> None:
         """Hand out ``old``'s output objects from now on (see OutputGroup.adopt).
 
         Done at this recording's first replay, after the pool poisoned what
@@ -188,6 +189,8 @@ class Recording:
     def _adopt_now(self) -> None:
         old = self._pending_adopt
         self._pending_adopt = None
+        if old is None:
+            return
         old.handout = Handout([])  # drop its references to the objects first
         if len(old.groups) == len(self.groups):
             for new, og in zip(self.groups, old.groups):
@@ -343,9 +346,12 @@ _STREAMS: Dict[int, Any] = {}
 
 
 def _capture_stream(dev: torch.device) -> Any:
-    """One side stream per device for every warm-up and capture (like
-    torch.cuda.graph's default capture stream): libraries such as cuBLAS keep
-    a workspace per stream, so a new stream per recording would cost memory."""
+    """One side stream per device for every warm-up and capture.
+
+    Like torch.cuda.graph's default capture stream: libraries such as cuBLAS
+    keep a workspace per stream, so a new stream per recording would cost
+    memory.
+    """
     idx = dev.index if dev.index is not None else torch.cuda.current_device()
     s = _STREAMS.get(idx)
     if s is None:

@@ -45,6 +45,7 @@ _SETS = {getattr(_aten.set_, o) for o in _aten.set_.overloads()}
 _COPIES = {_aten._to_copy.default, _aten.copy_.default, _aten.copy.default}
 # fresh constants made from Python data inside the function (torch.tensor(3.0), x[0] = 5.)
 _LIFTS = {_aten.lift_fresh.default, _aten.lift_fresh_copy.default}
+_SEEDED: Any
 try:
     _SEEDED = torch.Tag.nondeterministic_seeded
 except AttributeError:  # pragma: no cover
@@ -233,9 +234,11 @@ def _data_dependent(desc: str, exc: BaseException) -> GraphifyError:
 
 
 def _constants_to_device(gm: torch.fx.GraphModule, device: Optional[torch.device]) -> None:
-    """Move tensor constants made inside a CUDA function (``torch.tensor(5.)``,
-    ``x[0] = 5.``) to the device once, so the recording copies them on the
-    device instead of from pageable host memory."""
+    """Move tensor constants made inside a CUDA function to the device once.
+
+    Constants such as ``torch.tensor(5.)`` or the ``5.`` of ``x[0] = 5.`` are
+    then copied on the device instead of from pageable host memory.
+    """
     if device is None:
         return
     for node in gm.graph.nodes:
