@@ -109,13 +109,17 @@ class OutputGroup:
         members: ``(size, stride, storage_offset, dtype)`` of each output.
     """
 
-    __slots__ = ("base", "members", "device", "storage", "cdata", "objs", "limit", "pins", "owner")
+    __slots__ = ("base", "members", "device", "storage", "cdata", "objs", "limit", "pins", "owner", "spare")
 
     def __init__(self, storage: torch.UntypedStorage, members: Sequence[Tuple[Any, Any, int, torch.dtype]], owner: Any = None):
         self.device = storage.device
         self.base = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage)
         self.members = list(members)
         self.pins: List[StorageWeakRef] = []
+        # earlier generations of objects, poisoned, kept to be revived once
+        # the caller has dropped them (the usual `y = f(x)` loop holds the
+        # previous output during the next call)
+        self.spare: List[Tuple[torch.UntypedStorage, int, List[torch.Tensor]]] = []
         # weak: the pool's list of outstanding groups must not keep a
         # dropped function's recordings alive
         self.owner = weakref.ref(owner) if owner is not None else None
@@ -126,7 +130,22 @@ class OutputGroup:
         self.fresh()
 
     def fresh(self) -> None:
-        """New alias storage and new tensor objects over the pool memory."""
+        """Make the tensor objects of the next hand-out.
+
+        A spare generation that nobody holds any more is revived; otherwise
+        new objects are made over a new alias storage.
+        """
+        spare = self.spare
+        for i, (st0, cd0, objs0) in enumerate(spare):
+            if _use_count(cd0) == 1 + len(objs0) and all(_getrefcount(o) <= 3 for o in objs0):
+                for o in objs0:
+                    if type(o) is StaleOutput:
+                        o.__class__ = torch.Tensor
+                        o.__dict__.pop("_gt_message", None)
+                del spare[i]
+                self.storage, self.cdata, self.objs = st0, cd0, objs0
+                self.limit = 1 + len(objs0)
+                return
         st = _alias_base(self.base)
         dev = self.device
         objs = []
@@ -164,6 +183,9 @@ class OutputGroup:
         for o in self.objs:
             if _getrefcount(o) > 3:
                 poison_tensor(o, message)
+        self.spare.append((self.storage, self.cdata, self.objs))
+        if len(self.spare) > 2:
+            del self.spare[0]
         self.fresh()
 
     def adopt(self, old: OutputGroup) -> None:
@@ -196,6 +218,7 @@ class OutputGroup:
         """Point the group at new memory (after its owner re-recorded)."""
         self.base = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage)
         self.pins = []
+        self.spare = []
         self.fresh()
 
     def detach(self) -> None:
@@ -205,6 +228,7 @@ class OutputGroup:
         nothing to poison.
         """
         self.objs = []
+        self.spare = []
         self.limit = 1
         self.owner = None
 
