@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import threading
+import time
 import warnings
 import weakref
 from collections import OrderedDict
@@ -30,6 +32,7 @@ from ._autograd import call_with_autograd, make_backward
 from ._errors import GraphifyError, OverwrittenOutputError, describe_fn
 from ._fastpath import MISS, build_fast_path
 from ._liveness import PoolState, StaleOutput
+from ._log import log
 from ._pool import GraphPool
 from ._record import Recording, make_recording
 from ._trace import Plan, trace
@@ -176,6 +179,39 @@ class _Entry:
         if self.must_static or (self.plan.mutated and self.alias):
             return _alias_pattern(tensors) == self.alias
         return True
+
+
+def _sig_brief(e: _Entry, tensors: Sequence[torch.Tensor]) -> str:
+    parts = [f"{p}: {m[3]}{list(m[1])}" for p, m in zip(e.plan.in_paths, e.guard.metas)]
+    s = ", ".join(parts[:4])
+    return s + (f", ... ({len(parts)} tensors)" if len(parts) > 4 else "")
+
+
+def _diff_leaves(e: _Entry, leaves: Sequence[Any], paths: Sequence[str]) -> List[str]:
+    out: List[str] = []
+    tpos = {p: k for k, p in enumerate(e.tpos)}
+    for i, x in enumerate(leaves):
+        if i in tpos:
+            old = e.guard.metas[tpos[i]]
+            if not isinstance(x, torch.Tensor):
+                out.append(f"{paths[i]}: tensor -> {type(x).__name__}")
+                continue
+            new = tensor_meta(x)
+            for j, name in ((1, "shape"), (3, "dtype"), (2, "strides"), (5, "requires_grad"), (4, "device"), (0, "type")):
+                if old[j] != new[j]:
+                    out.append(f"{paths[i]}: {name} {old[j]} -> {new[j]}")
+        else:
+            old_v = e.const_vals.get(i)
+            if isinstance(x, torch.Tensor):
+                out.append(f"{paths[i]}: static {type(old_v).__name__} -> tensor")
+            else:
+                try:
+                    same = static_leaf_key(x) == static_leaf_key(old_v)
+                except TypeError:
+                    same = False
+                if not same:
+                    out.append(f"{paths[i]}: static value {old_v!r} -> {x!r}")
+    return out
 
 
 def _only_grad_transforms() -> bool:
@@ -606,6 +642,10 @@ class Graphified(Generic[P, R]):
 
         Output objects the caller dropped keep their identity.
         """
+        if log.isEnabledFor(logging.INFO):
+            log.info("%s: re-recording a signature: inputs read in place now %s (were %s)",
+                     self._desc, [e.plan.in_paths[i] for i in sorted(static)],
+                     [e.plan.in_paths[i] for i in old.static_idx])
         new = self._record(e, tensors, static)
         new.adopt_outputs(old)  # old is closed after new's first replay
         st = self._tls.state
@@ -615,7 +655,110 @@ class Graphified(Generic[P, R]):
 
     def _record(self, e: _Entry, tensors: List[torch.Tensor], static: Any) -> Recording:
         st = self._tls.state
-        return make_recording(e.plan, tensors, sorted(static), st.pool, self._desc, e.cuda)
+        t0 = time.perf_counter()
+        rec = make_recording(e.plan, tensors, sorted(static), st.pool, self._desc, e.cuda)
+        if log.isEnabledFor(logging.INFO):
+            log.info(
+                "%s: recorded %s (%s): %d ops, %d inputs (%d read in place, %d copied), %d outputs, %.1f ms",
+                self._desc, "a CUDA graph" if e.cuda else "the traced graph", _sig_brief(e, tensors),
+                e.plan.op_count, len(tensors), len(rec.static_idx), len(rec.copy_idx),
+                len(e.plan.out_entries), (time.perf_counter() - t0) * 1e3,
+            )
+        return rec
+
+    # -- introspection -----------------------------------------------------
+    def describe(self) -> str:
+        """A readable account of what this function has recorded (this thread).
+
+        For each signature: the inputs by leaf path with shape and dtype,
+        whether each is read in place or copied into a static buffer, the
+        outputs, the number of recorded ops and the bytes held (static
+        buffers and pool outputs).
+
+        Returns:
+            str: the report (also fine to ``print``).
+
+        Examples:
+            >>> import torch, gtransform as gt
+            >>> f = gt.graphify(lambda x: x * 2)
+            >>> _ = f(torch.ones(3))
+            >>> print(f.describe().splitlines()[0])
+            graphify(<lambda>): 1 signature(s) in this thread; cache CacheInfo(hits=0, misses=1, maxsize=64, currsize=1)
+        """
+        st = self._tls.__dict__.get("state")
+        entries = list(st.cache.values()) if st is not None else []
+        lines = [f"{self._desc}: {len(entries)} signature(s) in this thread; cache {self.cache_info()}"]
+        for n, e in enumerate(entries):
+            rec = e.rec
+            backend = "cuda" if e.cuda else "cpu"
+            lines.append(f"signature {n} ({backend}, {e.plan.op_count} ops traced, "
+                         f"{'recorded' if rec else 'traced only'}, {rec.replays if rec else 0} replays):")
+            static = set(rec.static_idx) if rec else set()
+            for i, path in enumerate(e.plan.in_paths):
+                meta = e.guard.metas[i]
+                how = "read in place" if i in static else ("copied" if rec else "-")
+                if i in e.plan.mutated:
+                    how += ", updated in place"
+                lines.append(f"  in  {path}: {meta[3]} {list(meta[1])} ({how})")
+            for i, v in e.const_vals.items():
+                lines.append(f"  static leaf {i}: {v!r}")
+            for k, oe in enumerate(e.plan.out_entries):
+                if oe.kind == "const":
+                    lines.append(f"  out {k}: constant {oe.value!r}")
+                elif oe.kind == "input":
+                    lines.append(f"  out {k}: {'the' if oe.identical else 'a view of the'} caller's input {e.plan.in_paths[oe.index]}")
+                else:
+                    lines.append(f"  out {k}: pool tensor")
+            if rec:
+                buf = sum(b.numel() * b.element_size() for b in rec.bufs)
+                pool = sum(g.base.untyped_storage().nbytes() for g in rec.groups)
+                lines.append(f"  bytes: static input buffers {buf}, pool outputs {pool}")
+        return "\n".join(lines)
+
+    def explain(self, *args: P.args, **kwargs: P.kwargs) -> str:
+        """Say whether a call with these arguments would replay, and if not, why.
+
+        Like JAX's ``jax_explain_cache_misses``: compares the call's signature
+        with the closest recorded one and names each leaf that differs and how
+        (shape, dtype, strides, requires_grad, device, or a static value).
+        Nothing is traced or run.
+
+        Returns:
+            str: the explanation.
+
+        Examples:
+            >>> import torch, gtransform as gt
+            >>> f = gt.graphify(lambda x, n: x * n)
+            >>> _ = f(torch.ones(3), 2)
+            >>> print(f.explain(torch.ones(3), 3))
+            graphify(<lambda>): a new signature (miss): args[1]: static value 2 -> 3
+        """
+        if self._has_static:
+            args, kwargs, statics = self._split(args, kwargs)  # type: ignore[assignment]
+        else:
+            statics = ()
+        leaves, spec = flatten((args, kwargs))
+        st = self._tls.__dict__.get("state")
+        entries = list(st.cache.values()) if st is not None else []
+        for e in entries:
+            if e.spec == spec and e.match(leaves, statics):
+                return f"{self._desc}: replays a recorded signature (hit)"
+        if not entries:
+            return f"{self._desc}: nothing recorded yet in this thread (miss)"
+        paths = leaf_paths((args, kwargs))
+        best, best_diff = None, None
+        for e in entries:
+            if e.spec != spec:
+                continue
+            diff = _diff_leaves(e, leaves, paths)
+            if best_diff is None or len(diff) < len(best_diff):
+                best, best_diff = e, diff
+        if best is None:
+            return (f"{self._desc}: a new signature (miss): the structure of the arguments differs "
+                    f"from every recorded one: {spec} vs {entries[-1].spec}")
+        if not best_diff and best.statics != statics:
+            best_diff = [f"static arguments {best.statics!r} -> {statics!r}"]
+        return f"{self._desc}: a new signature (miss): " + "; ".join(best_diff or ["aliasing between inputs"])
 
 
 class _BoundGraphified:

@@ -164,6 +164,7 @@ def build_fast_path(owner: Any, entry: Any, rec: Any, pool: Any) -> Any:
     call.append("POOL.begin_call(DESC)")
     call.append("if REC.must_retire: REC._maybe_retire()")
     call.append("REPLAY()")
+    call.append("REC.replays += 1")
     if rec.cb_idx:
         call.append(f"_copy([{', '.join(tens[i] for i in rec.cb_idx)}], CBBUFS)")
     if rec.groups:

@@ -19,6 +19,7 @@ object over the same bytes, which keeps the bytes alive through DLPack), so:
 
 from __future__ import annotations
 
+import logging
 import sys
 import weakref
 from typing import Any, List, Optional, Sequence, Tuple
@@ -28,6 +29,7 @@ import torch.utils.dlpack as _dlpack
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from ._errors import OverwrittenOutputError
+from ._log import log
 
 __all__ = ["OutputGroup", "StaleOutput", "PoolState", "poison_tensor"]
 
@@ -140,7 +142,7 @@ class OutputGroup:
             if _use_count(cd0) == 1 + len(objs0) and all(_getrefcount(o) <= 3 for o in objs0):
                 for o in objs0:
                     if type(o) is StaleOutput:
-                        o.__class__ = torch.Tensor
+                        o.__class__ = torch.Tensor  # type: ignore[assignment]
                         o.__dict__.pop("_gt_message", None)
                 del spare[i]
                 self.storage, self.cdata, self.objs = st0, cd0, objs0
@@ -287,10 +289,15 @@ class PoolState:
             for h in out:
                 if h.held():
                     msg = _overwrite_message(self.last_desc, desc, self.calls)
+                    n = 0
                     for g in h.groups:
                         if g.held():
                             g.poison(msg)
+                            n += 1
                     h.refresh()
+                    if log.isEnabledFor(logging.DEBUG):
+                        log.debug("%s: call #%d poisoned %d held output group(s) of %s",
+                                  desc, self.calls, n, self.last_desc)
             self.outstanding = []
         self.last_desc = desc
 

@@ -385,3 +385,40 @@ def test_bad_graphify_options():
         gt.graphify(affine, static_argnames=(1,))
     with pytest.raises(TypeError):
         gt.graphify(affine, pool=object())
+
+
+def test_describe_and_explain(device):
+    f = gt.graphify(lambda p, x, n: {"y": x @ p["w"] * n, "x": x})
+    p = {"w": torch.randn(3, 2, device=device)}
+    for _ in range(3):
+        f(p, torch.randn(4, 3, device=device), 2)
+    d = f.describe()
+    assert "args[0]['w']" in d and "read in place" in d and "copied" in d
+    assert "caller's input args[1]" in d
+    assert "shape (4, 3) -> (5, 3)" in f.explain(p, torch.randn(5, 3, device=device), 2)
+    assert "static value 2 -> 3" in f.explain(p, torch.randn(4, 3, device=device), 3)
+    assert "(hit)" in f.explain(p, torch.randn(4, 3, device=device), 2)
+    assert f.cache_info().misses == 1  # explain traces nothing
+
+
+def test_rerecord_storm_warns_once_naming_the_leaf(device):
+    f = gt.graphify(lambda x, s: x * s)
+    with pytest.warns(gt.RerecordWarning, match=r"args\[1\] \(a Python float\) took 17 values.*pass it as a tensor"):
+        for i in range(17):
+            f(torch.ones(2, device=device), float(i))
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for i in range(17, 30):  # once per function
+            f(torch.ones(2, device=device), float(i))
+
+
+def test_logging_one_line_per_recording(device, caplog):
+    import logging
+
+    f = gt.graphify(lambda x: x + 1)
+    with caplog.at_level(logging.INFO, logger="gtransform"):
+        f(torch.ones(2, device=device))
+    recs = [r for r in caplog.records if r.name == "gtransform"]
+    assert len(recs) == 1 and "recorded" in recs[0].getMessage()
