@@ -77,6 +77,13 @@ class CacheInfo(NamedTuple):
         misses: calls (or ``trace`` calls) that traced a new signature.
         maxsize: the bound on signatures kept per thread.
         currsize: signatures kept now, over all threads.
+
+    Examples:
+        >>> import torch, gtransform as gt
+        >>> f = gt.graphify(lambda x: x + 1)
+        >>> _ = f(torch.ones(2)); _ = f(torch.ones(3))
+        >>> f.cache_info().misses
+        2
     """
 
     hits: int
@@ -266,7 +273,20 @@ class Graphified(Generic[P, R]):
     """A function that records itself into a graph per input signature.
 
     Made by :func:`graphify`; see there for the semantics. Besides calling it,
-    use :meth:`trace`, :meth:`cache_info` and :meth:`cache_clear`.
+    use :meth:`trace`, :meth:`cache_info`, :meth:`cache_clear`,
+    :meth:`describe` and :meth:`explain`. It keeps ``__wrapped__``,
+    ``__name__`` and ``__doc__`` of the function, and binds as a method.
+
+    Examples:
+        >>> import torch, gtransform as gt
+        >>> class Scaler:
+        ...     def __init__(self):
+        ...         self.k = 3.0
+        ...     @gt.graphify
+        ...     def __call__(self, x):
+        ...         return x * self.k
+        >>> Scaler()(torch.ones(2))
+        tensor([3., 3.])
     """
 
     def __init__(self, fn: Callable[P, R], *, static_argnums: Union[int, Sequence[int]] = (), static_argnames: Union[str, Sequence[str]] = (), pool: Optional[GraphPool] = None, maxsize: Optional[int] = 64):
@@ -438,6 +458,14 @@ class Graphified(Generic[P, R]):
         """Drop every recording of this function, in every thread.
 
         Outputs already handed out stay valid (nothing will overwrite them).
+
+        Examples:
+            >>> import torch, gtransform as gt
+            >>> f = gt.graphify(lambda x: x + 1)
+            >>> y = f(torch.ones(2))
+            >>> f.cache_clear()
+            >>> f.cache_info().currsize, y
+            (0, tensor([2., 2.]))
         """
         for s in list(self._states):
             s.clear()
@@ -795,6 +823,16 @@ class RerecordWarning(UserWarning):
     part of the signature that keeps changing and how to keep it stable:
     pass changing Python numbers as tensors, pad inputs to a few fixed
     shapes, or keep the structure of the arguments fixed.
+
+    Examples:
+        >>> import warnings, torch, gtransform as gt
+        >>> f = gt.graphify(lambda x, s: x * s)
+        >>> with warnings.catch_warnings(record=True) as w:
+        ...     warnings.simplefilter("always")
+        ...     for i in range(20):
+        ...         _ = f(torch.ones(2), float(i))
+        >>> issubclass(w[0].category, gt.RerecordWarning)
+        True
     """
 
 

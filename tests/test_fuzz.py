@@ -1,0 +1,121 @@
+"""Random call sequences mixing good and bad inputs on one graphified function:
+every good call is right, every bad call raises the right error, and the
+function keeps working."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import gtransform as gt
+from conftest import assert_close
+
+
+def body(x, cfg):
+    mode = cfg["mode"]
+    if mode == "item":
+        return x * x.sum().item()  # data-dependent: GraphifyError
+    if mode == "raise":
+        raise ValueError("user error from fn")
+    if mode == "mutate":
+        x.mul_(cfg["k"])
+        return x.sum()
+    return {"y": (x * cfg["k"]).sin(), "n": cfg["k"]}
+
+
+ACTIONS = st.one_of(
+    st.tuples(st.just("good"), st.sampled_from([(3,), (2, 2), ()]), st.sampled_from([1.0, 2.0, -0.5])),
+    st.tuples(st.just("mutate"), st.sampled_from([(3,), (4,)]), st.sampled_from([2.0, 3.0])),
+    st.tuples(st.just("item"), st.just((3,)), st.just(1.0)),
+    st.tuples(st.just("raise"), st.just((3,)), st.just(1.0)),
+    st.tuples(st.just("unhashable"), st.just((3,)), st.just(1.0)),
+    st.tuples(st.just("arity"), st.just((3,)), st.just(1.0)),
+    st.tuples(st.just("stale"), st.just((3,)), st.just(1.0)),
+)
+
+
+@settings(max_examples=30, deadline=None)
+@given(actions=st.lists(ACTIONS, min_size=1, max_size=25), seed=st.integers(0, 1000))
+def test_mixed_good_and_bad_calls(actions, seed):
+    _run(actions, seed, "cpu")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@settings(max_examples=15, deadline=None)
+@given(actions=st.lists(ACTIONS, min_size=1, max_size=25), seed=st.integers(0, 1000))
+def test_mixed_good_and_bad_calls_cuda(actions, seed):
+    _run(actions, seed, "cuda")
+
+
+def _run(actions, seed, device):
+    f = gt.graphify(body)
+    gen = torch.Generator().manual_seed(seed)
+    last = None
+    for kind, shape, k in actions:
+        x = torch.randn(shape, generator=gen, dtype=torch.float64).to(device)
+        if kind == "good":
+            out = f(x, {"mode": "good", "k": k})
+            assert_close(out, body(x.clone(), {"mode": "good", "k": k}))
+            last = out
+        elif kind == "mutate":
+            xe = x.clone()
+            want = body(xe, {"mode": "mutate", "k": k})
+            got = f(x, {"mode": "mutate", "k": k})
+            assert_close(got, want)
+            assert_close(x, xe)
+        elif kind == "item":
+            with pytest.raises(gt.GraphifyError, match="Fix:"):
+                f(x, {"mode": "item", "k": k})
+        elif kind == "raise":
+            with pytest.raises(ValueError, match="user error from fn"):
+                f(x, {"mode": "raise", "k": k})
+        elif kind == "unhashable":
+            with pytest.raises(TypeError, match=r"args\[1\]\['k'\]"):
+                f(x, {"mode": "good", "k": {1, 2}})
+        elif kind == "arity":
+            with pytest.raises(TypeError):
+                f(x)
+        elif kind == "stale":
+            if last is not None:
+                f(x, {"mode": "good", "k": 1.0})
+                with pytest.raises(gt.OverwrittenOutputError):
+                    last["y"].sum()
+                last = None
+    # still usable afterwards
+    x = torch.randn(3, generator=gen, dtype=torch.float64).to(device)
+    assert_close(f(x, {"mode": "good", "k": 2.0}), body(x.clone(), {"mode": "good", "k": 2.0}))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_capture_failure_is_graphify_error_and_leaves_no_half_state():
+    # an op whose CUDA kernel synchronises with the host: fine when traced
+    # (fake implementation), fails inside the driver's stream capture
+    @torch.library.custom_op("gt_tests::host_sync", mutates_args=())
+    def host_sync(x: torch.Tensor) -> torch.Tensor:
+        torch.cuda.synchronize()
+        return x * 2
+
+    @host_sync.register_fake
+    def _(x):
+        return torch.empty_like(x)
+
+    f = gt.graphify(lambda x: host_sync(x) + 1)
+    ok = gt.graphify(lambda x: x.cos())
+    x = torch.randn(8, device="cuda")
+    ok(x)
+    torch.manual_seed(0)
+    want_rng = torch.randn(4, device="cuda")
+    torch.manual_seed(0)
+    with pytest.raises(gt.GraphifyError, match="CUDA graph capture failed") as ei:
+        f(x)
+    assert "Fix:" in str(ei.value)
+    # RNG state untouched, eager CUDA, other functions and the same function's pool usable
+    assert torch.equal(torch.randn(4, device="cuda"), want_rng)
+    assert_close(x * 3, x.clone() * 3)
+    assert_close(ok(x), x.cos())
+    g = gt.graphify(lambda x: x + 1)
+    assert_close(g(x), x + 1)
+    with pytest.raises(gt.GraphifyError):
+        f(x)  # same error again, no half-state
