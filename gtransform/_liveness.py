@@ -98,6 +98,14 @@ def poison_tensor(obj: torch.Tensor, message: str) -> None:
     obj.__dict__["_gt_message"] = message
 
 
+def _normal_tensors() -> Any:
+    """Make output objects normal tensors, even under inference mode.
+
+    The same objects are handed out inside and outside inference mode.
+    """
+    return torch.inference_mode(False)
+
+
 def _alias_base(base_u8: torch.Tensor) -> torch.UntypedStorage:
     """A new storage object over ``base_u8``'s bytes that keeps them alive."""
     return _dlpack.from_dlpack(_dlpack.to_dlpack(base_u8)).untyped_storage()
@@ -115,7 +123,8 @@ class OutputGroup:
 
     def __init__(self, storage: torch.UntypedStorage, members: Sequence[Tuple[Any, Any, int, torch.dtype]], owner: Any = None):
         self.device = storage.device
-        self.base = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage)
+        with _normal_tensors():
+            self.base = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage)
         self.members = list(members)
         self.pins: List[StorageWeakRef] = []
         # earlier generations of objects, poisoned, kept to be revived once
@@ -148,11 +157,12 @@ class OutputGroup:
                 self.storage, self.cdata, self.objs = st0, cd0, objs0
                 self.limit = 1 + len(objs0)
                 return
-        st = _alias_base(self.base)
         dev = self.device
         objs = []
-        for size, stride, offset, dtype in self.members:
-            objs.append(torch.empty(0, dtype=dtype, device=dev).set_(st, offset, size, stride))
+        with _normal_tensors():
+            st = _alias_base(self.base)
+            for size, stride, offset, dtype in self.members:
+                objs.append(torch.empty(0, dtype=dtype, device=dev).set_(st, offset, size, stride))
         self.storage = st
         self.cdata = st._cdata
         self.objs = objs
@@ -218,7 +228,8 @@ class OutputGroup:
 
     def rebase(self, storage: torch.UntypedStorage) -> None:
         """Point the group at new memory (after its owner re-recorded)."""
-        self.base = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage)
+        with _normal_tensors():
+            self.base = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage)
         self.pins = []
         self.spare = []
         self.fresh()

@@ -370,4 +370,7 @@ def _pool_id(pool: PoolState, dev: torch.device) -> Any:
 def make_recording(plan: Plan, tensors: Sequence[torch.Tensor], static_idx: Sequence[int], pool: PoolState, desc: str, cuda: bool) -> Recording:
     """Build the recording of ``plan`` for the given backend."""
     cls = CUDARecording if cuda else CPURecording
-    return cls(plan, tensors, static_idx, pool, desc)
+    # static buffers and outputs are normal tensors even if the first call
+    # happens under torch.inference_mode (later calls may not)
+    with torch.inference_mode(False):
+        return cls(plan, tensors, static_idx, pool, desc)

@@ -413,3 +413,18 @@ def test_nan_and_inf_like_eager(device):
         g = gt.graphify(fn)
         assert_close(g(x, y), fn(x, y))
         assert_close(g(y, x), fn(y, x))
+
+
+def test_inference_mode_and_back(device):
+    m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2)).to(device)
+    f = gt.graphify(m)
+    with torch.inference_mode():
+        for _ in range(3):
+            x = torch.randn(3, 4, device=device)
+            assert_close(f(x), m(x))
+    with torch.no_grad():
+        x = torch.randn(3, 4, device=device)
+        assert_close(f(x), m(x))
+    with torch.inference_mode():
+        x = torch.randn(3, 4, device=device)
+        assert_close(f(x), m(x))
