@@ -293,6 +293,7 @@ class CUDARecording(Recording):
                 if rng is not None:
                     torch.cuda.set_rng_state(rng, dev)
             g = torch.cuda.CUDAGraph()
+            rng_states = _snapshot_generators(dev)
             if True:
                 try:
                     with torch.cuda.stream(side), torch.no_grad():
@@ -306,6 +307,9 @@ class CUDARecording(Recording):
                                 warnings.filterwarnings("ignore", message="The CUDA Graph is empty")
                                 g.capture_end()
                 except Exception as e:  # driver-level failure
+                    # a failed capture never ran the generators' capture
+                    # epilogue: put back states that are not "capturing"
+                    _restore_generators(dev, rng_states)
                     torch.cuda.synchronize(dev)
                     if isinstance(e, GraphifyError):
                         raise
@@ -357,6 +361,26 @@ def _capture_stream(dev: torch.device) -> Any:
     if s is None:
         s = _STREAMS[idx] = torch.cuda.Stream(device=idx)
     return s
+
+
+def _snapshot_generators(dev: torch.device) -> Any:
+    """Copies of the device's default CUDA generator state (cheap, host side)."""
+    try:
+        idx = dev.index if dev.index is not None else torch.cuda.current_device()
+        gen = torch.cuda.default_generators[idx]
+        return gen, gen.clone_state()
+    except Exception:  # pragma: no cover - old torch
+        return None
+
+
+def _restore_generators(dev: torch.device, snap: Any) -> None:
+    if snap is None:  # pragma: no cover
+        return
+    gen, state = snap
+    try:
+        gen.graphsafe_set_state(state)
+    except Exception:  # pragma: no cover
+        pass
 
 
 def _pool_id(pool: PoolState, dev: torch.device) -> Any:
