@@ -16,6 +16,7 @@ against eager (relative error), warmed up and timed:
     gt_new                        gt.graphify, fresh input tensors every call (pre-made, rotating)
     gt_held                       gt_same, but the loop keeps `out = f(...)` alive across calls
                                   (what a user's loop does; exercises the poison-and-alias path)
+    gt_fused                      gt.graphify(fn, fuse=True): inductor-fused kernels, recorded
 
 Per-call time is the median over repeats of (wall time of N calls followed
 by a device synchronisation) / N. Also recorded: the first call's time
@@ -91,6 +92,7 @@ METHODS: Dict[str, str] = {
     "gt_same": "gt: same tensors",
     "gt_new": "gt: new tensors",
     "gt_held": "gt: same, out held",
+    "gt_fused": "gt fuse=True: same tensors",
 }
 CUDA_ONLY = {"graph_copy", "graph_replay", "mgc"}
 
@@ -762,9 +764,9 @@ def method_jax(ctx: Ctx) -> Prepared:
                     extra={"first_call_is": "trace + compile + first call"})
 
 
-def _gt_prepare(ctx: Ctx, new_tensors: bool, held: bool) -> Prepared:
+def _gt_prepare(ctx: Ctx, new_tensors: bool, held: bool, fuse: bool = False) -> Prepared:
     w = ctx.w
-    f = gt.graphify(w.fn)
+    f = gt.graphify(w.fn, fuse=fuse)
     extra: Dict[str, Any] = {"first_call_is": "trace + record + first call"}
     if new_tensors:
         sets = ctx.sets
@@ -814,6 +816,10 @@ def method_gt_held(ctx: Ctx) -> Prepared:
     return _gt_prepare(ctx, new_tensors=False, held=True)
 
 
+def method_gt_fused(ctx: Ctx) -> Prepared:
+    return _gt_prepare(ctx, new_tensors=False, held=False, fuse=True)
+
+
 METHOD_FNS: Dict[str, Callable[[Ctx], Prepared]] = {
     "eager": method_eager,
     "graph_copy": method_graph_copy,
@@ -824,6 +830,7 @@ METHOD_FNS: Dict[str, Callable[[Ctx], Prepared]] = {
     "gt_same": method_gt_same,
     "gt_new": method_gt_new,
     "gt_held": method_gt_held,
+    "gt_fused": method_gt_fused,
 }
 
 # --------------------------------------------------------------------------
@@ -1063,6 +1070,7 @@ PLOT_LABELS: Dict[str, str] = {
     "gt_same": "gt: same tensors",
     "gt_new": "gt: new tensors",
     "gt_held": "gt: same, out held",
+    "gt_fused": "gt fuse=True: same tensors",
 }
 
 

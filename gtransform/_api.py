@@ -168,7 +168,7 @@ class _Entry:
         if g is None:
             fn = make_backward(self.plan, need)
             fn.__qualname__ = fn.__name__ = f"backward of {owner._desc}"
-            g = self.bwd[need] = Graphified(fn, maxsize=8)
+            g = self.bwd[need] = Graphified(fn, maxsize=8, fuse=owner._fuse)
         return g
 
     def match(self, leaves: Sequence[Any], statics: Any) -> bool:
@@ -289,7 +289,7 @@ class Graphified(Generic[P, R]):
         tensor([3., 3.])
     """
 
-    def __init__(self, fn: Callable[P, R], *, static_argnums: Union[int, Sequence[int]] = (), static_argnames: Union[str, Sequence[str]] = (), pool: Optional[GraphPool] = None, maxsize: Optional[int] = 64):
+    def __init__(self, fn: Callable[P, R], *, static_argnums: Union[int, Sequence[int]] = (), static_argnames: Union[str, Sequence[str]] = (), pool: Optional[GraphPool] = None, maxsize: Optional[int] = 64, fuse: bool = False):
         if not callable(fn):
             raise TypeError(f"graphify(fn): fn must be callable, got {type(fn).__name__}")
         if isinstance(static_argnums, int):
@@ -305,6 +305,9 @@ class Graphified(Generic[P, R]):
             raise TypeError(f"graphify(fn, static_argnames=...): expected strings, got {static_argnames!r}")
         if maxsize is not None and (not isinstance(maxsize, int) or maxsize < 1):
             raise ValueError(f"graphify(fn, maxsize=...): expected a positive int or None, got {maxsize!r}")
+        if not isinstance(fuse, bool):
+            raise TypeError(f"graphify(fn, fuse=...): expected a bool, got {fuse!r}")
+        self._fuse = fuse
         if pool is not None and not isinstance(pool, GraphPool):
             raise TypeError(f"graphify(fn, pool=...): expected gt.graph_pool(), got {type(pool).__name__}")
         self._fn = fn
@@ -684,7 +687,7 @@ class Graphified(Generic[P, R]):
     def _record(self, e: _Entry, tensors: List[torch.Tensor], static: Any) -> Recording:
         st = self._tls.state
         t0 = time.perf_counter()
-        rec = make_recording(e.plan, tensors, sorted(static), st.pool, self._desc, e.cuda)
+        rec = make_recording(e.plan, tensors, sorted(static), st.pool, self._desc, e.cuda, self._fuse)
         if log.isEnabledFor(logging.INFO):
             log.info(
                 "%s: recorded %s (%s): %d ops, %d inputs (%d read in place, %d copied), %d outputs, %.1f ms",
@@ -929,14 +932,14 @@ def _mixed_devices(desc: str, leaves: Sequence[Any], paths: Sequence[str]) -> No
 
 
 @overload
-def graphify(fn: Callable[P, R], *, static_argnums: Union[int, Sequence[int]] = ..., static_argnames: Union[str, Sequence[str]] = ..., pool: Optional[GraphPool] = ..., maxsize: Optional[int] = ...) -> Graphified[P, R]: ...
+def graphify(fn: Callable[P, R], *, static_argnums: Union[int, Sequence[int]] = ..., static_argnames: Union[str, Sequence[str]] = ..., pool: Optional[GraphPool] = ..., maxsize: Optional[int] = ..., fuse: bool = ...) -> Graphified[P, R]: ...
 
 
 @overload
-def graphify(fn: None = ..., *, static_argnums: Union[int, Sequence[int]] = ..., static_argnames: Union[str, Sequence[str]] = ..., pool: Optional[GraphPool] = ..., maxsize: Optional[int] = ...) -> Callable[[Callable[P, R]], Graphified[P, R]]: ...
+def graphify(fn: None = ..., *, static_argnums: Union[int, Sequence[int]] = ..., static_argnames: Union[str, Sequence[str]] = ..., pool: Optional[GraphPool] = ..., maxsize: Optional[int] = ..., fuse: bool = ...) -> Callable[[Callable[P, R]], Graphified[P, R]]: ...
 
 
-def graphify(fn: Optional[Callable[P, R]] = None, *, static_argnums: Union[int, Sequence[int]] = (), static_argnames: Union[str, Sequence[str]] = (), pool: Optional[GraphPool] = None, maxsize: Optional[int] = 64) -> Any:
+def graphify(fn: Optional[Callable[P, R]] = None, *, static_argnums: Union[int, Sequence[int]] = (), static_argnames: Union[str, Sequence[str]] = (), pool: Optional[GraphPool] = None, maxsize: Optional[int] = 64, fuse: bool = False) -> Any:
     """Record ``fn`` into a graph per input signature and replay it.
 
     ``graphify`` is ``jax.jit`` for PyTorch with CUDA graph capture as the
@@ -969,6 +972,11 @@ def graphify(fn: Optional[Callable[P, R]] = None, *, static_argnums: Union[int, 
         pool: a :func:`graph_pool` to share memory with other functions.
         maxsize: how many signatures to keep per thread (least recently used
             evicted), or ``None`` for no bound.
+        fuse: compile each traced graph with TorchInductor before recording
+            it, so the recording replays fused kernels (fewer launches: the
+            way to beat the kernel count of eager PyTorch). The first call of
+            each signature then takes seconds instead of milliseconds. Random
+            ops still follow eager's random numbers (``fallback_random``).
 
     Returns:
         A :class:`Graphified` callable (or a decorator, if ``fn`` is omitted).
@@ -992,6 +1000,7 @@ def graphify(fn: Optional[Callable[P, R]] = None, *, static_argnums: Union[int, 
     """
     if fn is None:
         return functools.partial(
-            graphify, static_argnums=static_argnums, static_argnames=static_argnames, pool=pool, maxsize=maxsize
+            graphify, static_argnums=static_argnums, static_argnames=static_argnames, pool=pool, maxsize=maxsize,
+            fuse=fuse,
         )
-    return Graphified(fn, static_argnums=static_argnums, static_argnames=static_argnames, pool=pool, maxsize=maxsize)
+    return Graphified(fn, static_argnums=static_argnums, static_argnames=static_argnames, pool=pool, maxsize=maxsize, fuse=fuse)

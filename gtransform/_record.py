@@ -59,8 +59,9 @@ class Recording:
 
     backend = "cpu"
 
-    def __init__(self, plan: Plan, tensors: Sequence[torch.Tensor], static_idx: Sequence[int], pool: PoolState, desc: str):
+    def __init__(self, plan: Plan, tensors: Sequence[torch.Tensor], static_idx: Sequence[int], pool: PoolState, desc: str, fuse: bool = False):
         self.plan = plan
+        self.gm: Any = plan.fused() if fuse else plan.gm
         self.pool = pool
         self.desc = desc
         n = len(tensors)
@@ -225,7 +226,7 @@ class CPURecording(Recording):
 
     def _replay(self) -> None:
         with torch.no_grad():
-            outs = self.plan.gm(*self.gm_args)
+            outs = self.gm(*self.gm_args)
         if self.first:
             self.first = False
             self._bind_outputs(outs)
@@ -251,8 +252,8 @@ class CUDARecording(Recording):
 
     backend = "cuda"
 
-    def __init__(self, plan: Plan, tensors: Sequence[torch.Tensor], static_idx: Sequence[int], pool: PoolState, desc: str):
-        super().__init__(plan, tensors, static_idx, pool, desc)
+    def __init__(self, plan: Plan, tensors: Sequence[torch.Tensor], static_idx: Sequence[int], pool: PoolState, desc: str, fuse: bool = False):
+        super().__init__(plan, tensors, static_idx, pool, desc, fuse)
         self.graph: Optional[torch.cuda.CUDAGraph] = None
         self.device = next((t.device for t in tensors), torch.device("cuda", torch.cuda.current_device()))
         self._capture(warmup=True)
@@ -287,7 +288,7 @@ class CUDARecording(Recording):
                         warm[i] = args[i].clone()
                 rng = torch.cuda.get_rng_state(dev) if self.plan.random else None
                 with torch.cuda.stream(side), torch.no_grad():
-                    self.plan.gm(*warm)
+                    self.gm(*warm)
                 del warm
                 side.synchronize()
                 if rng is not None:
@@ -299,7 +300,7 @@ class CUDARecording(Recording):
                     with torch.cuda.stream(side), torch.no_grad():
                         g.capture_begin(pool=pool_id, capture_error_mode="thread_local")
                         try:
-                            outs = self.plan.gm(*args)
+                            outs = self.gm(*args)
                         finally:
                             with warnings.catch_warnings():
                                 # a function that only returns (views of) its inputs
@@ -391,10 +392,10 @@ def _pool_id(pool: PoolState, dev: torch.device) -> Any:
     return pool.cuda_pool
 
 
-def make_recording(plan: Plan, tensors: Sequence[torch.Tensor], static_idx: Sequence[int], pool: PoolState, desc: str, cuda: bool) -> Recording:
+def make_recording(plan: Plan, tensors: Sequence[torch.Tensor], static_idx: Sequence[int], pool: PoolState, desc: str, cuda: bool, fuse: bool = False) -> Recording:
     """Build the recording of ``plan`` for the given backend."""
     cls = CUDARecording if cuda else CPURecording
     # static buffers and outputs are normal tensors even if the first call
     # happens under torch.inference_mode (later calls may not)
     with torch.inference_mode(False):
-        return cls(plan, tensors, static_idx, pool, desc)
+        return cls(plan, tensors, static_idx, pool, desc, fuse)

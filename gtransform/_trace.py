@@ -96,6 +96,24 @@ class Plan:
     def __post_init__(self) -> None:
         self.tensor_entries = [e for e in self.out_entries if e.kind != "const"]
         self.all_const = not self.tensor_entries
+        self._fused: Any = None
+
+    def fused(self) -> Any:
+        """The graph compiled by TorchInductor (made once, on first use).
+
+        Inductor's own CUDA graphs are off (gtransform records the result),
+        and random ops use eager's generator (``fallback_random``) so that
+        they keep following ``torch.manual_seed`` exactly.
+        """
+        if self._fused is None:
+            self._fused = torch.compile(
+                self.gm,
+                backend="inductor",
+                fullgraph=True,
+                dynamic=False,
+                options={"fallback_random": True, "triton.cudagraphs": False},
+            )
+        return self._fused
 
     def assemble(self, flat: Sequence[Any]) -> Any:
         """Output tree from the tensor outputs (in graph order)."""
