@@ -258,6 +258,9 @@ class CUDARecording(Recording):
         self.device = next((t.device for t in tensors), torch.device("cuda", torch.cuda.current_device()))
         self._capture(warmup=True)
 
+    def _cuda_generators(self) -> List[Any]:
+        return [gen for gen in self.plan.generators if gen.device.type == "cuda"]
+
     def _retire(self) -> None:
         # Re-capture: the new graph's outputs get new memory in the pool,
         # while the old memory stays with the views the caller holds.
@@ -287,14 +290,21 @@ class CUDARecording(Recording):
                     if i in self.plan.mutated:
                         warm[i] = args[i].clone()
                 rng = torch.cuda.get_rng_state(dev) if self.plan.random else None
+                extra = [(gen, gen.get_state()) for gen in self._cuda_generators()]
                 with torch.cuda.stream(side), torch.no_grad():
                     self.gm(*warm)
                 del warm
                 side.synchronize()
                 if rng is not None:
                     torch.cuda.set_rng_state(rng, dev)
+                for gen, state in extra:
+                    gen.set_state(state)
             g = torch.cuda.CUDAGraph()
             rng_states = _snapshot_generators(dev)
+            extra_states = [(gen, gen.clone_state()) for gen in self._cuda_generators()]
+            for gen in self._cuda_generators():
+                # explicit generators passed to random ops: graph-safe too
+                g.register_generator_state(gen)
             if True:
                 try:
                     with torch.cuda.stream(side), torch.no_grad():
@@ -311,6 +321,8 @@ class CUDARecording(Recording):
                     # a failed capture never ran the generators' capture
                     # epilogue: put back states that are not "capturing"
                     _restore_generators(dev, rng_states)
+                    for snap in extra_states:
+                        _restore_generators(dev, snap)
                     torch.cuda.synchronize(dev)
                     if isinstance(e, GraphifyError):
                         raise

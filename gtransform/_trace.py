@@ -91,6 +91,7 @@ class Plan:
     random: bool
     op_count: int
     grad_consts: int = 0
+    generators: List[Any] = field(default_factory=list)
     notes: List[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -145,6 +146,7 @@ class _Watch(TorchDispatchMode):
         self.ops = 0
         self.lifted: Set[int] = set()  # ids of constants made inside the function
         self.grad_consts = 0  # closed-over tensors that require grad (module parameters)
+        self.generators: List[torch.Generator] = []  # explicit generators used by random ops
         self._seen: Set[int] = set()
 
     def _fail(self, what: str, why: str, fix: str) -> None:
@@ -179,6 +181,9 @@ class _Watch(TorchDispatchMode):
                     self.mutated.add(idx)
         if _SEEDED is not None and _SEEDED in func.tags:
             self.random = True
+        gen = kwargs.get("generator")
+        if isinstance(gen, torch.Generator) and all(gen is not g for g in self.generators):
+            self.generators.append(gen)
         for v in list(args) + list(kwargs.values()):
             for t in _tensors_in(v):
                 if t.requires_grad and not isinstance(t, FakeTensor) and id(t) not in self._seen:
@@ -369,4 +374,5 @@ def trace(
         random=watch.random,
         op_count=watch.ops,
         grad_consts=watch.grad_consts,
+        generators=watch.generators,
     )

@@ -125,3 +125,14 @@ def test_trace_does_not_consume_random_numbers(device):
     torch.manual_seed(3)
     g.trace(x)
     assert_close(torch.rand(5, device=device), want)
+
+
+def test_explicit_generator_draws_fresh_numbers_like_eager(device):
+    f = gt.graphify(lambda x, g: x + torch.randn(x.shape, generator=g, device=x.device))
+    x = torch.zeros(5, device=device)
+    g1 = torch.Generator(device=device).manual_seed(7)
+    g2 = torch.Generator(device=device).manual_seed(7)
+    for _ in range(3):
+        got = f(x, g1).clone()
+        want = x + torch.randn(x.shape, generator=g2, device=device)
+        assert torch.equal(got, want)
