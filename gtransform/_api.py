@@ -349,15 +349,7 @@ class Graphified(Generic[P, R]):
         if interp is not None:
             return self._call_transformed(interp, args, kwargs, statics)
         leaves, spec = flatten((args, kwargs))
-        try:
-            st = self._tls.state
-        except AttributeError:
-            st = self._new_state()
-        e = st.last
-        if e is None or e.spec != spec or not e.match(leaves, statics):
-            e = self._lookup(st, leaves, spec, args, kwargs, statics, record=True)
-        else:
-            self._hits += 1
+        e, st = self._entry_for(leaves, spec, statics, (args, kwargs))
         if e.any_rg and _is_grad_enabled():
             self._hits -= 1  # counted again inside the autograd wrapper
             return call_with_autograd(self, leaves, spec, e.tpos, statics)
@@ -371,12 +363,7 @@ class Graphified(Generic[P, R]):
                 UserWarning,
                 stacklevel=2,
             )
-        tensors = [leaves[i] for i in e.tpos]
-        lock = st.pool.lock
-        if lock is None:
-            return e.plan.assemble(self._run(e, tensors))
-        with lock:
-            return e.plan.assemble(self._run(e, tensors))
+        return e.plan.assemble(self._run_flat(e, st, [leaves[i] for i in e.tpos]))
 
     def _call_plain(self, args: Any, kwargs: Any, statics: Any) -> Any:
         """A call that is never differentiated (used for backward passes)."""
@@ -384,14 +371,15 @@ class Graphified(Generic[P, R]):
         e, st = self._entry_for(leaves, spec, statics)
         return e.plan.assemble(self._run_flat(e, st, [leaves[i] for i in e.tpos]))
 
-    def _entry_for(self, leaves: List[Any], spec: Any, statics: Any) -> Tuple[_Entry, _ThreadState]:
+    def _entry_for(self, leaves: List[Any], spec: Any, statics: Any, tree: Any = None) -> Tuple[_Entry, _ThreadState]:
+        """The entry of these leaves' signature (looked up or traced), and the thread's state."""
         try:
             st = self._tls.state
         except AttributeError:
             st = self._new_state()
         e = st.last
         if e is None or e.spec != spec or not e.match(leaves, statics):
-            args, kwargs = unflatten(spec, leaves)
+            args, kwargs = tree if tree is not None else unflatten(spec, leaves)
             e = self._lookup(st, leaves, spec, args, kwargs, statics, record=True)
         else:
             self._hits += 1
