@@ -64,6 +64,14 @@ _FRIENDLY = {
 }
 
 
+# torch's own messages for host reads that fake tensors cannot serve
+_HOST_READS = (
+    (".numpy() is not supported", ".numpy()"),
+    ("Cannot access data pointer of Tensor", "an access to the data pointer"),
+    ("Cannot access storage of", "an access to the storage"),
+)
+
+
 @dataclass
 class OutEntry:
     """How to produce one leaf of the output tree at call time."""
@@ -326,6 +334,19 @@ def trace(
             gm = make_fx(flat_fn, tracing_mode="real", _allow_non_fake_inputs=True)(*fakes)
     except (DataDependentOutputException, DynamicOutputShapeException, GuardOnDataDependentSymNode) as e:
         raise _data_dependent(desc, e) from None
+    except RuntimeError as e:
+        msg = str(e)
+        host = next((what for key, what in _HOST_READS if key in msg), None)
+        if host is None:
+            raise
+        fr = user_frame_from_exc(e)
+        raise GraphifyError(
+            f"{desc}: {host} reads a tensor's data on the host.\n  at {format_frame(fr)}\n"
+            "Why: a recording is traced once without real data and replayed without Python; "
+            "host-side reads of tensor data cannot be part of it.\n"
+            "Fix: keep the computation in torch ops on the device, or move this part out of the "
+            "graphified function."
+        ) from None
     except UnsupportedOperatorException as e:
         fr = user_frame_from_exc(e)
         raise GraphifyError(

@@ -315,3 +315,16 @@ def test_error_classes():
     assert issubclass(gt.OverwrittenOutputError, RuntimeError)
     assert gt.GraphifyError.__doc__ and "fix" in gt.GraphifyError.__doc__.lower()
     assert gt.OverwrittenOutputError.__doc__ and "clone()" in gt.OverwrittenOutputError.__doc__
+
+
+def test_numpy_inside_the_function_is_graphify_error(device):
+    def fn(x):
+        return torch.as_tensor(x.cpu().numpy()).to(x.device) + 1
+
+    g = gt.graphify(fn)
+    with pytest.raises(gt.GraphifyError, match=r"(?s)\.numpy\(\).*test_errors\.py.*Fix:"):
+        g(torch.randn(3, device=device))
+    # a RuntimeError of the user's own is not rewritten
+    h = gt.graphify(lambda x: (_ for _ in ()).throw(RuntimeError("mine")))
+    with pytest.raises(RuntimeError, match="^mine$"):
+        h(torch.ones(1, device=device))
