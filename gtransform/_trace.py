@@ -334,6 +334,17 @@ def trace(
             gm = make_fx(flat_fn, tracing_mode="real", _allow_non_fake_inputs=True)(*fakes)
     except (DataDependentOutputException, DynamicOutputShapeException, GuardOnDataDependentSymNode) as e:
         raise _data_dependent(desc, e) from None
+    except NotImplementedError as e:
+        if "Generator" not in str(e):
+            raise
+        fr = user_frame_from_exc(e)
+        raise GraphifyError(
+            f"{desc}: a random op takes an explicit torch.Generator, which this version of "
+            f"torch ({torch.__version__}) cannot trace.\n  at {format_frame(fr)}\n"
+            "Why: the tracer cannot record a Generator object as an argument of an operation.\n"
+            "Fix: use the default generator (seeded with torch.manual_seed), or upgrade torch "
+            "(2.13 traces explicit generators)."
+        ) from None
     except RuntimeError as e:
         msg = str(e)
         host = next((what for key, what in _HOST_READS if key in msg), None)

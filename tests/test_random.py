@@ -132,7 +132,12 @@ def test_explicit_generator_draws_fresh_numbers_like_eager(device):
     x = torch.zeros(5, device=device)
     g1 = torch.Generator(device=device).manual_seed(7)
     g2 = torch.Generator(device=device).manual_seed(7)
-    for _ in range(3):
+    try:
         got = f(x, g1).clone()
+    except gt.GraphifyError as e:  # older torch cannot trace a Generator argument
+        assert "explicit torch.Generator" in str(e) and "Fix:" in str(e)
+        pytest.skip(f"torch {torch.__version__} cannot trace explicit generators")
+    for _ in range(3):
         want = x + torch.randn(x.shape, generator=g2, device=device)
         assert torch.equal(got, want)
+        got = f(x, g1).clone()
