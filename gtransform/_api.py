@@ -33,6 +33,14 @@ from ._errors import GraphifyError, OverwrittenOutputError, describe_fn
 from ._fastpath import MISS, build_fast_path
 from ._liveness import PoolState, StaleOutput
 from ._log import log
+from ._partition import build_partition
+
+try:
+    from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack as _clear_functorch
+except ImportError:  # pragma: no cover
+    import contextlib
+
+    _clear_functorch = contextlib.nullcontext  # type: ignore[assignment]
 from ._pool import GraphPool
 from ._record import Recording, make_recording
 from ._trace import Plan, trace
@@ -129,7 +137,7 @@ class _Entry:
 
     __slots__ = (
         "key", "spec", "tpos", "consts", "statics", "guard", "plan", "rec", "first_refs",
-        "calls", "cuda", "any_rg", "must_static", "alias", "n_leaves", "bwd", "const_vals",
+        "calls", "cuda", "any_rg", "must_static", "alias", "n_leaves", "bwd", "const_vals", "parts",
     )
 
     def __init__(self, key: Hashable, spec: Any, leaves: Sequence[Any], tpos: List[int], statics: Any, plan: Plan, cuda: bool, alias: Tuple[int, ...]):
@@ -161,6 +169,22 @@ class _Entry:
                     must.update(members)
         self.must_static = must
         self.bwd: Dict[Tuple[bool, ...], Graphified[Any, Any]] = {}
+        self.parts: Dict[Tuple[bool, ...], Any] = {}
+
+    def partition_for(self, need: Tuple[bool, ...], owner: Graphified[Any, Any]) -> Any:
+        """The partitioned forward/backward for these inputs (``None``: recompute instead)."""
+        if need in self.parts:
+            return self.parts[need]
+        part = None
+        if any(need):
+            try:
+                with torch.enable_grad(), _clear_functorch():
+                    part = build_partition(self.plan, self.guard.metas, need, owner)
+            except Exception as exc:  # the recompute path is always available
+                log.info("%s: partitioning failed (%s); the backward recomputes the forward", owner._desc, exc)
+                part = None
+        self.parts[need] = part
+        return part
 
     def backward_for(self, need: Tuple[bool, ...], owner: Graphified[Any, Any]) -> Graphified[Any, Any]:
         """The graphified backward of this signature for these needed inputs."""

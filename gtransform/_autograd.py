@@ -2,16 +2,16 @@
 
 A call that needs gradients (an input requires grad under grad mode, or the
 call happens inside ``torch.func.grad``/``vjp``) goes through
-:class:`_GraphFn`, an ``autograd.Function`` with ``setup_context``, so both
-``loss.backward()`` and ``torch.func`` transforms see it. Its forward replays
-the forward recording; its backward is itself a graphified function (traced
-once per signature from the forward's aten graph and ``torch.autograd.grad``,
-recorded, and replayed), so on CUDA both passes replay from graphs.
+:class:`GraphFn`, an ``autograd.Function`` with ``setup_context``, so both
+``loss.backward()`` and ``torch.func`` transforms see it.
 
-The backward recomputes the forward inside its own recording instead of
-saving activations: it saves only the inputs, so the pool holds no saved
-activations between the passes, at the price of running the forward's
-kernels twice.
+Normally the signature's graph is split by AOTAutograd's joint trace and the
+default partitioner (see ``_partition.py``): the forward recording also
+returns the activations the backward needs, which stay in its pool and are
+handed to autograd; the backward recording takes them with the output
+gradients. Where that does not fit (outputs that alias inputs), the backward
+is itself a graphified function that recomputes the forward from the saved
+inputs. On CUDA both passes replay from graphs either way.
 """
 
 from __future__ import annotations
@@ -103,15 +103,17 @@ def _higher_order(desc: str) -> GraphifyError:
 class _Box:
     """Per-call carrier between ``forward`` and ``backward`` (not a tensor)."""
 
-    __slots__ = ("g", "template", "spec", "tpos", "statics", "entry")
+    __slots__ = ("g", "template", "spec", "tpos", "statics", "entry", "need", "part")
 
-    def __init__(self, g: Any, template: List[Any], spec: Any, tpos: List[int], statics: Any):
+    def __init__(self, g: Any, template: List[Any], spec: Any, tpos: List[int], statics: Any, need: Tuple[bool, ...]):
         self.g = g
         self.template = template
         self.spec = spec
         self.tpos = tpos
         self.statics = statics
+        self.need = need
         self.entry: Any = None
+        self.part: Any = None
 
 
 class GraphFn(torch.autograd.Function):
@@ -146,12 +148,31 @@ class GraphFn(torch.autograd.Function):
                 "or, for inference, call under torch.no_grad()."
             )
         box.entry = e
-        return tuple(g._run_flat(e, st, list(tensors)))
+        part = e.partition_for(box.need, g)
+        if part is not None:
+            box.part = part
+            res = part.fw._call_plain(tuple(tensors), {}, ())
+            n = part.n_out
+            # saved activations go to autograd as fresh aliases: if autograd
+            # still holds them at the next forward, the forward moves its
+            # outputs instead of writing over them
+            return (*res[:n], *[t.detach() for t in res[n:]])
+        outs = g._run_flat(e, st, list(tensors))
+        # autograd.Function may not return an input as-is when it also saves it
+        ids = {id(t) for t in tensors}
+        return tuple(o.view_as(o) if id(o) in ids else o for o in outs)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: Tuple[Any, ...], output: Any) -> None:
         box = inputs[0]
         ctx.box = box
+        part = box.part
+        if part is not None:
+            saved = output[part.n_out:]
+            ctx.save_for_backward(*saved)
+            nd = [o for o in output[: part.n_out] if not (o.is_floating_point() or o.is_complex())]
+            ctx.mark_non_differentiable(*saved, *nd)
+            return
         ctx.save_for_backward(*inputs[1:])
         nd = [o for o in output if not (o.is_floating_point() or o.is_complex())]
         if nd:
@@ -161,6 +182,8 @@ class GraphFn(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor) -> Tuple[Any, ...]:  # type: ignore[override]
         box: _Box = ctx.box
         need = tuple(bool(n) for n in ctx.needs_input_grad[1:])
+        if box.part is not None:
+            return (None, *_partitioned_backward(box, ctx.saved_tensors, grads, need))
         bwd = box.entry.backward_for(need, box.g)
         create_graph = torch.is_grad_enabled()
         batched = any(_unwrap(t)[1] < 0 for t in list(ctx.saved_tensors) + list(grads))
@@ -194,6 +217,26 @@ class GraphFn(torch.autograd.Function):
         return tuple(out)
 
 
+def _partitioned_backward(box: _Box, saved: Sequence[torch.Tensor], grads: Sequence[Any], need: Sequence[bool]) -> List[Any]:
+    part = box.part
+    tangents = [g for g, d in zip(grads[: part.n_out], part.diff_out) if d]
+    if any(_unwrap(t)[1] < 0 for t in list(saved) + list(tangents)):
+        # vmap over the backward (jacrev): the backward graph, eagerly
+        res = list(part.bw_gm(*saved, *tangents))
+    else:
+        create_graph = torch.is_grad_enabled()
+        with _no_functorch():
+            plain, depth = [], 0
+            for t in list(saved) + list(tangents):
+                u, n = _unwrap(t)
+                plain.append(u)
+                depth = max(depth, n)
+            if depth > 1 or (depth == 0 and create_graph):
+                raise _higher_order(box.g._desc)
+            res = list(part.bw._call_plain(tuple(plain), {}, ()))
+    return [r if n else None for r, n in zip(res, need)]
+
+
 def make_backward(plan: Any, need: Sequence[bool]) -> Any:
     """The backward of ``plan``'s graph as a plain function.
 
@@ -219,6 +262,10 @@ def make_backward(plan: Any, need: Sequence[bool]) -> Any:
 
 def call_with_autograd(g: Any, leaves: List[Any], spec: Any, tpos: List[int], statics: Any) -> Any:
     """Call graphified ``g`` through :class:`GraphFn` and return the output tree."""
-    box = _Box(g, leaves, spec, tpos, statics)
-    outs = GraphFn.apply(box, *[leaves[i] for i in tpos])
+    tensors = [leaves[i] for i in tpos]
+    need = tuple(bool(t.requires_grad and (t.is_floating_point() or t.is_complex())) for t in tensors)
+    box = _Box(g, leaves, spec, tpos, statics, need)
+    outs = GraphFn.apply(box, *tensors)
+    if box.part is not None:
+        outs = outs[: box.part.n_out]
     return box.entry.plan.assemble(outs)

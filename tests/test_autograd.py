@@ -195,3 +195,46 @@ def test_pool_memory_within_eager_peak_plus_buffers():
     buffers = x.numel() * 4 + y.numel() * 4
     print(f"eager peak {eager_peak} B, graphify pool {pool_bytes} B, buffers {buffers} B")
     assert pool_bytes <= eager_peak + buffers
+
+
+def _parts(f):
+    return [p for e in f._tls.state.cache.values() for p in e.parts.values()]
+
+
+def test_backward_is_partitioned_and_saved_activations_survive_a_second_forward(device):
+    p = make_params([6, 8, 1], device)
+    f = gt.graphify(mlp_loss)
+    x = torch.randn(5, 6, device=device)
+    y = torch.randn(5, 1, device=device)
+    assert_close(torch.func.grad(f)(p, x, y), torch.func.grad(mlp_loss)(p, x, y))
+    parts = _parts(f)
+    assert parts and all(pt is not None for pt in parts)  # joint graph, partitioned
+    assert parts[0].n_saved > 0
+    # two forwards before the backwards (clone: the loss itself is a pool output)
+    pr = {k: v.clone().requires_grad_() for k, v in p.items()}
+    l1 = f(pr, x, y).clone()
+    l2 = f(pr, x * 2, y).clone()
+    l1.backward()
+    g1 = {k: v.grad.clone() for k, v in pr.items()}
+    for v in pr.values():
+        v.grad = None
+    l2.backward()
+    assert_close(g1, torch.func.grad(mlp_loss)(p, x, y))
+    assert_close({k: v.grad for k, v in pr.items()}, torch.func.grad(mlp_loss)(p, x * 2, y))
+
+
+def test_outputs_aliasing_inputs_fall_back_to_recompute(device):
+    def fn(x):
+        return x, (x.sin() ** 2).sum()
+
+    f = gt.graphify(fn)
+    x = torch.randn(4, device=device)
+    want = torch.func.grad(lambda t: fn(t)[1] + fn(t)[0].sum())(x)
+    assert_close(torch.func.grad(lambda t: f(t)[1] + f(t)[0].sum())(x), want)
+    assert all(pt is None for pt in _parts(f))
+
+
+def test_jacrev_through_partitioned_backward(device):
+    fn = lambda x: (x.sin() * x[:1]).tanh()  # noqa: E731
+    x = torch.randn(3, device=device)
+    assert_close(torch.func.jacrev(gt.graphify(fn))(x), torch.func.jacrev(fn)(x))
