@@ -51,31 +51,31 @@ class _Gen:
         return f"t{self.n}"
 
 
-def _gen_flatten(g: _Gen, spec: Any, expr: str, leaves: List[str], indent: str) -> bool:
+def _gen_flatten(g: _Gen, spec: Any, expr: str, leaves: List[str]) -> bool:
     kind = spec.kind
     if kind == _K.LEAF:
         name = f"l{len(leaves)}"
-        g.lines.append(f"{indent}{name} = {expr}")
+        g.lines.append(f"{name} = {expr}")
         leaves.append(name)
         return True
     if kind == _K.NONE:
-        g.lines.append(f"{indent}if {expr} is not None: return MISS")
+        g.lines.append(f"if {expr} is not None: return MISS")
         return True
     if kind in (_K.TUPLE, _K.LIST, _K.DICT):
         typ = {_K.TUPLE: "tuple", _K.LIST: "list", _K.DICT: "dict"}[kind]
         v = g.tmp()
         n = spec.num_children
-        g.lines.append(f"{indent}{v} = {expr}")
-        g.lines.append(f"{indent}if type({v}) is not {typ} or len({v}) != {n}: return MISS")
+        g.lines.append(f"{v} = {expr}")
+        g.lines.append(f"if type({v}) is not {typ} or len({v}) != {n}: return MISS")
         children = spec.children()
         if kind == _K.DICT:
             for key, child in zip(spec.entries(), children):
                 k = repr(key) if type(key) in (str, int) else g.const(key)
-                if not _gen_flatten(g, child, f"{v}[{k}]", leaves, indent):
+                if not _gen_flatten(g, child, f"{v}[{k}]", leaves):
                     return False
         else:
             for i, child in enumerate(children):
-                if not _gen_flatten(g, child, f"{v}[{i}]", leaves, indent):
+                if not _gen_flatten(g, child, f"{v}[{i}]", leaves):
                     return False
         return True
     return False
@@ -135,7 +135,7 @@ def build_fast_path(owner: Any, entry: Any, rec: Any, pool: Any) -> Any:
     """
     g = _Gen()
     leaves: List[str] = []
-    if not _gen_flatten(g, entry.spec, "root", leaves, ""):
+    if not _gen_flatten(g, entry.spec, "root", leaves):
         g.lines = ["flat, spec = _flatten(root)", "if spec != SPEC: return MISS"]
         g.lines += [f"l{i} = flat[{i}]" for i in range(entry.n_leaves)]
         leaves = [f"l{i}" for i in range(entry.n_leaves)]

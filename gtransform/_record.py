@@ -175,10 +175,6 @@ class Recording:
                     res.append(t.as_strided(e.size, e.stride, t.storage_offset() + e.rel_offset))
         return res
 
-    def run(self, tensors: Sequence[torch.Tensor]) -> Any:
-        """Replay for these inputs and return the output tree."""
-        return self.plan.assemble(self.run_flat(tensors))
-
     def adopt_outputs(self, old: Recording) -> None:
         """Hand out ``old``'s output objects from now on (see OutputGroup.adopt).
 
