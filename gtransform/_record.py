@@ -19,6 +19,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from . import _distributed
 from ._errors import GraphifyError
 from ._liveness import Handout, OutputGroup, PoolState
 from ._trace import Plan
@@ -405,5 +406,8 @@ def make_recording(plan: Plan, tensors: Sequence[torch.Tensor], static_idx: Sequ
     cls = CUDARecording if cuda else CPURecording
     # static buffers and outputs are normal tensors even if the first call
     # happens under torch.inference_mode (later calls may not)
+    _distributed.before_record(plan, desc)
     with torch.inference_mode(False):
-        return cls(plan, tensors, static_idx, pool, desc, fuse)
+        rec = cls(plan, tensors, static_idx, pool, desc, fuse)
+    _distributed.track(rec)
+    return rec
