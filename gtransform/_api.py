@@ -1,4 +1,11 @@
-"""The front door: ``graphify`` and the callable it returns."""
+"""The front door: ``graphify`` and the callable it returns.
+
+A call goes: the generated fast path of the last recording (``_fastpath``), or
+the generic path: flatten, find the signature (``_signature``) or trace a new
+one (``_trace``, with state from ``_state``), record it (``_record``), replay,
+hand out outputs (``_liveness``); calls that need gradients go through
+``_autograd``.
+"""
 
 from __future__ import annotations
 
@@ -7,15 +14,12 @@ import inspect
 import logging
 import threading
 import time
-import warnings
 import weakref
-from collections import OrderedDict
 from typing import (
     Any,
     Callable,
     Dict,
     Generic,
-    Hashable,
     List,
     NamedTuple,
     Optional,
@@ -28,22 +32,17 @@ from typing import (
 
 import torch
 
-from ._autograd import call_with_autograd, make_backward
+from ._autograd import call_with_autograd, no_functorch
+from ._autograd import unwrap as unwrap_functorch
 from ._errors import GraphifyError, OverwrittenOutputError, describe_fn
 from ._fastpath import MISS, build_fast_path
 from ._liveness import PoolState, StaleOutput
 from ._log import log
-from ._partition import build_partition
-
-try:
-    from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack as _clear_functorch
-except ImportError:  # pragma: no cover
-    import contextlib
-
-    _clear_functorch = contextlib.nullcontext  # type: ignore[assignment]
 from ._pool import GraphPool
 from ._record import Recording, make_recording
-from ._trace import Plan, trace
+from ._signature import Entry, RerecordWarning, StormDetector, ThreadState, alias_pattern, diff_leaves, sig_brief
+from ._state import env_key_fn, find_roots
+from ._trace import trace
 from ._tree import flatten, leaf_paths, static_leaf_key, tensor_meta, unflatten
 
 try:
@@ -55,12 +54,6 @@ __all__ = ["graphify", "Graphified", "CacheInfo", "RerecordWarning"]
 
 P = ParamSpec("P")
 R = TypeVar("R")
-
-_TensorGuards: Any
-try:
-    from torch._C._dynamo.guards import TensorGuards as _TensorGuards
-except Exception:  # pragma: no cover
-    _TensorGuards = None
 
 try:
     _peek_functorch = torch._C._functorch.peek_interpreter_stack
@@ -100,151 +93,6 @@ class CacheInfo(NamedTuple):
     currsize: int
 
 
-class _Guard:
-    """Fast check that a call's tensors match a signature."""
-
-    __slots__ = ("impl", "metas")
-
-    def __init__(self, tensors: Sequence[torch.Tensor]):
-        self.metas = [tensor_meta(t) for t in tensors]
-        self.impl: Any = None
-        if _TensorGuards is not None and tensors:
-            try:
-                self.impl = _TensorGuards(
-                    *tensors,
-                    dynamic_dims_sizes=[list(t.size()) for t in tensors],  # type: ignore[misc]
-                    dynamic_dims_strides=[list(t.stride()) for t in tensors],  # type: ignore[misc]
-                )
-                if not self.impl.check(*tensors):  # pragma: no cover - defensive
-                    self.impl = None
-            except Exception:  # pragma: no cover
-                self.impl = None
-
-    def check(self, tensors: Sequence[torch.Tensor]) -> bool:
-        impl = self.impl
-        if impl is not None:
-            return bool(impl.check(*tensors))
-        if not self.metas:
-            return True
-        try:
-            return [tensor_meta(t) for t in tensors] == self.metas
-        except Exception:
-            return False
-
-
-class _Entry:
-    """One signature: its trace and its current recording."""
-
-    __slots__ = (
-        "key", "spec", "tpos", "consts", "statics", "guard", "plan", "rec", "first_refs",
-        "calls", "cuda", "any_rg", "must_static", "alias", "n_leaves", "bwd", "const_vals", "parts",
-    )
-
-    def __init__(self, key: Hashable, spec: Any, leaves: Sequence[Any], tpos: List[int], statics: Any, plan: Plan, cuda: bool, alias: Tuple[int, ...]):
-        self.key = key
-        self.spec = spec
-        self.tpos = tpos
-        self.n_leaves = len(leaves)
-        tset = set(tpos)
-        self.consts = [(i, static_leaf_key(leaves[i])) for i in range(len(leaves)) if i not in tset]
-        self.const_vals = {i: leaves[i] for i, _ in self.consts}
-        self.statics = statics
-        tensors = [leaves[i] for i in tpos]
-        self.guard = _Guard(tensors)
-        self.plan = plan
-        self.rec: Optional[Recording] = None
-        self.first_refs: Optional[List[Any]] = None
-        self.calls = 0
-        self.cuda = cuda
-        self.any_rg = any(t.requires_grad for t in tensors)
-        self.alias = alias
-        must = set()
-        if plan.mutated and alias:
-            groups: Dict[int, List[int]] = {}
-            for i, gid in enumerate(alias):
-                if gid >= 0:
-                    groups.setdefault(gid, []).append(i)
-            for members in groups.values():
-                if any(i in plan.mutated for i in members):
-                    must.update(members)
-        self.must_static = must
-        self.bwd: Dict[Tuple[bool, ...], Graphified[Any, Any]] = {}
-        self.parts: Dict[Tuple[bool, ...], Any] = {}
-
-    def partition_for(self, need: Tuple[bool, ...], owner: Graphified[Any, Any]) -> Any:
-        """The partitioned forward/backward for these inputs (``None``: recompute instead)."""
-        if need in self.parts:
-            return self.parts[need]
-        part = None
-        if any(need):
-            try:
-                with torch.enable_grad(), _clear_functorch():
-                    part = build_partition(self.plan, self.guard.metas, need, owner)
-            except Exception as exc:  # the recompute path is always available
-                log.info("%s: partitioning failed (%s); the backward recomputes the forward", owner._desc, exc)
-                part = None
-        self.parts[need] = part
-        return part
-
-    def backward_for(self, need: Tuple[bool, ...], owner: Graphified[Any, Any]) -> Graphified[Any, Any]:
-        """The graphified backward of this signature for these needed inputs."""
-        g = self.bwd.get(need)
-        if g is None:
-            fn = make_backward(self.plan, need)
-            fn.__qualname__ = fn.__name__ = f"backward of {owner._desc}"
-            g = self.bwd[need] = Graphified(fn, maxsize=8, fuse=owner._fuse)
-        return g
-
-    def match(self, leaves: Sequence[Any], statics: Any) -> bool:
-        if len(leaves) != self.n_leaves or statics != self.statics:
-            return False
-        for i, k in self.consts:
-            try:
-                if static_leaf_key(leaves[i]) != k:
-                    return False
-            except TypeError:
-                return False
-        tensors = [leaves[i] for i in self.tpos]
-        if not self.guard.check(tensors):
-            return False
-        if self.must_static or (self.plan.mutated and self.alias):
-            return _alias_pattern(tensors) == self.alias
-        return True
-
-
-def _sig_brief(e: _Entry, tensors: Sequence[torch.Tensor]) -> str:
-    parts = [f"{p}: {m[3]}{list(m[1])}" for p, m in zip(e.plan.in_paths, e.guard.metas)]
-    s = ", ".join(parts[:4])
-    return s + (f", ... ({len(parts)} tensors)" if len(parts) > 4 else "")
-
-
-def _diff_leaves(e: _Entry, leaves: Sequence[Any], paths: Sequence[str]) -> List[str]:
-    out: List[str] = []
-    tpos = {p: k for k, p in enumerate(e.tpos)}
-    for i, x in enumerate(leaves):
-        if i in tpos:
-            old = e.guard.metas[tpos[i]]
-            if not isinstance(x, torch.Tensor):
-                out.append(f"{paths[i]}: tensor -> {type(x).__name__}")
-                continue
-            new = tensor_meta(x)
-            for j, name in ((1, "shape"), (3, "dtype"), (2, "strides"), (5, "requires_grad"), (4, "device"), (0, "type")):
-                if old[j] != new[j]:
-                    out.append(f"{paths[i]}: {name} {old[j]} -> {new[j]}")
-        else:
-            old_v = e.const_vals.get(i)
-            if isinstance(x, torch.Tensor):
-                out.append(f"{paths[i]}: static {type(old_v).__name__} -> tensor")
-            else:
-                try:
-                    same = static_leaf_key(x) == static_leaf_key(old_v)
-                except TypeError:
-                    same = False
-                if not same:
-                    out.append(f"{paths[i]}: static value {old_v!r} -> {x!r}")
-    return out
-
-
 def _only_grad_transforms() -> bool:
     """Whether every active torch.func transform is grad/vjp (no vmap, jvp)."""
     try:
@@ -253,44 +101,6 @@ def _only_grad_transforms() -> bool:
         return all(i.key() == _GRAD for i in retrieve_all_functorch_interpreters())
     except Exception:  # pragma: no cover
         return False
-
-
-def _alias_pattern(tensors: Sequence[torch.Tensor]) -> Tuple[int, ...]:
-    """Which tensor inputs share storage: a group id per input, -1 if alone."""
-    seen: Dict[int, int] = {}
-    ids = []
-    for t in tensors:
-        c = t.untyped_storage()._cdata
-        ids.append(seen.setdefault(c, len(seen)))
-    counts: Dict[int, int] = {}
-    for g in ids:
-        counts[g] = counts.get(g, 0) + 1
-    if all(c == 1 for c in counts.values()):
-        return ()
-    return tuple(g if counts[g] > 1 else -1 for g in ids)
-
-
-class _ThreadState:
-    __slots__ = ("cache", "last", "pool", "fast", "fast_rec", "fast_statics", "__weakref__")
-
-    def __init__(self, pool: PoolState):
-        self.cache: OrderedDict[Hashable, _Entry] = OrderedDict()
-        self.last: Optional[_Entry] = None
-        self.pool = pool
-        self.fast: Any = None  # generated fast call of the last settled recording
-        self.fast_rec: Any = None
-        self.fast_statics: Any = None
-
-    def clear(self) -> None:
-        for e in self.cache.values():
-            if e.rec is not None:
-                e.rec.close()
-        self.cache.clear()
-        self.last = None
-        self.drop_fast()
-
-    def drop_fast(self) -> None:
-        self.fast = self.fast_rec = self.fast_statics = None
 
 
 class Graphified(Generic[P, R]):
@@ -343,13 +153,10 @@ class Graphified(Generic[P, R]):
         self._pool = pool
         self._maxsize = maxsize
         self._tls = threading.local()
-        self._states: weakref.WeakSet[_ThreadState] = weakref.WeakSet()
+        self._states: weakref.WeakSet[ThreadState] = weakref.WeakSet()
         self._hits = 0
         self._misses = 0
-        self._miss_log: List[Any] = []
-        self._miss_keys: set = set()
-        self._warned_consts = False
-        self._warned = False
+        self._storm = StormDetector(self._desc)
         # __wrapped__, __name__, __qualname__, __doc__, __module__ (not __dict__:
         # fn may be an nn.Module)
         try:
@@ -370,46 +177,52 @@ class Graphified(Generic[P, R]):
                 out = st.fast((args, kwargs))
                 if out is not MISS:
                     return out  # type: ignore[no-any-return]
-        if interp is not None:
-            return self._call_transformed(interp, args, kwargs, statics)
+            return self._call_generic(args, kwargs, statics)  # type: ignore[no-any-return]
+        return self._call_transformed(interp, args, kwargs, statics)  # type: ignore[no-any-return]
+
+    def _call_generic(self, args: Any, kwargs: Any, statics: Any) -> Any:
         leaves, spec = flatten((args, kwargs))
-        e, st = self._entry_for(leaves, spec, statics, (args, kwargs))
+        e, st, tensors = self._entry_for(leaves, spec, statics, (args, kwargs))
+        if e is None:
+            return self._fallback(args, kwargs, statics)
         if e.any_rg and _is_grad_enabled():
             self._hits -= 1  # counted again inside the autograd wrapper
-            return call_with_autograd(self, leaves, spec, e.tpos, statics)
-        if e.plan.grad_consts and _is_grad_enabled() and not self._warned_consts:
-            self._warned_consts = True
-            warnings.warn(
-                f"{self._desc} reads tensors that require grad but are not among its inputs "
-                "(closed over, e.g. an nn.Module's parameters): its outputs do not require grad and no "
-                "gradient will reach those tensors. For inference, call it under torch.no_grad(); to "
-                "train, pass the parameters as inputs (torch.func.functional_call).",
-                UserWarning,
-                stacklevel=2,
-            )
-        return e.plan.assemble(self._run_flat(e, st, [leaves[i] for i in e.tpos]))
+            return call_with_autograd(self, e, leaves, spec, statics, tensors)
+        return e.plan.assemble(self._run_flat(e, st, tensors))
 
     def _call_plain(self, args: Any, kwargs: Any, statics: Any) -> Any:
         """A call that is never differentiated (used for backward passes)."""
         leaves, spec = flatten((args, kwargs))
-        e, st = self._entry_for(leaves, spec, statics)
-        return e.plan.assemble(self._run_flat(e, st, [leaves[i] for i in e.tpos]))
+        e, st, tensors = self._entry_for(leaves, spec, statics)
+        if e is None:  # pragma: no cover - backward halves touch no state
+            return self._fallback(args, kwargs, statics)
+        return e.plan.assemble(self._run_flat(e, st, tensors))
 
-    def _entry_for(self, leaves: List[Any], spec: Any, statics: Any, tree: Any = None) -> Tuple[_Entry, _ThreadState]:
-        """The entry of these leaves' signature (looked up or traced), and the thread's state."""
+    def _entry_for(self, leaves: List[Any], spec: Any, statics: Any, tree: Any = None) -> Tuple[Optional[Entry], ThreadState, List[torch.Tensor]]:
+        """The entry of this call's signature (looked up or traced), the thread's state, and the call's tensors.
+
+        The tensors are the caller's tensor leaves followed by the state the
+        function reads. The entry is ``None`` when this call must run eagerly
+        (the first call of a signature that touches state).
+        """
         try:
             st = self._tls.state
         except AttributeError:
             st = self._new_state()
         e = st.last
-        if e is None or e.spec != spec or not e.match(leaves, statics):
-            args, kwargs = tree if tree is not None else unflatten(spec, leaves)
-            e = self._lookup(st, leaves, spec, args, kwargs, statics, record=True)
-        else:
-            self._hits += 1
-        return e, st
+        if e is not None and e.spec == spec:
+            state = e.resolve_state() if e.state_src else []
+            if state is not None and e.match(leaves, statics, state):
+                self._hits += 1
+                return e, st, [leaves[i] for i in e.tpos] + state
+        args, kwargs = tree if tree is not None else unflatten(spec, leaves)
+        found = self._lookup(st, leaves, spec, args, kwargs, statics, record=True)
+        if found is None:
+            return None, st, []
+        e, state = found
+        return e, st, [leaves[i] for i in e.tpos] + state
 
-    def _run_flat(self, e: _Entry, st: _ThreadState, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
+    def _run_flat(self, e: Entry, st: ThreadState, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
         lock = st.pool.lock
         if lock is None:
             return self._run(e, tensors)
@@ -424,8 +237,16 @@ class Graphified(Generic[P, R]):
         """
         if interp.key() == _GRAD and _only_grad_transforms():
             leaves, spec = flatten((args, kwargs))
-            tpos = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
-            return call_with_autograd(self, leaves, spec, tpos, statics)
+            # the signature is looked up on the tensors under torch.func's wrappers,
+            # as the autograd wrapper's forward will see them
+            plain = [unwrap_functorch(x)[0] if isinstance(x, torch.Tensor) else x for x in leaves]
+            with no_functorch():
+                e, _st, tensors = self._entry_for(plain, spec, statics)
+            if e is None:
+                return self._fallback(args, kwargs, statics)
+            self._hits -= 1  # counted again inside the autograd wrapper
+            tensors = [leaves[i] for i in e.tpos] + tensors[e.n_user:]
+            return call_with_autograd(self, e, leaves, spec, statics, tensors)
         return self._fallback(args, kwargs, statics)
 
     def trace(self, *args: P.args, **kwargs: P.kwargs) -> torch.fx.GraphModule:
@@ -453,8 +274,9 @@ class Graphified(Generic[P, R]):
             st = self._tls.state
         except AttributeError:
             st = self._new_state()
-        e = self._lookup(st, leaves, spec, args, kwargs, statics, record=False)
-        return e.plan.gm
+        found = self._lookup(st, leaves, spec, args, kwargs, statics, record=False)
+        assert found is not None
+        return found[0].plan.gm
 
     def cache_info(self) -> CacheInfo:
         """Hits, misses, maxsize and current size of the signature cache.
@@ -496,12 +318,16 @@ class Graphified(Generic[P, R]):
         return f"<{self._desc}>"
 
     # -- internals -----------------------------------------------------------
-    def _new_state(self) -> _ThreadState:
+    def _new_state(self) -> ThreadState:
         pool = self._pool._state if self._pool is not None else PoolState()
-        st = _ThreadState(pool)
+        st = ThreadState(pool)
         self._tls.state = st
         self._states.add(st)
         return st
+
+    def _spawn(self, fn: Callable[..., Any]) -> Graphified[Any, Any]:
+        """A graphified helper (a forward or backward half) with this function's options."""
+        return Graphified(fn, maxsize=8, fuse=self._fuse)
 
     def _split(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[Tuple[Any, ...], Dict[str, Any], Tuple[Any, ...]]:
         statics: List[Tuple[Any, Any]] = []
@@ -547,55 +373,70 @@ class Graphified(Generic[P, R]):
         kw.update(kwargs)
         return self._fn(*a, **kw)
 
-    def _lookup(self, st: _ThreadState, leaves: List[Any], spec: Any, args: Any, kwargs: Any, statics: Tuple[Any, ...], record: bool) -> _Entry:
+    def _key(self, leaves: List[Any], spec: Any, args: Any, kwargs: Any, statics: Tuple[Any, ...]) -> Tuple[Any, List[Any], List[int], Optional[torch.device], List[str]]:
+        """The cache key of a call (validating its leaves), its parts and tensor positions."""
         parts: List[Any] = []
         tpos: List[int] = []
-        paths: Optional[List[str]] = None
+        paths: List[str] = []
         device = None
+
+        def get_paths() -> List[str]:
+            if not paths:
+                paths.extend(leaf_paths((args, kwargs)))
+            return paths
+
         for i, x in enumerate(leaves):
             if isinstance(x, torch.Tensor):
                 if type(x) is not torch.Tensor and type(x) is not _Parameter:
-                    if paths is None:
-                        paths = leaf_paths((args, kwargs))
-                    _bad_tensor(self._desc, paths[i], x)
+                    _bad_tensor(self._desc, get_paths()[i], x)
                 if x.layout != torch.strided or x.is_nested or x.device.type == "meta":
-                    if paths is None:
-                        paths = leaf_paths((args, kwargs))
-                    _bad_tensor(self._desc, paths[i], x)
+                    _bad_tensor(self._desc, get_paths()[i], x)
                 if device is None:
                     device = x.device
                 elif x.device != device:
-                    if paths is None:
-                        paths = leaf_paths((args, kwargs))
-                    _mixed_devices(self._desc, leaves, paths)
+                    _mixed_devices(self._desc, leaves, get_paths())
                 parts.append(tensor_meta(x))
                 tpos.append(i)
             else:
                 try:
                     parts.append(static_leaf_key(x))
                 except TypeError:
-                    if paths is None:
-                        paths = leaf_paths((args, kwargs))
                     raise TypeError(
-                        f"{self._desc}: the non-tensor leaf {paths[i]} of type {type(x).__name__} is not "
+                        f"{self._desc}: the non-tensor leaf {get_paths()[i]} of type {type(x).__name__} is not "
                         "hashable. Non-tensor leaves are static: their values are part of the cache key. "
                         "Fix: pass it as a tensor, make it hashable (e.g. a tuple instead of a list), or "
                         "register its type as a pytree node with optree (namespace='gtransform')."
                     ) from None
-        tensors = [leaves[i] for i in tpos]
-        alias = _alias_pattern(tensors)
-        key = (spec, tuple(parts), alias, statics)
+        alias = alias_pattern([leaves[i] for i in tpos])
+        return (spec, tuple(parts), alias, statics), parts, tpos, device, paths
+
+    def _lookup(self, st: ThreadState, leaves: List[Any], spec: Any, args: Any, kwargs: Any, statics: Tuple[Any, ...], record: bool) -> Optional[Tuple[Entry, List[torch.Tensor]]]:
+        """Find or trace the signature of a call.
+
+        Returns:
+            The entry and the call's state tensors, or ``None`` when the call
+            must run eagerly: the first call of a signature that touches state
+            (lazily created state, such as optimizer moments, then exists as
+            real tensors before anything is recorded).
+        """
+        key, parts, tpos, device, paths = self._key(leaves, spec, args, kwargs, statics)
         e = st.cache.get(key)
         if e is not None:
-            st.cache.move_to_end(key)
-            if record:
-                self._hits += 1
-            st.last = e
-            return e
+            state = e.resolve_state() if e.state_src else []
+            if state is not None and e.match(leaves, statics, state):
+                st.cache.move_to_end(key)
+                if record:
+                    self._hits += 1
+                st.last = e
+                return e, state
+            if log.isEnabledFor(logging.INFO):
+                log.info("%s: tracing a signature again: %s", self._desc,
+                         "; ".join(diff_leaves(e, leaves, paths or leaf_paths((args, kwargs)))) or "its state changed")
+            st.drop(e)
         self._misses += 1
-        if paths is None:
+        if not paths:
             paths = leaf_paths((args, kwargs))
-        self._note_miss(spec, parts, paths, statics)
+        self._storm.note(spec, parts, paths, statics, stacklevel=5)
         in_paths = [paths[i] for i in tpos]
         cuda = device is not None and device.type == "cuda"
         template = list(leaves)
@@ -611,11 +452,28 @@ class Graphified(Generic[P, R]):
                 kw.update(skw)
             return a, kw
 
+        tensors = [leaves[i] for i in tpos]
         specs = [(tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad) for t in tensors]
-        plan = trace(self._fn, rebuild, specs, in_paths, self._desc, cuda)
+        extra = [(paths[i], x) for i, x in enumerate(leaves) if not isinstance(x, torch.Tensor)]
+        extra += [(f"static {w}", v) for w, v in statics]
+        roots = find_roots(self._fn, extra)
+        plan = trace(self._fn, rebuild, specs, in_paths, self._desc, cuda, roots)
         if device is None and plan.uses_cuda and torch.cuda.is_available():
             cuda = True
-        e = _Entry(key, spec, leaves, tpos, statics, plan, cuda, alias)
+        warm = not plan.touches_state or key in st.warmed
+        if record and not warm:
+            st.warmed.add(key)
+            if log.isEnabledFor(logging.INFO):
+                log.info("%s: this signature touches state (%d state tensors, %d written back): its first "
+                         "call runs eagerly, the next one is recorded", self._desc, len(plan.state),
+                         len(plan.escape_slots))
+            return None
+        e = Entry(key, spec, leaves, tpos, statics, plan, cuda)
+        if plan.touches_state:
+            e.env = env_key_fn(plan.roots)
+            e.env_val = e.env() if e.env is not None else None
+        if not warm:
+            return e, list(plan.state)  # f.trace(...) before the first call: not kept
         st.cache[key] = e
         if self._maxsize is not None:
             while len(st.cache) > self._maxsize:
@@ -627,24 +485,9 @@ class Graphified(Generic[P, R]):
                 if st.last is old:
                     st.last = None
         st.last = e
-        return e
+        return e, list(plan.state)
 
-    def _note_miss(self, spec: Any, parts: List[Any], paths: List[str], statics: Any) -> None:
-        """Warn once when the function keeps recording new signatures."""
-        if self._warned:
-            return
-        key = (spec, tuple(parts), statics)
-        if key in self._miss_keys:  # the same signature in another thread, or after eviction
-            return
-        self._miss_keys.add(key)
-        log = self._miss_log
-        log.append((spec, tuple(parts), tuple(paths), statics))
-        if len(log) <= STORM_THRESHOLD:
-            return
-        self._warned = True
-        warnings.warn(RerecordWarning(_explain_storm(self._desc, log)), stacklevel=4)
-
-    def _run(self, e: _Entry, tensors: List[torch.Tensor]) -> Any:
+    def _run(self, e: Entry, tensors: List[torch.Tensor]) -> Any:
         rec = e.rec
         st = self._tls.state
         if st.fast_rec is not None and st.fast_rec is not rec:
@@ -652,7 +495,7 @@ class Graphified(Generic[P, R]):
             st.drop_fast()
         e.calls += 1
         if rec is None:
-            static = set(e.must_static)
+            static = set(e.must_static) | e.state_static
             static.update(i for i, t in enumerate(tensors) if type(t) is _Parameter)
             rec = e.rec = self._record(e, tensors, static)
             e.first_refs = [weakref.ref(t) for t in tensors]
@@ -663,11 +506,9 @@ class Graphified(Generic[P, R]):
             e.first_refs = None
             same = [i for i in rec.copy_idx if refs[i]() is tensors[i]]
             if same or not rec.statics_ok(tensors):
-                keep = [i for j, i in enumerate(rec.static_idx) if tensors[i].data_ptr() == rec.static_ptrs[j]]
-                rec = e.rec = self._rerecord(e, rec, tensors, set(same) | set(keep) | e.must_static)
+                rec = e.rec = self._rerecord(e, rec, tensors, set(same) | self._kept(e, rec, tensors))
         elif rec.static_idx and not rec.statics_ok(tensors):
-            keep = [i for j, i in enumerate(rec.static_idx) if tensors[i].data_ptr() == rec.static_ptrs[j]]
-            rec = e.rec = self._rerecord(e, rec, tensors, set(keep) | e.must_static)
+            rec = e.rec = self._rerecord(e, rec, tensors, self._kept(e, rec, tensors))
         out = rec.run_flat(tensors)
         if e.first_refs is None:
             if st.fast_rec is not rec:
@@ -676,11 +517,26 @@ class Graphified(Generic[P, R]):
                     try:
                         fast = rec.fast = build_fast_path(self, e, rec, st.pool)
                     except Exception:  # pragma: no cover - the generic path still works
+                        log.debug("%s: no fast path", self._desc, exc_info=True)
                         fast = rec.fast = None
                 st.fast, st.fast_rec, st.fast_statics = fast, rec, e.statics
         return out
 
-    def _rerecord(self, e: _Entry, old: Recording, tensors: List[torch.Tensor], static: Any) -> Recording:
+    @staticmethod
+    def _kept(e: Entry, rec: Recording, tensors: List[torch.Tensor]) -> set:
+        """Inputs to keep reading in place when re-recording: those still at their address.
+
+        A state tensor that moved (``.data =``, ``module.to()``) is read in place
+        at its new address; one that moves again is copied from then on.
+        """
+        keep = {i for j, i in enumerate(rec.static_idx) if tensors[i].data_ptr() == rec.static_ptrs[j]}
+        moved = {i for j, i in enumerate(rec.static_idx) if i not in keep and i in e.state_static}
+        if moved:
+            e.state_static = e.state_static - (moved & rec.moved_once)
+            rec.moved_once |= moved
+        return keep | e.must_static | (e.state_static & moved)
+
+    def _rerecord(self, e: Entry, old: Recording, tensors: List[torch.Tensor], static: Any) -> Recording:
         """Record the signature again with other in-place inputs.
 
         Output objects the caller dropped keep their identity.
@@ -690,20 +546,21 @@ class Graphified(Generic[P, R]):
                      self._desc, [e.plan.in_paths[i] for i in sorted(static)],
                      [e.plan.in_paths[i] for i in old.static_idx])
         new = self._record(e, tensors, static)
+        new.moved_once = old.moved_once
         new.adopt_outputs(old)  # old is closed after new's first replay
         st = self._tls.state
         if st.fast_rec is old:
             st.drop_fast()
         return new
 
-    def _record(self, e: _Entry, tensors: List[torch.Tensor], static: Any) -> Recording:
+    def _record(self, e: Entry, tensors: List[torch.Tensor], static: Any) -> Recording:
         st = self._tls.state
         t0 = time.perf_counter()
         rec = make_recording(e.plan, tensors, sorted(static), st.pool, self._desc, e.cuda, self._fuse)
         if log.isEnabledFor(logging.INFO):
             log.info(
                 "%s: recorded %s (%s): %d ops, %d inputs (%d read in place, %d copied), %d outputs, %.1f ms",
-                self._desc, "a CUDA graph" if e.cuda else "the traced graph", _sig_brief(e, tensors),
+                self._desc, "a CUDA graph" if e.cuda else "the traced graph", sig_brief(e),
                 e.plan.op_count, len(tensors), len(rec.static_idx), len(rec.copy_idx),
                 len(e.plan.out_entries), (time.perf_counter() - t0) * 1e3,
             )
@@ -742,7 +599,8 @@ class Graphified(Generic[P, R]):
                 how = "read in place" if i in static else ("copied" if rec else "-")
                 if i in e.plan.mutated:
                     how += ", updated in place"
-                lines.append(f"  in  {path}: {meta[3]} {list(meta[1])} ({how})")
+                what = "state" if i >= e.n_user else "in   "
+                lines.append(f"  {what} {path}: {meta[3]} {list(meta[1])} ({how})")
             for i, v in e.const_vals.items():
                 lines.append(f"  static leaf {i}: {v!r}")
             for k, oe in enumerate(e.plan.out_entries):
@@ -752,6 +610,14 @@ class Graphified(Generic[P, R]):
                     lines.append(f"  out {k}: {'the' if oe.identical else 'a view of the'} caller's input {e.plan.in_paths[oe.index]}")
                 else:
                     lines.append(f"  out {k}: pool tensor")
+            for slot in e.plan.escape_slots:
+                lines.append(f"  written back after each call: {slot.path}")
+            for c in e.plan.py_changes:
+                lines.append(f"  Python value changed while tracing (not replayed): {c.path}: {c.old!r} -> {c.new!r}")
+            if e.plan.touches_state:
+                lines.append("  first call: ran eagerly (the signature touches state); recorded on the second call")
+                if e.env is not None:
+                    lines.append(f"  also keyed on: {getattr(e.env, 'describe', 'module and optimizer settings')}")
             if rec:
                 buf = sum(b.numel() * b.element_size() for b in rec.bufs)
                 pool = sum(g.base.untyped_storage().nbytes() for g in rec.groups)
@@ -784,8 +650,10 @@ class Graphified(Generic[P, R]):
         st = self._tls.__dict__.get("state")
         entries = list(st.cache.values()) if st is not None else []
         for e in entries:
-            if e.spec == spec and e.match(leaves, statics):
-                return f"{self._desc}: replays a recorded signature (hit)"
+            if e.spec == spec:
+                state = e.resolve_state() if e.state_src else []
+                if state is not None and e.match(leaves, statics, state):
+                    return f"{self._desc}: replays a recorded signature (hit)"
         if not entries:
             return f"{self._desc}: nothing recorded yet in this thread (miss)"
         paths = leaf_paths((args, kwargs))
@@ -793,7 +661,7 @@ class Graphified(Generic[P, R]):
         for e in entries:
             if e.spec != spec:
                 continue
-            diff = _diff_leaves(e, leaves, paths)
+            diff = diff_leaves(e, leaves, paths)
             if best_diff is None or len(diff) < len(best_diff):
                 best, best_diff = e, diff
         if best is None:
@@ -825,63 +693,6 @@ class _BoundGraphified:
 
     def cache_clear(self) -> None:
         self._g.cache_clear()
-
-
-STORM_THRESHOLD = 16
-
-
-class RerecordWarning(UserWarning):
-    """A graphified function keeps recording new signatures.
-
-    Each new signature (tree structure, tensor shapes/dtypes/strides, values
-    of non-tensor leaves) costs a trace and a recording. The warning names the
-    part of the signature that keeps changing and how to keep it stable:
-    pass changing Python numbers as tensors, pad inputs to a few fixed
-    shapes, or keep the structure of the arguments fixed.
-
-    Examples:
-        >>> import warnings, torch, gtransform as gt
-        >>> f = gt.graphify(lambda x, s: x * s)
-        >>> with warnings.catch_warnings(record=True) as w:
-        ...     warnings.simplefilter("always")
-        ...     for i in range(20):
-        ...         _ = f(torch.ones(2), float(i))
-        >>> issubclass(w[0].category, gt.RerecordWarning)
-        True
-    """
-
-
-def _explain_storm(desc: str, log: List[Any]) -> str:
-    n = len(log)
-    specs = {id(x[0]): x[0] for x in log}
-    lines = [f"{desc} has recorded {n} new signatures (more than {STORM_THRESHOLD}); each costs a trace and a recording."]
-    same = [x for x in log if x[0] == log[-1][0]]
-    if len({str(s) for s in specs.values()}) > 1 and len(same) < n // 2:
-        lines.append("The structure of the arguments keeps changing (different containers, keys or lengths). "
-                     "Fix: keep the argument tree fixed; pass varying collections as tensors.")
-    parts = [x[1] for x in same]
-    paths = same[-1][2]
-    for i in range(len(parts[-1])):
-        values = {p[i] for p in parts if i < len(p)}
-        if len(values) <= 1:
-            continue
-        sample = parts[-1][i]
-        path = paths[i] if i < len(paths) else f"leaf {i}"
-        if isinstance(sample, tuple) and len(sample) == 6 and isinstance(sample[3], torch.dtype):
-            what = []
-            for j, name in ((1, "shape"), (3, "dtype"), (2, "strides"), (5, "requires_grad"), (4, "device")):
-                if len({p[i][j] for p in parts}) > 1:
-                    what.append(name)
-            lines.append(f"{path} (a tensor) changed {', '.join(what) or 'layout'} {len(values)} times. "
-                         "Fix: pad or bucket inputs to a few fixed shapes, and keep dtypes and layouts fixed.")
-        else:
-            typ = sample[0].__name__ if isinstance(sample, tuple) and sample and isinstance(sample[0], type) else "value"
-            lines.append(f"{path} (a Python {typ}) took {len(values)} values: non-tensor leaves are static, so "
-                         "each value is a new signature. Fix: pass it as a tensor (torch.tensor(v, device=...)).")
-    stat = {x[3] for x in same}
-    if len(stat) > 1:
-        lines.append(f"the static arguments took {len(stat)} values. Fix: do not mark changing arguments static.")
-    return "\n".join(lines)
 
 
 def _resolve_static(fn: Callable[..., Any], nums: Tuple[int, ...], names: Tuple[str, ...], desc: str) -> Tuple[Tuple[int, ...], Tuple[str, ...]]:

@@ -21,8 +21,10 @@ from typing import Any, List, Sequence, Tuple
 import torch
 
 from ._errors import GraphifyError
+from ._log import log
+from ._partition import build_partition
 
-__all__ = ["call_with_autograd", "GraphFn"]
+__all__ = ["call_with_autograd", "GraphFn", "partition_for", "backward_for", "unwrap", "no_functorch"]
 
 try:
     _peek = torch._C._functorch.peek_interpreter_stack
@@ -40,7 +42,7 @@ except ImportError:  # pragma: no cover
     _clear_stack = None  # type: ignore[assignment]
 
 
-class _no_functorch:
+class no_functorch:
     """Run the backward recording outside torch.func's interpreters (first order)."""
 
     def __enter__(self) -> None:
@@ -53,7 +55,7 @@ class _no_functorch:
             self.cm.__exit__(*exc)
 
 
-def _unwrap(t: torch.Tensor) -> Tuple[torch.Tensor, int]:
+def unwrap(t: torch.Tensor) -> Tuple[torch.Tensor, int]:
     """The plain tensor under torch.func's wrappers, and how many there were.
 
     The count is ``-1`` if one of them is a vmap batch: then the backward must
@@ -109,11 +111,45 @@ class _Box:
         self.g = g
         self.template = template
         self.spec = spec
-        self.tpos = tpos
+        self.tpos = tpos  # positions of the caller's tensors; state tensors follow them
         self.statics = statics
         self.need = need
         self.entry: Any = None
         self.part: Any = None
+
+
+def partition_for(e: Any, need: Tuple[bool, ...], owner: Any) -> Any:
+    """The partitioned forward/backward of signature ``e`` for these inputs (``None``: recompute instead)."""
+    if need in e.parts:
+        return e.parts[need]
+    part = None
+    if any(need) and not e.plan.mutated:
+        try:
+            with torch.enable_grad(), _clear_stack() if _clear_stack is not None else _Null():
+                part = build_partition(e.plan, e.guard.metas, need, owner)
+        except Exception as exc:  # the recompute path is always available
+            log.info("%s: partitioning failed (%s); the backward recomputes the forward", owner._desc, exc)
+            part = None
+    e.parts[need] = part
+    return part
+
+
+def backward_for(e: Any, need: Tuple[bool, ...], owner: Any) -> Any:
+    """The graphified backward of signature ``e`` for these needed inputs."""
+    g = e.bwd.get(need)
+    if g is None:
+        fn = make_backward(e.plan, need)
+        fn.__qualname__ = fn.__name__ = f"backward of {owner._desc}"
+        g = e.bwd[need] = owner._spawn(fn)
+    return g
+
+
+class _Null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
 
 
 class GraphFn(torch.autograd.Function):
@@ -127,9 +163,12 @@ class GraphFn(torch.autograd.Function):
         leaves = list(box.template)
         for p, t in zip(box.tpos, tensors):
             leaves[p] = t
-        e, st = g._entry_for(leaves, box.spec, box.statics)
-        if e.plan.mutated:
-            paths = ", ".join(e.plan.in_paths[i] for i in sorted(e.plan.mutated))
+        e, st, _ = g._entry_for(leaves, box.spec, box.statics)
+        if e is None:  # pragma: no cover - the caller resolved the entry just before
+            raise GraphifyError(f"{g._desc}: internal error: the signature vanished between two lookups")
+        bad = [i for i in e.plan.mutated if box.need[i]]
+        if bad:
+            paths = ", ".join(e.plan.in_paths[i] for i in sorted(bad))
             raise GraphifyError(
                 f"{g._desc}: the function updates its inputs in place ({paths}) and is being "
                 "differentiated.\nWhy: in-place updates of inputs are not supported through "
@@ -137,18 +176,8 @@ class GraphFn(torch.autograd.Function):
                 "Fix: return the new values instead of updating the inputs in place, or call the "
                 "function under torch.no_grad()."
             )
-        if e.plan.grad_consts:
-            raise GraphifyError(
-                f"{g._desc}: the function reads {e.plan.grad_consts} tensor(s) that require grad but are "
-                "not among its inputs (closed over, e.g. an nn.Module's parameters), and it is being "
-                "differentiated.\nWhy: gradients only flow to the inputs of a graphified function; "
-                "those tensors would silently get no gradient.\n"
-                "Fix: pass them as inputs, e.g. graphify(lambda params, x: "
-                "torch.func.functional_call(model, params, (x,)))(dict(model.named_parameters()), x); "
-                "or, for inference, call under torch.no_grad()."
-            )
         box.entry = e
-        part = e.partition_for(box.need, g)
+        part = partition_for(e, box.need, g)
         if part is not None:
             box.part = part
             res = part.fw._call_plain(tuple(tensors), {}, ())
@@ -184,21 +213,21 @@ class GraphFn(torch.autograd.Function):
         need = tuple(bool(n) for n in ctx.needs_input_grad[1:])
         if box.part is not None:
             return (None, *_partitioned_backward(box, ctx.saved_tensors, grads, need))
-        bwd = box.entry.backward_for(need, box.g)
+        bwd = backward_for(box.entry, need, box.g)
         create_graph = torch.is_grad_enabled()
-        batched = any(_unwrap(t)[1] < 0 for t in list(ctx.saved_tensors) + list(grads))
+        batched = any(unwrap(t)[1] < 0 for t in list(ctx.saved_tensors) + list(grads))
         if batched:
             res = _eager_backward(box.entry.plan.gm, ctx.saved_tensors, grads, need)
             return (None, *[res.pop(0) if n else None for n in need])
-        with _no_functorch():
+        with no_functorch():
             prims, depth = [], 0
             for p in ctx.saved_tensors:
-                t, n = _unwrap(p)
+                t, n = unwrap(p)
                 prims.append(t)
                 depth = max(depth, n)
             tangents = []
             for gr in grads:
-                t, n = _unwrap(gr)
+                t, n = unwrap(gr)
                 tangents.append(t)
                 depth = max(depth, n)
             # torch.func runs backward with grad mode on and tangents wrapped
@@ -220,15 +249,15 @@ class GraphFn(torch.autograd.Function):
 def _partitioned_backward(box: _Box, saved: Sequence[torch.Tensor], grads: Sequence[Any], need: Sequence[bool]) -> List[Any]:
     part = box.part
     tangents = [g for g, d in zip(grads[: part.n_out], part.diff_out) if d]
-    if any(_unwrap(t)[1] < 0 for t in list(saved) + list(tangents)):
+    if any(unwrap(t)[1] < 0 for t in list(saved) + list(tangents)):
         # vmap over the backward (jacrev): the backward graph, eagerly
         res = list(part.bw_gm(*saved, *tangents))
     else:
         create_graph = torch.is_grad_enabled()
-        with _no_functorch():
+        with no_functorch():
             plain, depth = [], 0
             for t in list(saved) + list(tangents):
-                u, n = _unwrap(t)
+                u, n = unwrap(t)
                 plain.append(u)
                 depth = max(depth, n)
             if depth > 1 or (depth == 0 and create_graph):
@@ -244,10 +273,14 @@ def make_backward(plan: Any, need: Sequence[bool]) -> Any:
     """
     gm = plan.gm
     diff = [i for i, n in enumerate(need) if n]
+    mutated = set(plan.mutated)
 
     def backward(primals: List[torch.Tensor], tangents: List[torch.Tensor]) -> List[torch.Tensor]:
         with torch.enable_grad():
-            ps = [p.detach().requires_grad_(True) if i in diff else p.detach() for i, p in enumerate(primals)]
+            # inputs the forward updates in place (BatchNorm's running stats) are
+            # cloned: recomputing the forward must not update them a second time
+            ps = [p.detach().requires_grad_(True) if i in diff else
+                  (p.detach().clone() if i in mutated else p.detach()) for i, p in enumerate(primals)]
             outs = gm(*ps)
             pairs = [(o, t) for o, t in zip(outs, tangents) if o.requires_grad]
             wrt = [ps[i] for i in diff]
@@ -260,11 +293,15 @@ def make_backward(plan: Any, need: Sequence[bool]) -> Any:
     return backward
 
 
-def call_with_autograd(g: Any, leaves: List[Any], spec: Any, tpos: List[int], statics: Any) -> Any:
-    """Call graphified ``g`` through :class:`GraphFn` and return the output tree."""
-    tensors = [leaves[i] for i in tpos]
+def call_with_autograd(g: Any, e: Any, leaves: List[Any], spec: Any, statics: Any, tensors: List[torch.Tensor]) -> Any:
+    """Call graphified ``g`` through :class:`GraphFn` and return the output tree.
+
+    ``tensors`` are the caller's tensor leaves followed by the state the
+    function reads: gradients reach closed-over parameters as they reach
+    arguments.
+    """
     need = tuple(bool(t.requires_grad and (t.is_floating_point() or t.is_complex())) for t in tensors)
-    box = _Box(g, leaves, spec, tpos, statics, need)
+    box = _Box(g, leaves, spec, e.tpos, statics, need)
     outs = GraphFn.apply(box, *tensors)
     if box.part is not None:
         outs = outs[: box.part.n_out]

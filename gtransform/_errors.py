@@ -6,7 +6,7 @@ import os
 import traceback
 from typing import Optional
 
-__all__ = ["GraphifyError", "OverwrittenOutputError", "user_frame", "format_frame"]
+__all__ = ["GraphifyError", "OverwrittenOutputError", "user_frame", "innermost_frame", "format_frame", "is_library_file"]
 
 _PKG_DIR = os.path.dirname(os.path.abspath(__file__))
 _TORCH_DIR: Optional[str] = None
@@ -84,7 +84,8 @@ def _torch_dir() -> str:
     return _TORCH_DIR
 
 
-def _is_library_file(filename: str) -> bool:
+def is_library_file(filename: str) -> bool:
+    """Whether ``filename`` is torch's, ours, the standard library's or generated code."""
     path = os.path.abspath(filename)
     if path.startswith(_PKG_DIR) and not os.path.basename(path).startswith("test"):
         return True
@@ -96,7 +97,9 @@ def _is_library_file(filename: str) -> bool:
     for d in _STDLIB_DIRS:
         if path.startswith(d) and "site-packages" not in path:
             return True
-    return "site-packages/optree" in path
+    # third-party libraries (torchdiffeq, transformers...): the user's own line is
+    # further out; ``innermost_frame`` points inside them
+    return "site-packages" in path or "dist-packages" in path
 
 
 def user_frame(tb: Optional[traceback.StackSummary] = None) -> Optional[traceback.FrameSummary]:
@@ -104,8 +107,24 @@ def user_frame(tb: Optional[traceback.StackSummary] = None) -> Optional[tracebac
     if tb is None:
         tb = traceback.extract_stack()
     for fr in reversed(tb):
-        if not _is_library_file(fr.filename):
+        if not is_library_file(fr.filename):
             return fr
+    return innermost_frame(tb)
+
+
+def innermost_frame(tb: traceback.StackSummary) -> Optional[traceback.FrameSummary]:
+    """The innermost frame outside torch, gtransform and the standard library.
+
+    Unlike :func:`user_frame` it may be inside a third-party library (e.g. where
+    torchdiffeq reads a value), which is where a host read really happens.
+    """
+    for fr in reversed(tb):
+        path = os.path.abspath(fr.filename)
+        if path.startswith(_PKG_DIR) or path.startswith(_torch_dir()) or fr.filename.startswith("<"):
+            continue
+        if any(path.startswith(d) and "site-packages" not in path for d in _STDLIB_DIRS):
+            continue
+        return fr
     return None
 
 

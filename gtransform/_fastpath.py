@@ -25,7 +25,8 @@ from typing import Any, Dict, List, Optional
 import optree
 import torch
 
-from ._tree import static_leaf_key
+from ._signature import alias_pattern
+from ._tree import flatten, static_leaf_key
 
 __all__ = ["MISS", "build_fast_path"]
 
@@ -142,9 +143,27 @@ def build_fast_path(owner: Any, entry: Any, rec: Any, pool: Any) -> Any:
     flat = list(g.lines)
     for i, _k in entry.consts:
         flat.append(f"if {_const_check(g, leaves[i], entry.const_vals[i])}: return MISS")
+    # state: read again from where the function reaches it (a module's
+    # _parameters, an optimizer's state...), so replaced tensors are seen
+    state_names: List[str] = []
+    for k, (slot, const) in enumerate(entry.state_src):
+        name = f"s{k}"
+        state_names.append(name)
+        if slot is None:
+            flat.append(f"{name} = {g.const(const, 'S')}")
+        elif slot.kind == "grad":
+            flat.append(f"{name} = {g.const(slot.obj, 'S')}.grad")
+            flat.append(f"if {name} is None: return MISS")
+        elif slot.kind == "attr":
+            flat.append(f"{name} = {g.const(slot.obj, 'S')}.{slot.key}" if str(slot.key).isidentifier()
+                        else f"{name} = getattr({g.const(slot.obj, 'S')}, {slot.key!r})")
+        else:
+            flat.append(f"{name} = {g.const(slot.obj, 'S')}[{g.const(slot.key, 'S')}]")
 
     checks: List[str] = []
-    tens = [leaves[i] for i in entry.tpos]
+    tens = [leaves[i] for i in entry.tpos] + state_names
+    if entry.env is not None:
+        checks.append("if ENV() != ENVVAL: return MISS")
     if entry.any_rg:
         checks.append("if _grad_enabled(): return MISS")
     if tens:
@@ -155,6 +174,7 @@ def build_fast_path(owner: Any, entry: Any, rec: Any, pool: Any) -> Any:
     if rec.static_idx:
         st = ", ".join(tens[i] for i in rec.static_idx)
         checks.append(f"if list(map(_data_ptr, ({st},))) != PTRS: return MISS")
+    esc = rec.escapes is not None
     if entry.plan.mutated and len(tens) > 1:
         checks.append(f"if _alias([{', '.join(tens)}]) != {entry.alias!r}: return MISS")
 
@@ -163,10 +183,14 @@ def build_fast_path(owner: Any, entry: Any, rec: Any, pool: Any) -> Any:
         call.append(f"_copy(BUFS, [{', '.join(tens[i] for i in rec.copy_idx)}])")
     call.append("POOL.begin_call(DESC)")
     call.append("if REC.must_retire: REC._maybe_retire()")
+    if esc:
+        call.append("ESC.before_replay()")
     call.append("REPLAY()")
     call.append("REC.replays += 1")
     if rec.cb_idx:
         call.append(f"_copy([{', '.join(tens[i] for i in rec.cb_idx)}], CBBUFS)")
+    if esc:
+        call.append(f"ESC.write(REC.escape_values([{', '.join(tens)}]))")
     if rec.groups:
         call.append("POOL.outstanding.append(REC.handout)")
     plan = entry.plan
@@ -223,9 +247,12 @@ def build_fast_path(owner: Any, entry: Any, rec: Any, pool: Any) -> Any:
         "_copysign": math.copysign,
         "_key": static_leaf_key,
         "_grad_enabled": torch.is_grad_enabled,
-        "_alias": _alias_fn(),
-        "_flatten": _flatten_fn(),
+        "_alias": alias_pattern,
+        "_flatten": flatten,
         "_unflatten": optree.tree_unflatten,
+        "ENV": entry.env,
+        "ENVVAL": entry.env_val,
+        "ESC": rec.escapes,
     }
     ns.update(g.consts)
     exec(compile(src, f"<gtransform fast path of {owner._desc}>", "exec"), ns)
@@ -234,13 +261,3 @@ def build_fast_path(owner: Any, entry: Any, rec: Any, pool: Any) -> Any:
     return fast
 
 
-def _alias_fn() -> Any:
-    from ._api import _alias_pattern
-
-    return _alias_pattern
-
-
-def _flatten_fn() -> Any:
-    from ._tree import flatten
-
-    return flatten

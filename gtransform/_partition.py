@@ -61,9 +61,8 @@ def build_partition(plan: Any, metas: Sequence[Any], need: Sequence[bool], owner
     from torch._functorch.aot_autograd import aot_export_joint_simple
     from torch._functorch.partitioners import default_partition
 
-    if any(e.kind == "input" for e in plan.out_entries):
+    if any(e.kind == "input" for e in plan.out_entries) or plan.escape_slots:
         return None
-    from ._api import Graphified
 
     mode = FakeTensorMode()
     with mode:
@@ -82,6 +81,6 @@ def build_partition(plan: Any, metas: Sequence[Any], need: Sequence[bool], owner
     n_tangents = len([n for n in bw_gm.graph.nodes if n.op == "placeholder"]) - n_saved
     if n_tangents != sum(diff_out):
         return None
-    fw = Graphified(_flat_fn(fw_gm, f"forward of {owner._desc}"), maxsize=8, fuse=owner._fuse)
-    bw = Graphified(_flat_fn(bw_gm, f"backward of {owner._desc}"), maxsize=8, fuse=owner._fuse)
+    fw = owner._spawn(_flat_fn(fw_gm, f"forward of {owner._desc}"))
+    bw = owner._spawn(_flat_fn(bw_gm, f"backward of {owner._desc}"))
     return Partition(fw, bw, n_out, n_saved, diff_out, bw_gm)

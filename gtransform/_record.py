@@ -22,6 +22,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from . import _distributed
 from ._errors import GraphifyError
 from ._liveness import Handout, OutputGroup, PoolState
+from ._state import EscapeWriter
 from ._trace import Plan
 
 __all__ = ["Recording", "make_recording"]
@@ -72,6 +73,10 @@ class Recording:
         sset = set(st)
         self.copy_idx = tuple(i for i in range(n) if i not in sset)
         self.bufs = [_buffer_like(tensors[i]) for i in self.copy_idx]
+        if self.bufs:
+            # warm-up and capture see the call's real inputs: no kernel ever reads
+            # uninitialised memory (an embedding index, a cross_entropy target)
+            _foreach_copy(self.bufs, [tensors[i] for i in self.copy_idx])
         args: List[Any] = list(tensors)
         for i, b in zip(self.copy_idx, self.bufs):
             args[i] = b
@@ -87,6 +92,10 @@ class Recording:
         self.must_retire = False
         self.fast: Any = None
         self._pending_adopt: Optional[Recording] = None
+        self.moved_once: set = set()  # state inputs that moved once (see Graphified._kept)
+        # tensors left in Python state (p.grad...): written back after each replay
+        self.escapes: Optional[EscapeWriter] = EscapeWriter(plan.escape_slots, desc) if plan.escape_slots else None
+        self.last_outs: Sequence[torch.Tensor] = ()
 
     # -- recording ---------------------------------------------------------
     def _bind_outputs(self, outs: Sequence[torch.Tensor]) -> None:
@@ -154,12 +163,17 @@ class Recording:
         self.pool.begin_call(self.desc)
         if self.must_retire:
             self._maybe_retire()
+        esc = self.escapes
+        if esc is not None:
+            esc.before_replay()
         self._replay()
         self.replays += 1
         if self._pending_adopt is not None:
             self._adopt_now()
         if self.cb_idx:
             _foreach_copy([tensors[i] for i in self.cb_idx], self.cb_bufs)
+        if esc is not None:
+            esc.write(self.escape_values(tensors))
         if self.groups:
             self.pool.outstanding.append(self.handout)
         res: List[torch.Tensor] = []
@@ -176,6 +190,18 @@ class Recording:
                     res.append(t.as_strided(e.size, e.stride, t.storage_offset() + e.rel_offset))
         return res
 
+    def escape_values(self, tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        """The tensors to write back into Python state after this replay."""
+        outs = self.last_outs
+        res = []
+        for e in self.plan.escape_entries:
+            if e.kind == "pool":
+                res.append(outs[e.index])
+            else:
+                t = tensors[e.index]
+                res.append(t if e.identical else t.as_strided(e.size, e.stride, t.storage_offset() + e.rel_offset))
+        return res
+
     def adopt_outputs(self, old: Recording) -> None:
         """Hand out ``old``'s output objects from now on (see OutputGroup.adopt).
 
@@ -183,6 +209,8 @@ class Recording:
         the caller still holds of ``old``'s outputs; ``old`` is closed then.
         """
         self._pending_adopt = old
+        if old.escapes is not None and self.escapes is not None:
+            self.escapes.last = old.escapes.last
 
     def _adopt_now(self) -> None:
         old = self._pending_adopt
@@ -224,6 +252,7 @@ class CPURecording(Recording):
     def _replay(self) -> None:
         with torch.no_grad():
             outs = self.gm(*self.gm_args)
+        self.last_outs = outs
         if self.first:
             self.first = False
             self._bind_outputs(outs)
@@ -251,6 +280,8 @@ class CUDARecording(Recording):
 
     def __init__(self, plan: Plan, tensors: Sequence[torch.Tensor], static_idx: Sequence[int], pool: PoolState, desc: str, fuse: bool = False):
         super().__init__(plan, tensors, static_idx, pool, desc, fuse)
+        if self.escapes is not None:
+            self.escapes.reuse = True
         self.graph: Optional[torch.cuda.CUDAGraph] = None
         self.device = next((t.device for t in tensors), torch.device("cuda", torch.cuda.current_device()))
         self._capture(warmup=True)
@@ -336,6 +367,7 @@ class CUDARecording(Recording):
             cur.wait_stream(side)
             self.graph = g
             self.outs = list(outs)
+            self.last_outs = self.outs
             if self.groups:
                 for grp, k in zip(self.groups, self.group_keys):
                     grp.rebase(self.outs[k].untyped_storage())

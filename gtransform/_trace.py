@@ -10,6 +10,8 @@ device and operations on CPU tensors, naming the user's source line.
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 import traceback
 from dataclasses import dataclass, field
@@ -27,15 +29,16 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ._errors import GraphifyError, format_frame, user_frame, user_frame_from_exc
-from ._tree import flatten, unflatten
+from ._errors import GraphifyError, format_frame, innermost_frame, is_library_file, user_frame, user_frame_from_exc
+from ._state import Root, Slot, Snapshot, StateIndex, escape_error
+from ._tree import NAMESPACE, flatten, leaf_paths, unflatten
 
 try:  # torch >= 2.1
     from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 except ImportError:  # pragma: no cover
     GuardOnDataDependentSymNode = DataDependentOutputException  # type: ignore[misc,assignment]
 
-__all__ = ["Plan", "OutEntry", "trace", "TRACE_LOCK"]
+__all__ = ["Plan", "OutEntry", "trace", "flatten_output", "TRACE_LOCK"]
 
 TRACE_LOCK = threading.RLock()
 
@@ -45,6 +48,13 @@ _SETS = {getattr(_aten.set_, o) for o in _aten.set_.overloads()}
 _COPIES = {_aten._to_copy.default, _aten.copy_.default, _aten.copy.default}
 # fresh constants made from Python data inside the function (torch.tensor(3.0), x[0] = 5.)
 _LIFTS = {_aten.lift_fresh.default, _aten.lift_fresh_copy.default}
+# ops that update arguments in place without saying so in their schema:
+# batch norm's running statistics (in training mode, the bool at index 5)
+_HIDDEN_WRITES: Dict[Any, Tuple[int, ...]] = {}
+for _name in ("native_batch_norm", "cudnn_batch_norm", "miopen_batch_norm"):
+    _op = getattr(_aten, _name, None)
+    if _op is not None and hasattr(_op, "default"):
+        _HIDDEN_WRITES[_op.default] = (3, 4)
 _SEEDED: Any
 try:
     _SEEDED = torch.Tag.nondeterministic_seeded
@@ -98,12 +108,23 @@ class Plan:
     uses_cuda: bool
     random: bool
     op_count: int
-    grad_consts: int = 0
     generators: List[Any] = field(default_factory=list)
     notes: List[str] = field(default_factory=list)
+    # state (see _state.py): real tensors read as extra inputs after the
+    # caller's, where each lives, and tensors left in Python state
+    state: List[torch.Tensor] = field(default_factory=list)
+    state_slots: List[Any] = field(default_factory=list)
+    state_names: List[str] = field(default_factory=list)
+    escape_slots: List[Any] = field(default_factory=list)
+    escape_entries: List[OutEntry] = field(default_factory=list)
+    py_changes: List[Any] = field(default_factory=list)
+    roots: List[Any] = field(default_factory=list)
+    ran_backward: bool = False
 
     def __post_init__(self) -> None:
         self.tensor_entries = [e for e in self.out_entries if e.kind != "const"]
+        self.n_user_in = len(self.in_paths) - len(self.state)
+        self.touches_state = bool(self.state or self.escape_slots)
         self.all_const = not self.tensor_entries
         self._fused: Any = None
 
@@ -139,23 +160,82 @@ def _tensors_in(v: Any) -> List[torch.Tensor]:
     return []
 
 
-class _Watch(TorchDispatchMode):
-    """Watches every aten op of the trace (runs above make_fx's proxy mode)."""
+_LIB_CACHE: Dict[str, bool] = {}
 
-    def __init__(self, inputs: Dict[Any, int], paths: List[str], desc: str, cuda: bool):
+
+def _site() -> str:
+    """``file:line`` of the innermost user frame (cheap: no source lines)."""
+    f: Any = sys._getframe(2)
+    while f is not None:
+        fn = f.f_code.co_filename
+        lib = _LIB_CACHE.get(fn)
+        if lib is None:
+            lib = _LIB_CACHE[fn] = is_library_file(fn)
+        if not lib:
+            return f"{fn}:{f.f_lineno}"
+        f = f.f_back
+    return ""
+
+
+class _TraceMode(FakeTensorMode):
+    """The trace's fake mode; once the trace is over, any work on its tensors is an error.
+
+    A tensor made while tracing that was left somewhere gtransform could not
+    see (JAX's "leaked tracer") then fails loudly instead of computing on
+    placeholders.
+    """
+
+    closed: Optional[str] = None
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
+        if self.closed is not None:
+            site = ""
+            for a in list(args) + list((kwargs or {}).values()):
+                for t in _tensors_in(a):
+                    site = t.__dict__.get("_gt_site", "") if isinstance(t, FakeTensor) else ""
+                    if site:
+                        break
+                if site:
+                    break
+            made = f"\n  made at {site}" if site else ""
+            raise GraphifyError(
+                f"{self.closed}: a tensor made while tracing it was used after the trace "
+                f"(operation {func}).{made}\n"
+                "Why: the function stored a traced tensor in Python state (a list, a dict, an "
+                "attribute...) where gtransform could not see it; it is a placeholder without data.\n"
+                "Fix: return the tensor from the function and keep the returned value instead "
+                "(e.g. log.append(f(x).clone())), or write into a preallocated tensor in place."
+            )
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+class _Watch(TorchDispatchMode):
+    """Watches every aten op of the trace (runs above make_fx's proxy mode).
+
+    Real tensors that reach an operation are *state* (the function reached them
+    without taking them as arguments): each is swapped for a fake of its own,
+    so the trace never reads or writes real memory, and later becomes an input
+    of the graph.
+    """
+
+    def __init__(self, inputs: Dict[Any, int], paths: List[str], desc: str, cuda: bool, mode: FakeTensorMode, index: StateIndex, n_in: int):
         super().__init__()
         self.inputs = inputs
         self.paths = paths
         self.desc = desc
         self.cuda = cuda
+        self.mode = mode
+        self.index = index
+        self.n_in = n_in
         self.mutated: Set[int] = set()
         self.uses_cuda = False
         self.random = False
         self.ops = 0
         self.lifted: Set[int] = set()  # ids of constants made inside the function
-        self.grad_consts = 0  # closed-over tensors that require grad (module parameters)
         self.generators: List[torch.Generator] = []  # explicit generators used by random ops
-        self._seen: Set[int] = set()
+        self.state: List[torch.Tensor] = []
+        self.state_fakes: List[FakeTensor] = []
+        self._fake_of: Dict[int, FakeTensor] = {}
 
     def _fail(self, what: str, why: str, fix: str) -> None:
         fr = user_frame(traceback.extract_stack())
@@ -164,10 +244,49 @@ class _Watch(TorchDispatchMode):
             f"Why: {why}\nFix: {fix}"
         )
 
+    def _fake(self, t: torch.Tensor) -> FakeTensor:
+        f = self._fake_of.get(id(t))
+        if f is None:
+            k = len(self.state)
+            name = self.index.name_of(t, k)
+            if self.cuda and t.device.type == "cpu":
+                self._fail(
+                    f"the function reads the CPU tensor {name} (state it reaches without taking it "
+                    "as an argument) inside a CUDA function.",
+                    "a CUDA graph reads a CPU tensor once, at recording time; its value would be frozen.",
+                    "keep that state on the GPU (module.to(device); for torch.optim optimizers pass "
+                    "capturable=True so their step counts live on the GPU), or pass a Python number.",
+                )
+            f = self.mode.from_tensor(t, static_shapes=True)
+            self._fake_of[id(t)] = f
+            self.state.append(t)
+            self.state_fakes.append(f)
+            self.inputs.setdefault(StorageWeakRef(f.untyped_storage()), self.n_in + k)
+            self.paths.append(name)
+        return f
+
+    def _swap(self, v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            return v if isinstance(v, FakeTensor) else self._fake(v)
+        if isinstance(v, (list, tuple)) and any(isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor) for t in v):
+            return type(v)(self._swap(t) for t in v) if isinstance(v, list) else tuple(self._swap(t) for t in v)
+        return v
+
     def __torch_dispatch__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         self.ops += 1
+        if func not in _LIFTS:
+            args = [self._swap(a) for a in args]
+            if kwargs:
+                kwargs = {k: self._swap(v) for k, v in kwargs.items()}
         schema = func._schema
+        hidden = _HIDDEN_WRITES.get(func)
+        if hidden is not None and len(args) > 5 and args[5]:
+            for i in hidden:
+                for t in _tensors_in(args[i]):
+                    idx = self.inputs.get(StorageWeakRef(t.untyped_storage()))
+                    if idx is not None:
+                        self.mutated.add(idx)
         if schema.is_mutable:
             for i, a in enumerate(schema.arguments):
                 ai = a.alias_info
@@ -192,14 +311,15 @@ class _Watch(TorchDispatchMode):
         gen = kwargs.get("generator")
         if isinstance(gen, torch.Generator) and all(gen is not g for g in self.generators):
             self.generators.append(gen)
-        for v in list(args) + list(kwargs.values()):
-            for t in _tensors_in(v):
-                if t.requires_grad and not isinstance(t, FakeTensor) and id(t) not in self._seen:
-                    self._seen.add(id(t))
-                    self.grad_consts += 1
         out = func(*args, **kwargs)
         if func in _LIFTS:
             self.lifted.update(id(t) for t in _tensors_in(out))
+        site = None
+        for t in _tensors_in(out):
+            if isinstance(t, FakeTensor) and "_gt_site" not in t.__dict__:
+                if site is None:
+                    site = _site()
+                t.__dict__["_gt_site"] = site
         if self.cuda or self.uses_cuda:
             self._check_devices(func, args, kwargs, out)
         else:
@@ -224,13 +344,6 @@ class _Watch(TorchDispatchMode):
                     "create tensors directly on the inputs' device (device=x.device), pass them "
                     "as inputs, or move the copy out of the graphified function.",
                 )
-        for t in ins:
-            if t.device.type == "cpu" and not isinstance(t, FakeTensor) and func not in _LIFTS:
-                self._fail(
-                    f"{func} reads a CPU tensor that the function closes over, inside a CUDA function.",
-                    "its value would be read once, at recording time, and frozen into the graph.",
-                    "pass the tensor as an argument on the GPU, or use a Python number.",
-                )
         for t in outs:
             if id(t) in self.lifted:
                 continue
@@ -244,7 +357,7 @@ class _Watch(TorchDispatchMode):
                 )
 
 
-def _data_dependent(desc: str, exc: BaseException) -> GraphifyError:
+def _data_dependent(desc: str, exc: BaseException, cuda: bool = False) -> GraphifyError:
     op = str(exc).split("\n", 1)[0].strip()
     if isinstance(exc, GuardOnDataDependentSymNode):
         op_desc = "branches on a tensor's value"
@@ -252,15 +365,30 @@ def _data_dependent(desc: str, exc: BaseException) -> GraphifyError:
     else:
         key = op.split(" ")[0]
         op_desc = _FRIENDLY.get(key, "depends on the values inside a tensor")
-    fr = user_frame_from_exc(exc)
+    tb = traceback.extract_tb(exc.__traceback__)
+    fr = user_frame(tb)
+    inner = innermost_frame(tb)
+    where = f"  at {format_frame(fr)}"
+    if inner is not None and (fr is None or (inner.filename, inner.lineno) != (fr.filename, fr.lineno)):
+        where += f"\n  read at {format_frame(inner)}"
+    hint = ""
+    if any(os.sep + os.path.join("torch", "optim") + os.sep in f.filename for f in tb):
+        if cuda:
+            hint = (" The read is inside torch.optim: construct the optimizer with capturable=True, so its "
+                    "step count stays a tensor on the GPU instead of being read on the host.")
+        else:
+            hint = (" The read is inside torch.optim: Adam-family optimizers read their step count on the "
+                    "host unless capturable=True, which torch supports on GPUs only. On the CPU, keep "
+                    "opt.step() outside the graphified function (graphify the forward, or forward and "
+                    "backward), or use an optimizer without a step count such as SGD.")
     return GraphifyError(
-        f"{desc}: operation {op} {op_desc}.\n  at {format_frame(fr)}\n"
+        f"{desc}: operation {op} {op_desc}.\n{where}\n"
         "Why: a recording is made once for each input signature and replayed without Python; "
         "a value read from a tensor while tracing would be frozen into the recording, "
         "and an output whose shape depends on the data cannot be replayed into fixed memory.\n"
         "Fix: keep the value on the device (e.g. torch.where instead of `if`), make it static "
         "(pass a Python number, or mark the argument with static_argnums/static_argnames), "
-        "or move this part out of the graphified function."
+        "or move this part out of the graphified function." + hint
     )
 
 
@@ -279,6 +407,124 @@ def _constants_to_device(gm: torch.fx.GraphModule, device: Optional[torch.device
                 setattr(gm, node.target, val.to(device))
 
 
+def _register_container(cls: type) -> bool:
+    """Teach our pytree namespace a container type optree does not know.
+
+    Types registered with ``torch.utils._pytree`` (e.g. Hugging Face's
+    ``ModelOutput``) are flattened the way torch does; dataclasses by their
+    fields. Returns whether ``cls`` was newly registered.
+    """
+    import dataclasses
+
+    import optree
+    import torch.utils._pytree as tpytree
+
+    node = tpytree.SUPPORTED_NODES.get(cls)
+    try:
+        if node is not None:
+            flat, unflat = node.flatten_fn, node.unflatten_fn
+
+            def _flat_t(x: Any) -> Any:
+                children, ctx = flat(x)
+                return list(children), ctx
+
+            optree.register_pytree_node(cls, _flat_t, lambda ctx, ch: unflat(list(ch), ctx), namespace=NAMESPACE)
+            return True
+        if dataclasses.is_dataclass(cls):
+            names = tuple(f.name for f in dataclasses.fields(cls))
+
+            def _flat_d(x: Any) -> Any:
+                return [getattr(x, n) for n in names], names, names
+
+            def _unflat_d(ctx: Any, children: Any) -> Any:
+                obj = object.__new__(cls)
+                for n, v in zip(ctx, children):
+                    object.__setattr__(obj, n, v)
+                return obj
+
+            optree.register_pytree_node(cls, _flat_d, _unflat_d, namespace=NAMESPACE)  # type: ignore[arg-type]
+            return True
+    except ValueError:  # already registered
+        return False
+    return False
+
+
+def _holds_tensor(x: Any) -> bool:
+    d = getattr(x, "__dict__", None)
+    if isinstance(d, dict) and any(isinstance(v, torch.Tensor) for v in d.values()):
+        return True
+    return any(isinstance(getattr(x, s, None), torch.Tensor) for s in getattr(type(x), "__slots__", ()) or ())
+
+
+def flatten_output(out: Any, desc: str) -> Tuple[List[Any], Any]:
+    """Flatten an output tree, taking apart registered containers; refuse opaque ones holding tensors."""
+    import dataclasses
+
+    import torch.utils._pytree as tpytree
+
+    for _ in range(16):
+        leaves, spec = flatten(out)
+        new = False
+        for x in leaves:
+            if isinstance(x, torch.Tensor) or x is None:
+                continue
+            cls = type(x)
+            if cls in tpytree.SUPPORTED_NODES or (dataclasses.is_dataclass(cls) and not isinstance(x, type)):
+                new = _register_container(cls) or new
+        if not new:
+            break
+    for i, x in enumerate(leaves):
+        if not isinstance(x, torch.Tensor) and _holds_tensor(x):
+            path = leaf_paths(out, root="output")[i]
+            raise GraphifyError(
+                f"{desc}: the output {path} is a {type(x).__name__} object that holds tensors, and "
+                "gtransform cannot take it apart.\nWhy: outputs are flattened into tensors (which "
+                "live in the recording's memory) and a structure rebuilt on every call; an opaque "
+                "object would carry the trace's placeholders instead of real tensors.\n"
+                "Fix: return its tensors in a tuple, dict or dataclass (e.g. (dist.loc, dist.scale) "
+                "and rebuild it outside), or register the type as a pytree node "
+                "(optree.register_pytree_node(..., namespace='gtransform'))."
+            )
+    return leaves, spec
+
+
+def _lift_state(gm: torch.fx.GraphModule, fakes: Sequence[FakeTensor]) -> None:
+    """Turn the graph's constants that are state into trailing placeholders (in ``fakes`` order)."""
+    graph = gm.graph
+    index = {id(f): k for k, f in enumerate(fakes)}
+    phs = [n for n in graph.nodes if n.op == "placeholder"]
+    anchor = phs[-1] if phs else None
+    new_ph = []
+    for k in range(len(fakes)):
+        if anchor is None:
+            with graph.inserting_before(next(iter(graph.nodes))):
+                ph = graph.placeholder(f"state_{k}")
+        else:
+            with graph.inserting_after(anchor):
+                ph = graph.placeholder(f"state_{k}")
+        anchor = ph
+        new_ph.append(ph)
+    names = set()
+    for n in list(graph.nodes):
+        if n.op == "get_attr":
+            found = index.get(id(getattr(gm, n.target, None)))
+            if found is not None:
+                n.replace_all_uses_with(new_ph[found])
+                graph.erase_node(n)
+                names.add(n.target)
+    for name in names:
+        if hasattr(gm, name):
+            delattr(gm, name)
+
+
+def _drop_profiler_nodes(gm: torch.fx.GraphModule) -> None:
+    """Remove record_function markers (torch.optim's): host work with no effect on the numbers."""
+    graph = gm.graph
+    for n in reversed(list(graph.nodes)):
+        if n.op == "call_function" and getattr(n.target, "namespace", None) == "profiler" and not n.users:
+            graph.erase_node(n)
+
+
 def trace(
     fn: Callable[..., Any],
     rebuild: Callable[[Sequence[torch.Tensor]], Tuple[Tuple[Any, ...], Dict[str, Any]]],
@@ -286,6 +532,7 @@ def trace(
     in_paths: List[str],
     desc: str,
     cuda: bool,
+    roots: Sequence[Root] = (),
 ) -> Plan:
     """Trace ``fn`` for one signature.
 
@@ -296,6 +543,8 @@ def trace(
         in_paths: leaf paths of the tensor inputs, for messages.
         desc: ``graphify(name)``, for messages.
         cuda: whether the function is recorded by the CUDA backend.
+        roots: the Python state ``fn`` reaches (see ``_state.find_roots``): put
+            back as it was after the trace, and searched for escapes.
 
     Returns:
         The :class:`Plan` of the signature.
@@ -303,7 +552,7 @@ def trace(
     Raises:
         GraphifyError: something the recording cannot contain.
     """
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    mode = _TraceMode(allow_non_fake_inputs=True)
     with mode:
         fakes = []
         for size, stride, dtype, device, rg in in_specs:
@@ -313,7 +562,13 @@ def trace(
             fakes.append(t)
     box: Dict[str, Any] = {}
     storages: Dict[Any, int] = {}
-    watch = _Watch(storages, in_paths, desc, cuda)
+    paths = list(in_paths)
+    index = StateIndex(roots)
+    snap = Snapshot(roots)
+    watch = _Watch(storages, paths, desc, cuda, mode, index, len(fakes))
+
+    def is_ours(v: Any) -> bool:
+        return isinstance(v, FakeTensor) and v.fake_mode is mode
 
     def flat_fn(*tensors: torch.Tensor) -> Tuple[torch.Tensor, ...]:
         storages.clear()
@@ -323,17 +578,24 @@ def trace(
         args, kwargs = rebuild(tensors)
         with watch:
             out = fn(*args, **kwargs)
-        leaves, spec = flatten(out)
+        leaves, spec = flatten_output(out, desc)
         box["spec"] = spec
         box["leaves"] = leaves
-        return tuple(x for x in leaves if isinstance(x, torch.Tensor))
+        scan = snap.scan(is_ours)
+        slots = {(id(s.obj), s.kind, s.key) for s, _ in scan.escapes}
+        for k, t in enumerate(watch.state):
+            g = getattr(t, "grad", None) if t.requires_grad else None
+            if is_ours(g) and (id(t), "grad", "grad") not in slots:
+                scan.escapes.append((Slot("grad", t, "grad", f"{watch.paths[watch.n_in + k]}.grad"), g))
+        box["scan"] = scan
+        return tuple(x for x in leaves if isinstance(x, torch.Tensor)) + tuple(f for _, f in scan.escapes)
 
     try:
         # fx tracing keeps global state (its patcher): one trace at a time
         with TRACE_LOCK, mode:
             gm = make_fx(flat_fn, tracing_mode="real", _allow_non_fake_inputs=True)(*fakes)
     except (DataDependentOutputException, DynamicOutputShapeException, GuardOnDataDependentSymNode) as e:
-        raise _data_dependent(desc, e) from None
+        raise _data_dependent(desc, e, cuda) from None
     except NotImplementedError as e:
         if "Generator" not in str(e):
             raise
@@ -365,39 +627,56 @@ def trace(
             "Why: graphify traces each signature without running it, and this operator has no "
             "shape rule (meta kernel).\nFix: move this operation out of the graphified function."
         ) from None
+    finally:
+        # the trace has no visible effect on the Python state the function reaches
+        snap.restore()
+        mode.closed = desc
 
+    scan = box["scan"]
+    if scan.appended:
+        site = ""
+        raise escape_error(desc, scan.appended, site)
+    _lift_state(gm, watch.state_fakes)
+    _drop_profiler_nodes(gm)
+    gm.recompile()
     if cuda:
         _constants_to_device(gm, next((t.device for t in fakes), None))
-    inputs = box["inputs"]
-    in_store = {StorageWeakRef(t.untyped_storage()): i for i, t in enumerate(inputs)}
-    entries: List[OutEntry] = []
+    inputs = list(box["inputs"]) + list(watch.state_fakes)
+    in_store: Dict[Any, int] = {}
+    for i, t in enumerate(inputs):
+        in_store.setdefault(StorageWeakRef(t.untyped_storage()), i)
     k = 0
+
+    def entry(val: torch.Tensor, what: str) -> OutEntry:
+        src = in_store.get(StorageWeakRef(val.untyped_storage()))
+        if src is None:
+            return OutEntry("pool", index=k)
+        inp = inputs[src]
+        if val.dtype != inp.dtype:
+            raise GraphifyError(
+                f"{desc}: {what} is a view of input {paths[src]} with another dtype "
+                f"({inp.dtype} -> {val.dtype}).\nWhy: outputs that alias inputs are rebuilt "
+                "from the caller's tensor, which needs the same dtype.\n"
+                "Fix: return .clone() of that output."
+            )
+        rel = val.storage_offset() - inp.storage_offset()
+        return OutEntry("input", index=src, size=tuple(val.shape), stride=val.stride(), rel_offset=rel, identical=val is inp)
+
+    entries: List[OutEntry] = []
     for leaf in box["leaves"]:
         if not isinstance(leaf, torch.Tensor):
             entries.append(OutEntry("const", value=leaf))
             continue
-        val = leaf
-        src = in_store.get(StorageWeakRef(val.untyped_storage()))
-        if src is not None:
-            inp = inputs[src]
-            if val.dtype != inp.dtype:
-                raise GraphifyError(
-                    f"{desc}: output {k} is a view of input {in_paths[src]} with another dtype "
-                    f"({inp.dtype} -> {val.dtype}).\nWhy: outputs that alias inputs are rebuilt "
-                    "from the caller's tensor, which needs the same dtype.\n"
-                    "Fix: return .clone() of that output."
-                )
-            rel = val.storage_offset() - inp.storage_offset()
-            ident = val is inp
-            entries.append(
-                OutEntry("input", index=src, size=tuple(val.shape), stride=val.stride(), rel_offset=rel, identical=ident)
-            )
-        else:
-            entries.append(OutEntry("pool", index=k))
+        entries.append(entry(leaf, f"output {k}"))
         k += 1
+    esc_entries: List[OutEntry] = []
+    for slot, fake in scan.escapes:
+        esc_entries.append(entry(fake, slot.path))
+        k += 1
+    state_slots = [index.slot_of(t) for t in watch.state]
     return Plan(
         gm=gm,
-        in_paths=in_paths,
+        in_paths=paths,
         mutated=set(watch.mutated),
         out_spec=box["spec"],
         out_entries=entries,
@@ -405,6 +684,14 @@ def trace(
         uses_cuda=watch.uses_cuda,
         random=watch.random,
         op_count=watch.ops,
-        grad_consts=watch.grad_consts,
         generators=watch.generators,
+        state=list(watch.state),
+        state_slots=state_slots,
+        state_names=paths[len(fakes):],
+        escape_slots=[s for s, _ in scan.escapes],
+        escape_entries=esc_entries,
+        py_changes=list(scan.changes),
+        roots=list(roots),
+        ran_backward=any(s.kind == "grad" for s, _ in scan.escapes) or any(
+            s is not None and s.kind == "grad" for s in state_slots),
     )

@@ -1,0 +1,348 @@
+"""Signatures: what makes two calls the same recording, and the per-thread cache of them.
+
+A signature is the tree structure of ``(args, kwargs)``, each tensor leaf's
+type, shape, strides, dtype, device and ``requires_grad``, the values of the
+non-tensor leaves and static arguments, the aliasing pattern among tensors
+that are updated in place, and, for functions that touch state (see
+``_state.py``), the layout of every state tensor and the environment key
+(module ``training`` flags and hooks, optimizer hyperparameters).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import OrderedDict
+from typing import Any, Dict, Hashable, List, Optional, Sequence, Set, Tuple
+
+import torch
+
+from ._liveness import PoolState
+from ._record import Recording
+from ._trace import Plan
+from ._tree import static_leaf_key, tensor_meta
+
+__all__ = [
+    "Guard", "Entry", "ThreadState", "alias_pattern", "diff_leaves", "sig_brief",
+    "RerecordWarning", "StormDetector", "STORM_THRESHOLD",
+]
+
+_TensorGuards: Any
+try:
+    from torch._C._dynamo.guards import TensorGuards as _TensorGuards
+except Exception:  # pragma: no cover
+    _TensorGuards = None
+
+_Parameter = torch.nn.Parameter
+
+
+class Guard:
+    """Fast check that a call's tensors match a signature."""
+
+    __slots__ = ("impl", "metas")
+
+    def __init__(self, tensors: Sequence[torch.Tensor]):
+        self.metas = [tensor_meta(t) for t in tensors]
+        self.impl: Any = None
+        if _TensorGuards is not None and tensors:
+            try:
+                self.impl = _TensorGuards(
+                    *tensors,
+                    dynamic_dims_sizes=[list(t.size()) for t in tensors],  # type: ignore[misc]
+                    dynamic_dims_strides=[list(t.stride()) for t in tensors],  # type: ignore[misc]
+                )
+                if not self.impl.check(*tensors):  # pragma: no cover - defensive
+                    self.impl = None
+            except Exception:  # pragma: no cover
+                self.impl = None
+
+    def check(self, tensors: Sequence[torch.Tensor]) -> bool:
+        impl = self.impl
+        try:
+            if impl is not None:
+                return bool(impl.check(*tensors))
+            if not self.metas:
+                return True
+            return [tensor_meta(t) for t in tensors] == self.metas
+        except Exception:
+            return False
+
+
+def alias_pattern(tensors: Sequence[torch.Tensor]) -> Tuple[int, ...]:
+    """Which tensor inputs share storage: a group id per input, -1 if alone."""
+    seen: Dict[int, int] = {}
+    ids = []
+    for t in tensors:
+        c = t.untyped_storage()._cdata
+        ids.append(seen.setdefault(c, len(seen)))
+    counts: Dict[int, int] = {}
+    for g in ids:
+        counts[g] = counts.get(g, 0) + 1
+    if all(c == 1 for c in counts.values()):
+        return ()
+    return tuple(g if counts[g] > 1 else -1 for g in ids)
+
+
+class Entry:
+    """One signature: its trace, its state binding and its current recording."""
+
+    __slots__ = (
+        "key", "spec", "tpos", "consts", "statics", "guard", "plan", "rec", "first_refs",
+        "calls", "cuda", "any_rg", "must_static", "alias", "n_leaves", "bwd", "const_vals", "parts",
+        "state_src", "env", "env_val", "n_user", "state_static",
+    )
+
+    def __init__(self, key: Hashable, spec: Any, leaves: Sequence[Any], tpos: List[int], statics: Any, plan: Plan, cuda: bool):
+        self.key = key
+        self.spec = spec
+        self.tpos = tpos
+        self.n_leaves = len(leaves)
+        self.n_user = len(tpos)
+        tset = set(tpos)
+        self.consts = [(i, static_leaf_key(leaves[i])) for i in range(len(leaves)) if i not in tset]
+        self.const_vals = {i: leaves[i] for i, _ in self.consts}
+        self.statics = statics
+        # state: where each state tensor is read from on every call
+        self.state_src: List[Tuple[Any, Optional[torch.Tensor]]] = [
+            (slot, None if slot is not None else t) for slot, t in zip(plan.state_slots, plan.state)
+        ]
+        state = list(plan.state)
+        tensors = [leaves[i] for i in tpos] + state
+        self.guard = Guard(tensors)
+        self.alias = alias_pattern(tensors) if plan.mutated else ()
+        self.plan = plan
+        self.rec: Optional[Recording] = None
+        self.first_refs: Optional[List[Any]] = None
+        self.calls = 0
+        self.cuda = cuda
+        self.env: Any = None
+        self.env_val: Any = None
+        # state read in place (a .grad that is replaced every step is copied instead)
+        self.state_static = {self.n_user + k for k, s in enumerate(plan.state_slots) if s is None or s.kind != "grad"}
+        rg = [t.requires_grad for t in tensors]
+        user_rg = any(rg[: self.n_user])
+        state_rg = any(rg[self.n_user:])
+        # a call is differentiated through the recording when an argument needs
+        # grad, or when it reads parameters without updating them (a forward);
+        # a whole training step (backward and optimizer inside) is a plain call
+        updates_params = any(rg[i] for i in plan.mutated if i >= self.n_user) or bool(plan.escape_slots)
+        self.any_rg = user_rg or (state_rg and not updates_params)
+        must = set()
+        if plan.mutated and self.alias:
+            groups: Dict[int, List[int]] = {}
+            for i, gid in enumerate(self.alias):
+                if gid >= 0:
+                    groups.setdefault(gid, []).append(i)
+            for members in groups.values():
+                if any(i in plan.mutated for i in members):
+                    must.update(members)
+        self.must_static = must
+        self.bwd: Dict[Tuple[bool, ...], Any] = {}
+        self.parts: Dict[Tuple[bool, ...], Any] = {}
+
+    def resolve_state(self) -> Optional[List[torch.Tensor]]:
+        """The state tensors as the function reaches them now (``None``: one is gone)."""
+        out: List[torch.Tensor] = []
+        for slot, const in self.state_src:
+            if slot is None:
+                out.append(const)  # type: ignore[arg-type]
+                continue
+            v = slot.get()
+            if not isinstance(v, torch.Tensor):
+                return None
+            out.append(v)
+        return out
+
+    def match(self, leaves: Sequence[Any], statics: Any, state: Sequence[torch.Tensor] = ()) -> bool:
+        """Whether a call with these leaves (and state) replays this signature."""
+        if len(leaves) != self.n_leaves or statics != self.statics:
+            return False
+        for i, k in self.consts:
+            try:
+                if static_leaf_key(leaves[i]) != k:
+                    return False
+            except TypeError:
+                return False
+        tensors = [leaves[i] for i in self.tpos]
+        tensors.extend(state)
+        if not self.guard.check(tensors):
+            return False
+        if self.env is not None and self.env() != self.env_val:
+            return False
+        if self.must_static or (self.plan.mutated and self.alias):
+            return alias_pattern(tensors) == self.alias
+        return True
+
+
+class ThreadState:
+    """One thread's signature cache of one graphified function."""
+
+    __slots__ = ("cache", "last", "pool", "fast", "fast_rec", "fast_statics", "warmed", "__weakref__")
+
+    def __init__(self, pool: PoolState):
+        self.cache: OrderedDict[Hashable, Entry] = OrderedDict()
+        self.last: Optional[Entry] = None
+        self.pool = pool
+        self.fast: Any = None  # generated fast call of the last settled recording
+        self.fast_rec: Any = None
+        self.fast_statics: Any = None
+        # signatures that touch state and had their eager first call
+        self.warmed: Set[Hashable] = set()
+
+    def clear(self) -> None:
+        for e in self.cache.values():
+            if e.rec is not None:
+                e.rec.close()
+        self.cache.clear()
+        self.warmed.clear()
+        self.last = None
+        self.drop_fast()
+
+    def drop(self, e: Entry) -> None:
+        """Forget one signature (its recording is closed)."""
+        if self.cache.get(e.key) is e:
+            del self.cache[e.key]
+        if e.rec is not None:
+            if self.fast_rec is e.rec:
+                self.drop_fast()
+            e.rec.close()
+        if self.last is e:
+            self.last = None
+
+    def drop_fast(self) -> None:
+        self.fast = self.fast_rec = self.fast_statics = None
+
+
+def sig_brief(e: Entry) -> str:
+    """The first few inputs of a signature, for log lines."""
+    parts = [f"{p}: {m[3]}{list(m[1])}" for p, m in zip(e.plan.in_paths, e.guard.metas)]
+    s = ", ".join(parts[:4])
+    return s + (f", ... ({len(parts)} tensors)" if len(parts) > 4 else "")
+
+
+def diff_leaves(e: Entry, leaves: Sequence[Any], paths: Sequence[str]) -> List[str]:
+    """How a call's leaves differ from a signature's, leaf by leaf."""
+    out: List[str] = []
+    tpos = {p: k for k, p in enumerate(e.tpos)}
+    for i, x in enumerate(leaves):
+        if i in tpos:
+            old = e.guard.metas[tpos[i]]
+            if not isinstance(x, torch.Tensor):
+                out.append(f"{paths[i]}: tensor -> {type(x).__name__}")
+                continue
+            new = tensor_meta(x)
+            for j, name in ((1, "shape"), (3, "dtype"), (2, "strides"), (5, "requires_grad"), (4, "device"), (0, "type")):
+                if old[j] != new[j]:
+                    out.append(f"{paths[i]}: {name} {old[j]} -> {new[j]}")
+        else:
+            old_v = e.const_vals.get(i)
+            if isinstance(x, torch.Tensor):
+                out.append(f"{paths[i]}: static {type(old_v).__name__} -> tensor")
+            else:
+                try:
+                    same = static_leaf_key(x) == static_leaf_key(old_v)
+                except TypeError:
+                    same = False
+                if not same:
+                    out.append(f"{paths[i]}: static value {old_v!r} -> {x!r}")
+    state = e.resolve_state() if e.state_src else []
+    if state is None:
+        out.append("a state tensor the function reads is gone (its slot holds no tensor now)")
+    else:
+        for k, t in enumerate(state):
+            old = e.guard.metas[e.n_user + k]
+            new = tensor_meta(t)
+            if old != new:
+                out.append(f"state {e.plan.state_names[k]}: {old[3]}{list(old[1])} -> {new[3]}{list(new[1])}")
+    if e.env is not None and e.env() != e.env_val:
+        out.append("module training flags, hooks or optimizer hyperparameters changed")
+    return out
+
+
+STORM_THRESHOLD = 16
+
+
+class RerecordWarning(UserWarning):
+    """A graphified function keeps recording new signatures.
+
+    Each new signature (tree structure, tensor shapes/dtypes/strides, values
+    of non-tensor leaves) costs a trace and a recording. The warning names the
+    part of the signature that keeps changing and how to keep it stable:
+    pass changing Python numbers as tensors, pad inputs to a few fixed
+    shapes, or keep the structure of the arguments fixed.
+
+    Examples:
+        >>> import warnings, torch, gtransform as gt
+        >>> f = gt.graphify(lambda x, s: x * s)
+        >>> with warnings.catch_warnings(record=True) as w:
+        ...     warnings.simplefilter("always")
+        ...     for i in range(20):
+        ...         _ = f(torch.ones(2), float(i))
+        >>> issubclass(w[0].category, gt.RerecordWarning)
+        True
+    """
+
+
+def _leaf_kind(values: Set[Any]) -> str:
+    types = sorted({v[0].__name__ for v in values if isinstance(v, tuple) and v and isinstance(v[0], type)})
+    if not types:
+        return "value"
+    return " / ".join(types)
+
+
+def explain_storm(desc: str, log: List[Any]) -> str:
+    """The warning text: which part of the signature keeps changing, and the fix."""
+    n = len(log)
+    specs = {id(x[0]): x[0] for x in log}
+    lines = [f"{desc} has recorded {n} new signatures (more than {STORM_THRESHOLD}); each costs a trace and a recording."]
+    same = [x for x in log if x[0] == log[-1][0]]
+    if len({str(s) for s in specs.values()}) > 1 and len(same) < n // 2:
+        lines.append("The structure of the arguments keeps changing (different containers, keys or lengths). "
+                     "Fix: keep the argument tree fixed; pass varying collections as tensors.")
+    parts = [x[1] for x in same]
+    paths = same[-1][2]
+    for i in range(len(parts[-1])):
+        values = {p[i] for p in parts if i < len(p)}
+        if len(values) <= 1:
+            continue
+        sample = parts[-1][i]
+        path = paths[i] if i < len(paths) else f"leaf {i}"
+        if isinstance(sample, tuple) and len(sample) == 6 and isinstance(sample[3], torch.dtype):
+            what = []
+            for j, name in ((1, "shape"), (3, "dtype"), (2, "strides"), (5, "requires_grad"), (4, "device")):
+                if len({p[i][j] for p in parts}) > 1:
+                    what.append(name)
+            lines.append(f"{path} (a tensor) changed {', '.join(what) or 'layout'} {len(values)} times. "
+                         "Fix: pad or bucket inputs to a few fixed shapes, and keep dtypes and layouts fixed.")
+        else:
+            lines.append(f"{path} (a Python {_leaf_kind(values)}) took {len(values)} values: non-tensor leaves are "
+                         "static, so each value is a new signature. Fix: pass it as a tensor "
+                         "(torch.tensor(v, device=...)).")
+    stat = {x[3] for x in same}
+    if len(stat) > 1:
+        lines.append(f"the static arguments took {len(stat)} values. Fix: do not mark changing arguments static.")
+    return "\n".join(lines)
+
+
+class StormDetector:
+    """Warns once when a function keeps recording new signatures."""
+
+    __slots__ = ("desc", "log", "keys", "warned")
+
+    def __init__(self, desc: str):
+        self.desc = desc
+        self.log: List[Any] = []
+        self.keys: Set[Any] = set()
+        self.warned = False
+
+    def note(self, spec: Any, parts: List[Any], paths: List[str], statics: Any, stacklevel: int) -> None:
+        if self.warned:
+            return
+        key = (spec, tuple(parts), statics)
+        if key in self.keys:  # the same signature in another thread, or after eviction
+            return
+        self.keys.add(key)
+        self.log.append((spec, tuple(parts), tuple(paths), statics))
+        if len(self.log) <= STORM_THRESHOLD:
+            return
+        self.warned = True
+        warnings.warn(RerecordWarning(explain_storm(self.desc, self.log)), stacklevel=stacklevel)

@@ -1,0 +1,593 @@
+"""State: the tensors a function reaches without taking them as arguments.
+
+Module parameters and buffers, optimizer state, caches, closed-over tensors.
+The rule (DESIGN semantics 10):
+
+* The trace never touches state: every real tensor an operation meets while
+  tracing is swapped for a fake (see ``_trace``), and becomes an input of the
+  recorded graph. Each call resolves the state again (``StateBinding``) and
+  hands it to the recording like an argument, so reads see current values,
+  in-place updates happen once per call, and a state tensor that was replaced
+  (``.data =``, ``module.to()``, ``load_state_dict(assign=True)``, a new
+  ``nn.Parameter``) is seen: a new layout is a new signature, a new address a
+  new recording.
+* Python state the function reaches (modules, optimizers, closed-over lists,
+  dicts and objects: its *roots*) is snapshotted before each trace and put
+  back after it (:class:`Snapshot`), so a trace has no visible effect.
+  Tensors made while tracing that were left in that state (``p.grad`` set by
+  ``backward()``, ``self.cache = ...``, ``optimizer.state``) are *escapes*:
+  the recording returns them as extra outputs and writes them back after
+  every replay, as eager would have left them. Escapes a replay cannot
+  reproduce (an ``append`` to a list) and Python numbers changed by the
+  function are errors.
+* What else decides what a module computes is part of the signature
+  (:func:`env_key_fn`): every root module's ``training`` flag and hooks,
+  and every root optimizer's Python hyperparameters (``lr``...).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+import sys
+import types
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+
+import torch
+
+from ._errors import GraphifyError
+
+__all__ = ["Root", "find_roots", "Snapshot", "Slot", "StateIndex", "env_key_fn", "EscapeWriter"]
+
+_Module = torch.nn.Module
+_Optimizer = torch.optim.Optimizer
+_PKG_DIR = os.path.dirname(os.path.abspath(__file__))
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
+_NUMBERS = (int, float)
+_MAX_CONTAINER = 4096
+
+
+@dataclass
+class Root:
+    """An object the function reaches: a module, optimizer, container or plain object."""
+
+    name: str
+    obj: Any
+
+
+def _is_library_code(fn: Any) -> bool:
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return True
+    path = os.path.abspath(code.co_filename)
+    return path.startswith(_TORCH_DIR) or path.startswith(_PKG_DIR) or "site-packages" in path
+
+
+def _code_names(code: types.CodeType) -> Set[str]:
+    names = set(code.co_names)
+    for c in code.co_consts:
+        if isinstance(c, types.CodeType):
+            names |= _code_names(c)
+    return names
+
+
+def _candidates(fn: Any, depth: int, out: List[Tuple[str, Any]], seen: Set[int]) -> None:
+    """Objects ``fn`` reaches directly: bound self, closure cells, referenced globals, defaults."""
+    if id(fn) in seen or depth > 3:
+        return
+    seen.add(id(fn))
+    if isinstance(fn, functools.partial):
+        for i, a in enumerate(fn.args):
+            out.append((f"partial.args[{i}]", a))
+        for k, v in (fn.keywords or {}).items():
+            out.append((f"partial.{k}", v))
+        _candidates(fn.func, depth + 1, out, seen)
+        return
+    if isinstance(fn, _Module):
+        out.append(("module", fn))
+        return
+    if inspect.ismethod(fn):
+        out.append(("self", fn.__self__))
+        fn = fn.__func__
+    if not isinstance(fn, types.FunctionType):
+        call = next((c.__dict__["__call__"] for c in type(fn).__mro__ if "__call__" in c.__dict__), None) if callable(fn) else None
+        if call is not None and not isinstance(fn, type) and hasattr(fn, "__dict__"):
+            out.append(("self", fn))
+            fn = call
+        else:
+            return
+    if _is_library_code(fn) and depth > 0:
+        return
+    code = fn.__code__
+    if fn.__closure__:
+        for name, cell in zip(code.co_freevars, fn.__closure__):
+            try:
+                v = cell.cell_contents
+            except ValueError:
+                continue
+            out.append((name, v))
+            if isinstance(v, types.FunctionType):
+                _candidates(v, depth + 1, out, seen)
+    g = fn.__globals__
+    for name in _code_names(code):
+        if name in g:
+            v = g[name]
+            if isinstance(v, (types.ModuleType, type)):
+                continue
+            out.append((name, v))
+            if isinstance(v, types.FunctionType):
+                _candidates(v, depth + 1, out, seen)
+    for i, d in enumerate(fn.__defaults__ or ()):
+        out.append((f"default[{i}]", d))
+    for k, d in (fn.__kwdefaults__ or {}).items():
+        out.append((k, d))
+
+
+def _plain_object(v: Any) -> bool:
+    if isinstance(v, (type, types.ModuleType, types.FunctionType, types.MethodType, torch.Tensor)):
+        return False
+    if not hasattr(v, "__dict__"):
+        return False
+    mod = type(v).__module__ or ""
+    return not (mod.startswith("torch") or mod.startswith("gtransform") or mod == "builtins")
+
+
+def find_roots(fn: Any, extra: Sequence[Tuple[str, Any]] = ()) -> List[Root]:
+    """Modules, optimizers, containers and plain objects that ``fn`` reaches (two levels).
+
+    Args:
+        fn: the function.
+        extra: more ``(name, object)`` candidates, e.g. non-tensor arguments
+            (a module passed as ``self``).
+    """
+    cands: List[Tuple[str, Any]] = []
+    _candidates(fn, 0, cands, set())
+    cands.extend(x for x in extra if isinstance(x[1], (_Module, _Optimizer)) or _plain_object(x[1]))
+    roots: List[Root] = []
+    seen: Set[int] = set()
+
+    def add(name: str, v: Any, depth: int) -> None:
+        if id(v) in seen or v is None or depth > 2:
+            return
+        if isinstance(v, _Module):
+            seen.add(id(v))
+            roots.append(Root(name, v))
+        elif isinstance(v, _Optimizer):
+            seen.add(id(v))
+            roots.append(Root(name, v))
+        elif isinstance(v, torch.Tensor):
+            seen.add(id(v))
+            roots.append(Root(name, v))
+        elif isinstance(v, (list, dict)) and len(v) <= _MAX_CONTAINER:
+            seen.add(id(v))
+            roots.append(Root(name, v))
+            items = v.items() if isinstance(v, dict) else enumerate(v)
+            for k, x in items:
+                if isinstance(x, (_Module, _Optimizer, list, dict, torch.Tensor)) or _plain_object(x):
+                    add(f"{name}[{k!r}]", x, depth + 1)
+        elif isinstance(v, tuple) and len(v) <= _MAX_CONTAINER:
+            seen.add(id(v))
+            for k, x in enumerate(v):
+                add(f"{name}[{k}]", x, depth + 1)
+        elif _plain_object(v):
+            seen.add(id(v))
+            roots.append(Root(name, v))
+            for k, x in list(vars(v).items()):
+                if isinstance(x, (_Module, _Optimizer, list, dict, torch.Tensor)) or _plain_object(x):
+                    add(f"{name}.{k}", x, depth + 1)
+
+    for name, v in cands:
+        add(name, v, 0)
+    return roots
+
+
+def root_modules(roots: Sequence[Root]) -> List[Tuple[str, _Module]]:
+    """Every module under the roots, with its dotted name (each once)."""
+    out: List[Tuple[str, _Module]] = []
+    seen: Set[int] = set()
+    for r in roots:
+        if isinstance(r.obj, _Module):
+            for n, m in r.obj.named_modules(remove_duplicate=False):
+                if id(m) not in seen:
+                    seen.add(id(m))
+                    out.append((f"{r.name}.{n}" if n else r.name, m))
+    return out
+
+
+# -- snapshot and escapes ---------------------------------------------------------------
+
+
+@dataclass
+class Slot:
+    """A place in Python state that holds a tensor: ``kind`` is "grad", "attr" or "item"."""
+
+    kind: str
+    obj: Any
+    key: Any
+    path: str
+
+    def get(self) -> Any:
+        if self.kind == "grad":
+            return self.obj.grad
+        if self.kind == "attr":
+            return getattr(self.obj, self.key, None)
+        try:
+            return self.obj[self.key]
+        except (KeyError, IndexError):
+            return None
+
+    def set(self, value: Any) -> None:
+        if self.kind == "grad":
+            self.obj.grad = value
+        elif self.kind == "attr":
+            setattr(self.obj, self.key, value)
+        else:
+            self.obj[self.key] = value
+
+
+@dataclass
+class Change:
+    """A Python number in reachable state that the function changed."""
+
+    path: str
+    old: Any
+    new: Any
+
+
+@dataclass
+class ScanResult:
+    escapes: List[Tuple[Slot, Any]] = field(default_factory=list)  # (slot, fake)
+    appended: List[str] = field(default_factory=list)  # paths of containers a fake was appended to
+    changes: List[Change] = field(default_factory=list)
+
+
+class Snapshot:
+    """Shallow copies of the roots' Python state, to undo what a trace did to it.
+
+    Args:
+        roots: what the function reaches.
+    """
+
+    def __init__(self, roots: Sequence[Root]):
+        self.items: List[Tuple[str, str, Any, Any]] = []  # (kind, path, obj, saved)
+        seen: Set[int] = set()
+        for r in roots:
+            obj = r.obj
+            if isinstance(obj, _Module):
+                for path, m in root_modules([r]):
+                    if id(m) in seen:
+                        continue
+                    seen.add(id(m))
+                    grads = {n: p.grad for n, p in m._parameters.items() if p is not None}
+                    self.items.append(("module", path, m, (dict(m.__dict__), dict(m._parameters), dict(m._buffers), dict(m._modules), grads)))
+            elif isinstance(obj, _Optimizer):
+                if id(obj) in seen:
+                    continue
+                seen.add(id(obj))
+                st = {p: (s, dict(s)) for p, s in obj.state.items()}
+                groups = [(g, dict(g)) for g in obj.param_groups]
+                self.items.append(("optimizer", r.name, obj, (dict(obj.__dict__), st, groups)))
+            elif isinstance(obj, torch.Tensor):
+                if id(obj) in seen:
+                    continue
+                seen.add(id(obj))
+                self.items.append(("tensor", r.name, obj, obj.grad))
+            elif isinstance(obj, list):
+                seen.add(id(obj))
+                self.items.append(("list", r.name, obj, list(obj)))
+            elif isinstance(obj, dict):
+                seen.add(id(obj))
+                self.items.append(("dict", r.name, obj, dict(obj)))
+            elif hasattr(obj, "__dict__"):
+                seen.add(id(obj))
+                self.items.append(("object", r.name, obj, dict(vars(obj))))
+
+    def scan(self, is_fake: Callable[[Any], bool]) -> ScanResult:
+        """What the trace left in the roots: fakes (escapes) and changed Python numbers."""
+        res = ScanResult()
+
+        def attrs(path: str, obj: Any, now: Dict[str, Any], old: Dict[str, Any], skip: Set[str]) -> None:
+            for k, v in now.items():
+                if k in skip:
+                    continue
+                if is_fake(v):
+                    res.escapes.append((Slot("attr", obj, k, f"{path}.{k}"), v))
+                elif type(v) in _NUMBERS and k in old and type(old[k]) in _NUMBERS and old[k] != v:
+                    res.changes.append(Change(f"{path}.{k}", old[k], v))
+
+        for kind, path, obj, saved in self.items:
+            if kind == "module":
+                d, params, bufs, _mods, grads = saved
+                attrs(path, obj, obj.__dict__, d, {"_parameters", "_buffers", "_modules"})
+                for n, p in obj._parameters.items():
+                    if p is None:
+                        continue
+                    if is_fake(p):
+                        res.appended.append(f"{path}.{n} (a new nn.Parameter made from a traced tensor)")
+                    elif is_fake(p.grad):
+                        res.escapes.append((Slot("grad", p, "grad", f"{path}.{n}.grad"), p.grad))
+                for n, b in obj._buffers.items():
+                    if is_fake(b):
+                        res.escapes.append((Slot("item", obj._buffers, n, f"{path}.{n}"), b))
+            elif kind == "optimizer":
+                d, st, groups = saved
+                for s in obj.state.values():
+                    for k, v in s.items():
+                        if is_fake(v):
+                            res.escapes.append((Slot("item", s, k, f"{path}.state[...][{k!r}]"), v))
+                for i, (g, old) in enumerate(groups):  # noqa: B007
+                    for k, v in g.items():
+                        if k == "params":
+                            continue
+                        if is_fake(v):
+                            res.escapes.append((Slot("item", g, k, f"{path}.param_groups[{i}][{k!r}]"), v))
+                        elif type(v) in _NUMBERS and type(old.get(k)) in _NUMBERS and old[k] != v:
+                            res.changes.append(Change(f"{path}.param_groups[{i}][{k!r}]", old[k], v))
+            elif kind == "tensor":
+                if is_fake(obj.grad):
+                    res.escapes.append((Slot("grad", obj, "grad", f"{path}.grad"), obj.grad))
+            elif kind == "list":
+                old = saved
+                for i, v in enumerate(obj):
+                    if is_fake(v):
+                        if i < len(old):
+                            res.escapes.append((Slot("item", obj, i, f"{path}[{i}]"), v))
+                        else:
+                            res.appended.append(f"{path} (appended at index {i})")
+            elif kind == "dict":
+                for k, v in obj.items():
+                    if is_fake(v):
+                        res.escapes.append((Slot("item", obj, k, f"{path}[{k!r}]"), v))
+                    elif type(v) in _NUMBERS and type(saved.get(k)) in _NUMBERS and saved[k] != v:
+                        res.changes.append(Change(f"{path}[{k!r}]", saved[k], v))
+            elif kind == "object":
+                attrs(path, obj, vars(obj), saved, set())
+        return res
+
+    def restore(self) -> None:
+        """Put every root back as it was when the snapshot was taken."""
+        for kind, _path, obj, saved in self.items:
+            try:
+                if kind == "module":
+                    d, params, bufs, mods, grads = saved
+                    _restore_dict(obj.__dict__, d)
+                    _restore_dict(obj._parameters, params)
+                    _restore_dict(obj._buffers, bufs)
+                    _restore_dict(obj._modules, mods)
+                    for n, g in grads.items():
+                        p = params[n]
+                        if p.grad is not g:
+                            p.grad = g
+                elif kind == "optimizer":
+                    d, st, groups = saved
+                    for g, old in groups:
+                        _restore_dict(g, old)
+                    _restore_dict(obj.__dict__, d)
+                    state = obj.state
+                    for p in [p for p in state if p not in st]:
+                        del state[p]
+                    for p, (s, old) in st.items():
+                        s.clear()
+                        s.update(old)
+                        state[p] = s
+                elif kind == "tensor":
+                    if obj.grad is not saved:
+                        obj.grad = saved
+                elif kind == "list":
+                    if any(isinstance(v, torch.Tensor) for v in obj) or any(isinstance(v, torch.Tensor) for v in saved):
+                        obj[:] = saved
+                elif kind == "dict":
+                    _restore_dict(obj, saved)
+                elif kind == "object":
+                    _restore_dict(vars(obj), saved)
+            except Exception:  # pragma: no cover - best effort, never mask the user's error
+                continue
+
+
+_MISSING = object()
+
+
+def _restore_dict(d: Dict[Any, Any], saved: Dict[Any, Any]) -> None:
+    """Undo what a trace did to the tensors in ``d``; Python values keep their trace-time changes.
+
+    As in JAX, Python side effects (a counter of traces, say) happen when the
+    function is traced; only tensors, which would be placeholders, are put back.
+    """
+    for k in [k for k in d if k not in saved and isinstance(d[k], torch.Tensor)]:
+        del d[k]
+    for k, v in saved.items():
+        cur = d.get(k, _MISSING)
+        if cur is not v and (cur is _MISSING or isinstance(cur, torch.Tensor) or isinstance(v, torch.Tensor)):
+            d[k] = v
+
+
+# -- where each state tensor lives --------------------------------------------------------
+
+
+class StateIndex:
+    """Maps state tensors to the slot the function reaches them through.
+
+    A tensor found as a module's parameter or buffer, an optimizer's state, or an
+    entry of a reachable dict or object is re-read from that slot on every call,
+    so replacing it (``lin.weight = nn.Parameter(...)``) is seen. Others are held
+    as they are.
+    """
+
+    def __init__(self, roots: Sequence[Root]):
+        self.by_id: Dict[int, Slot] = {}
+        self.names: Dict[int, str] = {}
+        for path, m in root_modules(roots):
+            for n, mp in m._parameters.items():
+                if mp is not None:
+                    self._add(mp, Slot("item", m._parameters, n, f"{path}.{n}"))
+                    if mp.grad is not None:
+                        self._add(mp.grad, Slot("grad", mp, "grad", f"{path}.{n}.grad"))
+            for n, b in m._buffers.items():
+                if b is not None:
+                    self._add(b, Slot("item", m._buffers, n, f"{path}.{n}"))
+        for r in roots:
+            obj = r.obj
+            if isinstance(obj, _Optimizer):
+                pnames = {id(p): self.names.get(id(p), f"param {i}") for i, p in enumerate(_opt_params(obj))}
+                for sp, s in obj.state.items():
+                    for k, v in s.items():
+                        if isinstance(v, torch.Tensor):
+                            self._add(v, Slot("item", s, k, f"{r.name}.state[{pnames.get(id(sp), '?')}][{k!r}]"))
+                for i, g in enumerate(obj.param_groups):
+                    for k, v in g.items():
+                        if k != "params" and isinstance(v, torch.Tensor):
+                            self._add(v, Slot("item", g, k, f"{r.name}.param_groups[{i}][{k!r}]"))
+                for op in _opt_params(obj):
+                    if op.grad is not None:
+                        self._add(op.grad, Slot("grad", op, "grad", f"{pnames.get(id(op), '?')}.grad"))
+            elif isinstance(obj, torch.Tensor):
+                self.names.setdefault(id(obj), r.name)
+                if obj.grad is not None:
+                    self._add(obj.grad, Slot("grad", obj, "grad", f"{r.name}.grad"))
+            elif isinstance(obj, dict):
+                for k, v in obj.items():
+                    if isinstance(v, torch.Tensor):
+                        self._add(v, Slot("item", obj, k, f"{r.name}[{k!r}]"))
+            elif isinstance(obj, list):
+                for i, v in enumerate(obj):
+                    if isinstance(v, torch.Tensor):
+                        self._add(v, Slot("item", obj, i, f"{r.name}[{i}]"))
+            elif not isinstance(obj, _Module) and hasattr(obj, "__dict__"):
+                for k, v in vars(obj).items():
+                    if isinstance(v, torch.Tensor):
+                        self._add(v, Slot("item", vars(obj), k, f"{r.name}.{k}"))
+
+    def _add(self, t: torch.Tensor, slot: Slot) -> None:
+        if id(t) not in self.by_id:
+            self.by_id[id(t)] = slot
+            self.names[id(t)] = slot.path
+
+    def slot_of(self, t: torch.Tensor) -> Optional[Slot]:
+        return self.by_id.get(id(t))
+
+    def name_of(self, t: torch.Tensor, k: int) -> str:
+        n = self.names.get(id(t))
+        return n if n is not None else f"<closed-over tensor {k}: {t.dtype} {list(t.shape)}>"
+
+
+def _opt_params(opt: _Optimizer) -> List[torch.Tensor]:
+    return [p for g in opt.param_groups for p in g["params"]]
+
+
+# -- the environment part of the signature ------------------------------------------------
+
+
+def env_key_fn(roots: Sequence[Root]) -> Optional[Callable[[], Any]]:
+    """A cheap function of what else changes a module's computation, or ``None``.
+
+    Covers every root module's ``training`` flag and hooks (and torch's global
+    module hooks), and every root optimizer's Python-number hyperparameters.
+    """
+    mods = [m for _, m in root_modules(roots)]
+    opts = [r.obj for r in roots if isinstance(r.obj, _Optimizer)]
+    if not mods and not opts:
+        return None
+    from torch.nn.modules import module as _mm
+
+    gdicts = [getattr(_mm, n) for n in ("_global_forward_hooks", "_global_forward_pre_hooks",
+                                        "_global_backward_hooks", "_global_backward_pre_hooks")
+              if isinstance(getattr(_mm, n, None), dict)]
+    hook_attrs = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+    hook_dicts = [getattr(m, a) for m in mods for a in hook_attrs if isinstance(getattr(m, a, None), dict)]
+    groups = [g for o in opts for g in o.param_groups]
+    keys = [tuple(k for k, v in g.items() if k != "params" and type(v) in (int, float, bool)) for g in groups]
+
+    def env() -> Any:
+        return (
+            [m.training for m in mods],
+            [tuple(d) for d in hook_dicts if d],
+            [tuple(d) for d in gdicts if d],
+            [[g[k] for k in ks] for g, ks in zip(groups, keys)],
+        )
+
+    env.describe = (  # type: ignore[attr-defined]
+        f"{len(mods)} module(s) (training flags, hooks), {len(opts)} optimizer(s) "
+        f"({sum(len(k) for k in keys)} Python hyperparameters)"
+    )
+    return env
+
+
+# -- writing escapes back -------------------------------------------------------------------
+
+
+_getrefcount = sys.getrefcount
+
+
+class EscapeWriter:
+    """After each replay, puts the recording's escape outputs where eager left them.
+
+    The objects written are pool tensors that every replay overwrites (as
+    ``p.grad`` in torch's own whole-network capture). If the caller keeps one of
+    them (``g = p.grad``) past the next call, that object is poisoned when the
+    next call begins and the slot gets a fresh object over the same memory.
+    """
+
+    def __init__(self, slots: Sequence[Slot], desc: str):
+        self.slots = list(slots)
+        self.desc = desc
+        self.last: List[Any] = [None] * len(self.slots)
+        self.reuse = False  # True where replays write the same memory again (CUDA)
+
+    def before_replay(self) -> None:
+        """Poison objects of the last call that the caller still holds elsewhere."""
+        if not self.reuse:
+            return
+        from ._liveness import poison_tensor
+
+        for i, (slot, obj) in enumerate(zip(self.slots, self.last)):
+            if obj is None:
+                continue
+            # our list + getrefcount's argument (+ the slot, if it still holds it)
+            held_by_slot = slot.get() is obj
+            if _getrefcount(obj) > 2 + held_by_slot:
+                fresh = torch.empty(0, dtype=obj.dtype, device=obj.device).set_(
+                    obj.untyped_storage(), obj.storage_offset(), obj.shape, obj.stride())
+                poison_tensor(obj, (
+                    f"{self.desc}: this tensor ({slot.path}) was written by an earlier call and is "
+                    "overwritten by the next one. Fix: .clone() it if you need it after the next call."))
+                if held_by_slot:
+                    slot.set(fresh)
+                self.last[i] = fresh
+
+    def write(self, outs: Sequence[torch.Tensor]) -> None:
+        last = self.last
+        for i, (slot, t) in enumerate(zip(self.slots, outs)):
+            prev = last[i]
+            if prev is not None and prev.data_ptr() == t.data_ptr() and prev.shape == t.shape:
+                t = prev  # same memory: keep handing out the same object
+            else:
+                last[i] = t
+            if slot.get() is not t:
+                slot.set(t)
+
+
+def escape_error(desc: str, where: List[str], site: str) -> GraphifyError:
+    """A tensor made while tracing was left where no replay can put it."""
+    listing = "; ".join(where[:4]) + (" ..." if len(where) > 4 else "")
+    return GraphifyError(
+        f"{desc}: a tensor made inside the function escapes into Python state: {listing}.{site}\n"
+        "Why: a recording replays tensor work only; Python-side effects (appending to a list, "
+        "making a new nn.Parameter) happen once, while tracing, and would leave a traced "
+        "placeholder instead of a real tensor.\n"
+        "Fix: return the tensor from the function and store it outside (e.g. log.append(f(x).clone())), "
+        "or write into a preallocated tensor in place (buf.copy_(y))."
+    )
+
+
+def change_error(desc: str, changes: Sequence[Change]) -> GraphifyError:
+    """The function changes Python numbers in reachable state on every call."""
+    listing = "; ".join(f"{c.path}: {c.old!r} -> {c.new!r}" for c in changes[:4])
+    return GraphifyError(
+        f"{desc}: the function changes Python numbers in the state it reaches ({listing}).\n"
+        "Why: a recording replays tensor work only; a Python-side update would happen once, "
+        "while tracing, and never again, and the value it reads would be frozen.\n"
+        "Fix: keep the value in a tensor updated in place (e.g. self.register_buffer('n', "
+        "torch.zeros(())) and self.n += 1), or move the update out of the graphified function."
+    )
