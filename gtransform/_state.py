@@ -389,17 +389,29 @@ class Snapshot:
 _MISSING = object()
 
 
-def _restore_dict(d: Dict[Any, Any], saved: Dict[Any, Any]) -> None:
-    """Undo what a trace did to the tensors in ``d``; Python values keep their trace-time changes.
+def _tensors_changed(d: Dict[Any, Any], saved: Dict[Any, Any]) -> bool:
+    for k, v in d.items():
+        old = saved.get(k, _MISSING)
+        if old is not v and (isinstance(v, torch.Tensor) or isinstance(old, torch.Tensor)):
+            return True
+    return any(k not in d and isinstance(v, torch.Tensor) for k, v in saved.items())
 
-    As in JAX, Python side effects (a counter of traces, say) happen when the
-    function is traced; only tensors, which would be placeholders, are put back.
+
+def _restore_dict(d: Dict[Any, Any], saved: Dict[Any, Any]) -> None:
+    """Undo what a trace did to ``d``, if it touched a tensor there.
+
+    A dict (or an object's attributes) where the trace left or replaced a tensor
+    is put back whole, flags included (a lazily initialised cache and its
+    ``is_initialized`` go back together). Where only Python values changed, the
+    changes stay: as in JAX, Python side effects such as a counter of traces
+    happen when the function is traced.
     """
-    for k in [k for k in d if k not in saved and isinstance(d[k], torch.Tensor)]:
+    if not _tensors_changed(d, saved):
+        return
+    for k in [k for k in d if k not in saved]:
         del d[k]
     for k, v in saved.items():
-        cur = d.get(k, _MISSING)
-        if cur is not v and (cur is _MISSING or isinstance(cur, torch.Tensor) or isinstance(v, torch.Tensor)):
+        if d.get(k, _MISSING) is not v:
             d[k] = v
 
 

@@ -525,6 +525,53 @@ def _drop_profiler_nodes(gm: torch.fx.GraphModule) -> None:
             graph.erase_node(n)
 
 
+class _compiling:
+    """``torch.compiler.is_compiling()`` is true while tracing, as under torch.export.
+
+    Library code then takes its traceable path: torch.optim keeps step counts and
+    tensor learning rates as tensors instead of reading them with ``.item()``.
+    """
+
+    def __enter__(self) -> None:
+        import torch.compiler as tc
+
+        self.old = getattr(tc, "_is_compiling_flag", None)
+        if self.old is not None:
+            tc._is_compiling_flag = True
+
+    def __exit__(self, *exc: Any) -> None:
+        import torch.compiler as tc
+
+        if self.old is not None:
+            tc._is_compiling_flag = self.old
+
+
+def _internal_failure(desc: str, exc: BaseException, cuda: bool) -> Optional[GraphifyError]:
+    """A GraphifyError for an error raised inside torch while tracing (not by the user's code).
+
+    The user's own exceptions propagate unchanged; this is for operations that
+    run eagerly but cannot be traced with fake tensors.
+    """
+    tb = traceback.extract_tb(exc.__traceback__)
+    if not tb or not tb[-1].filename.startswith(os.path.dirname(os.path.abspath(torch.__file__))):
+        return None
+    fr = user_frame(tb)
+    hint = ""
+    if any(os.sep + os.path.join("torch", "optim") + os.sep in f.filename for f in tb):
+        hint = (" The failing operation is inside torch.optim: " + (
+            "construct the optimizer with capturable=True." if cuda else
+            "Adam-family optimizers need capturable=True, which torch supports on GPUs only; on the CPU "
+            "keep opt.step() outside the graphified function, or use SGD."))
+    first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return GraphifyError(
+        f"{desc}: torch cannot trace an operation of the function: {type(exc).__name__}: {first}\n"
+        f"  at {format_frame(fr)}\n"
+        "Why: graphify traces each signature with fake tensors (no data); this operation works "
+        "eagerly but not on fake tensors.\n"
+        "Fix: move this operation out of the graphified function, or call the function eagerly." + hint
+    )
+
+
 def trace(
     fn: Callable[..., Any],
     rebuild: Callable[[Sequence[torch.Tensor]], Tuple[Tuple[Any, ...], Dict[str, Any]]],
@@ -592,7 +639,7 @@ def trace(
 
     try:
         # fx tracing keeps global state (its patcher): one trace at a time
-        with TRACE_LOCK, mode:
+        with TRACE_LOCK, _compiling(), mode:
             gm = make_fx(flat_fn, tracing_mode="real", _allow_non_fake_inputs=True)(*fakes)
     except (DataDependentOutputException, DynamicOutputShapeException, GuardOnDataDependentSymNode) as e:
         raise _data_dependent(desc, e, cuda) from None
@@ -611,7 +658,10 @@ def trace(
         msg = str(e)
         host = next((what for key, what in _HOST_READS if key in msg), None)
         if host is None:
-            raise
+            internal = _internal_failure(desc, e, cuda)
+            if internal is None:
+                raise
+            raise internal from e
         fr = user_frame_from_exc(e)
         raise GraphifyError(
             f"{desc}: {host} reads a tensor's data on the host.\n  at {format_frame(fr)}\n"

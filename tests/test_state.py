@@ -1,0 +1,502 @@
+"""State (DESIGN semantics 10): modules, optimizers and caches give eager's numbers, or a clear error."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from conftest import HAS_CUDA, assert_close
+from hypothesis import given
+from hypothesis import strategies as st
+
+import gtransform as gt
+
+
+def _mlp(device, seed=0, bn=False):
+    torch.manual_seed(seed)
+    layers = [nn.Linear(6, 16)]
+    if bn:
+        layers.append(nn.BatchNorm1d(16))
+    layers += [nn.Tanh(), nn.Linear(16, 3)]
+    return nn.Sequential(*layers).to(device)
+
+
+def _batches(device, n, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(8, 6, generator=g).to(device), torch.randn(8, 3, generator=g).to(device)) for _ in range(n)]
+
+
+def _whole_step_run(device, make_opt, graph, steps=20):
+    model = _mlp(device)
+    opt = make_opt(model.parameters())
+
+    def step(x, y):
+        opt.zero_grad()
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    f = gt.graphify(step) if graph else step
+    losses = [f(x, y).detach().clone() for x, y in _batches(device, steps)]
+    return losses, model, f
+
+
+def _assert_models_close(a, b, atol=1e-5):
+    for (n, p), q in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(p, q, atol=atol, rtol=1e-4, msg=lambda m, n=n: f"{n}: {m}")
+        if p.grad is None:
+            assert q.grad is None, n
+        else:
+            torch.testing.assert_close(p.grad, q.grad, atol=atol, rtol=1e-4)
+    for p, q in zip(a.buffers(), b.buffers()):
+        torch.testing.assert_close(p, q, atol=atol, rtol=1e-4)
+
+
+_OPTS = {
+    "sgd": lambda cuda: (lambda p: torch.optim.SGD(p, lr=0.05)),
+    "sgd_momentum": lambda cuda: (lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9)),
+    "sgd_momentum_loop": lambda cuda: (lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, foreach=False)),
+    "adam_foreach": lambda cuda: (lambda p: torch.optim.Adam(p, lr=1e-2, capturable=cuda, foreach=True)),
+    "adam_loop": lambda cuda: (lambda p: torch.optim.Adam(p, lr=1e-2, capturable=cuda, foreach=False)),
+    "adamw_foreach": lambda cuda: (lambda p: torch.optim.AdamW(p, lr=1e-2, capturable=cuda, foreach=True)),
+    "adamw_loop": lambda cuda: (lambda p: torch.optim.AdamW(p, lr=1e-2, capturable=cuda, foreach=False)),
+}
+
+
+@pytest.mark.parametrize("opt_name", list(_OPTS))
+def test_whole_training_step_matches_eager(device, opt_name):
+    """opt.zero_grad(); loss.backward(); opt.step() inside the function, 20 steps."""
+    make = _OPTS[opt_name](device == "cuda")
+    want_losses, want, _ = _whole_step_run(device, make, graph=False)
+    if device == "cpu" and opt_name.startswith("adam"):
+        # Adam reads its step count on the host unless capturable=True (GPU-only in torch)
+        with pytest.raises(gt.GraphifyError, match="capturable=True"):
+            _whole_step_run(device, make, graph=True)
+        return
+    got_losses, got, f = _whole_step_run(device, make, graph=True)
+    for a, b in zip(want_losses, got_losses):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    _assert_models_close(want, got)
+    info = f.cache_info()
+    assert info.misses == 2 and info.hits == 18  # first call eager, recorded once, replayed
+
+
+def test_adam_refusal_leaves_optimizer_usable():
+    model = _mlp("cpu")
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+
+    def step(x, y):
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+
+    (x, y), = _batches("cpu", 1)
+    f = gt.graphify(step)
+    f(x, y)  # eager first call
+    with pytest.raises(gt.GraphifyError) as ei:
+        f(x, y)
+    msg = str(ei.value)
+    assert "test_state.py" in msg  # the user's line
+    assert "capturable=True" in msg and "opt.step() outside" in msg
+    # nothing of the trace was left behind: state is real and eager keeps working
+    for s in opt.state.values():
+        for v in s.values():
+            assert type(v) is torch.Tensor
+    for p in model.parameters():
+        assert type(p.grad) is torch.Tensor
+    step(x, y)
+
+
+def test_tensor_lr_with_scheduler_matches_eager(device):
+    def run(graph):
+        model = _mlp(device)
+        lr = torch.tensor(0.01 if device == "cuda" else 0.1, device=device)
+        if device == "cuda":
+            opt = torch.optim.Adam(model.parameters(), lr=lr, capturable=True)
+        else:  # the foreach SGD takes a tensor lr without reading it on the host
+            opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, foreach=True)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+
+        def step(x, y):
+            opt.zero_grad()
+            loss = F.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            return loss
+
+        f = gt.graphify(step) if graph else step
+        for x, y in _batches(device, 20):
+            f(x, y)
+            sched.step()
+        return model, f
+
+    want, _ = run(False)
+    got, f = run(True)
+    _assert_models_close(want, got)
+    assert f.cache_info().misses == 2  # a tensor lr changes in place: no new signature
+
+
+def test_python_float_lr_change_is_a_new_signature(device):
+    """A Python hyperparameter is part of the signature: never frozen into a recording."""
+    def run(graph):
+        model = _mlp(device)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+        def step(x, y):
+            opt.zero_grad()
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+
+        f = gt.graphify(step) if graph else step
+        for i, (x, y) in enumerate(_batches(device, 12)):
+            if i == 6:
+                opt.param_groups[0]["lr"] = 0.01
+            f(x, y)
+        return model, f
+
+    want, _ = run(False)
+    got, f = run(True)
+    _assert_models_close(want, got)
+    assert "optimizer" in f.describe()
+
+
+@pytest.mark.parametrize("bn", [False, True])
+def test_graphified_module_with_backward_outside(device, bn):
+    """gmodel = graphify(model); loss(gmodel(x)).backward(); opt.step() outside: like eager."""
+    def run(graph):
+        model = _mlp(device, bn=bn)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        g = gt.graphify(model) if graph else model
+        losses = []
+        for x, y in _batches(device, 20):
+            opt.zero_grad()
+            loss = F.mse_loss(g(x), y)
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach().clone())
+        return model, losses
+
+    want, lw = run(False)
+    got, lg = run(True)
+    for a, b in zip(lw, lg):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    _assert_models_close(want, got)
+
+
+def test_closed_over_parameters_get_gradients(device):
+    lin = nn.Linear(4, 2).to(device)
+    ref = nn.Linear(4, 2).to(device)
+    ref.load_state_dict(lin.state_dict())
+    g = gt.graphify(lambda x: lin(x).tanh())
+    x = torch.randn(3, 4, device=device)
+    for _ in range(3):
+        g(x).sum().backward()
+        ref(x).tanh().sum().backward()
+    torch.testing.assert_close(lin.weight.grad, ref.weight.grad)
+    torch.testing.assert_close(lin.bias.grad, ref.bias.grad)
+
+
+class _Counter(nn.Module):
+    def __init__(self, device):
+        super().__init__()
+        self.register_buffer("n", torch.zeros((), device=device))
+
+    def forward(self, x):
+        self.n += 1
+        return x * self.n
+
+
+def test_counter_buffer_updates_once_per_call(device):
+    m = _Counter(device)
+    f = gt.graphify(m)
+    x = torch.ones(2, device=device)
+    got = [f(x)[0].item() for _ in range(5)]
+    assert got == [1.0, 2.0, 3.0, 4.0, 5.0]
+    assert m.n.item() == 5.0
+
+
+def test_replaced_state_is_seen(device):
+    lin = nn.Linear(2, 1).to(device)
+    nn.init.constant_(lin.weight, 1.0)
+    nn.init.constant_(lin.bias, 1.0)
+    f = gt.graphify(lambda x: lin(x))
+    x = torch.ones(2, device=device)
+    with torch.no_grad():
+        assert f(x).item() == 3.0
+        assert f(x).item() == 3.0
+        lin.weight.data = torch.zeros(1, 2, device=device)
+        assert f(x).item() == 1.0
+        lin.weight = nn.Parameter(torch.full((1, 2), 2.0, device=device))
+        assert f(x).item() == 5.0
+        lin.load_state_dict({"weight": torch.full((1, 2), 3.0, device=device), "bias": torch.zeros(1, device=device)}, assign=True)
+        assert f(x).item() == 6.0
+        lin.double()
+        assert f(x.double()).item() == 6.0
+        assert f(x.double()).dtype == torch.float64
+
+
+def test_training_flag_and_hooks_are_in_the_signature(device):
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5)).to(device)
+    g = gt.graphify(m)
+    x = torch.ones(1, 4, device=device)
+    with torch.no_grad():
+        g(x)
+        g(x)
+        m.eval()
+        assert torch.equal(g(x), m(x))
+        h = m[0].register_forward_hook(lambda mod, i, o: o * 0)
+        assert g(x).abs().sum().item() == 0
+        h.remove()
+        assert torch.equal(g(x), m(x))
+        m.train()
+        y = g(x)
+        assert (y == 0).any()  # dropout is on again
+
+
+def test_escape_into_a_list_is_an_error(device):
+    log = []
+
+    def f(x):
+        y = x * 2
+        log.append(y)
+        return y + 1
+
+    g = gt.graphify(f)
+    with pytest.raises(gt.GraphifyError, match=r"escapes into Python state: log") as ei:
+        g(torch.ones(2, device=device))
+    assert "Fix:" in str(ei.value)
+    assert log == []  # nothing of the trace was left in it
+    log.clear()
+
+
+class _Holder:
+    pass
+
+
+def test_traced_tensor_used_after_the_trace_raises(device):
+    deep = {"a": {"b": {"c": _Holder()}}}
+
+    def f(x):
+        y = x * 2
+        deep["a"]["b"]["c"].y = y  # deeper than gtransform looks
+        return y + 1
+
+    g = gt.graphify(f)
+    g(torch.ones(2, device=device))
+    leaked = deep["a"]["b"]["c"].y
+    with pytest.raises(gt.GraphifyError, match="used after the trace") as ei:
+        leaked + 1
+    assert "test_state.py" in str(ei.value)  # where it was made
+
+
+@dataclasses.dataclass
+class _Out:
+    a: torch.Tensor
+    b: int
+
+
+def test_output_containers(device):
+    x = torch.ones(2, device=device)
+    o = gt.graphify(lambda x: _Out(x * 2, 3))(x)
+    assert type(o) is _Out and type(o.a) is torch.Tensor and o.b == 3
+    assert_close(o.a, x * 2)
+    with pytest.raises(gt.GraphifyError, match=r"output .* Normal .*holds tensors"):
+        gt.graphify(lambda x: torch.distributions.Normal(x, x.exp(), validate_args=False))(x)
+
+
+def test_torch_pytree_registered_output():
+    """Types registered with torch.utils._pytree (e.g. Hugging Face's ModelOutput) come back real."""
+    import collections
+
+    import torch.utils._pytree as tp
+
+    class Pair(collections.OrderedDict):
+        pass
+
+    tp.register_pytree_node(Pair, lambda p: (list(p.values()), list(p.keys())),
+                            lambda vals, keys: Pair(zip(keys, vals)))
+    out = gt.graphify(lambda x: Pair(a=x + 1, b=x * 2))(torch.ones(2))
+    assert type(out) is Pair and type(out["a"]) is torch.Tensor
+    assert_close(out["b"], torch.full((2,), 2.0))
+
+
+def test_kv_cache_decoder_matches_eager(device):
+    class Dec(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.kv, self.o = nn.Linear(8, 8), nn.Linear(8, 16), nn.Linear(8, 8)
+            self.register_buffer("k", torch.zeros(1, 16, 8))
+            self.register_buffer("v", torch.zeros(1, 16, 8))
+
+        def forward(self, x, pos):
+            k, v = self.kv(x).chunk(2, -1)
+            self.k.index_copy_(1, pos, k)
+            self.v.index_copy_(1, pos, v)
+            mask = (torch.arange(16, device=x.device) <= pos).view(1, 1, 16)
+            att = (self.q(x) @ self.k.transpose(1, 2)).masked_fill(~mask, -1e9).softmax(-1)
+            return self.o(att @ self.v)
+
+    outs = []
+    for graph in (False, True):
+        torch.manual_seed(0)
+        d = Dec().to(device)
+        f = gt.graphify(d) if graph else d
+        x = torch.randn(1, 1, 8, device=device)
+        steps = []
+        with torch.no_grad():
+            for t in range(12):
+                x = f(x, torch.tensor([t], device=device)).clone()
+                steps.append(x)
+        outs.append(torch.cat(steps))
+    torch.testing.assert_close(outs[0], outs[1])
+
+
+def test_inputs_are_real_before_any_kernel_runs(device):
+    """Embedding, gather, index_select, cross_entropy targets: never uninitialised memory."""
+    if device == "cuda":
+        # leave free blocks of the buffers' size full of out-of-range indices
+        junk = [torch.full((64,), 10**9, dtype=torch.int64, device=device) for _ in range(16)]
+        del junk
+    emb = nn.Embedding(10, 4).to(device)
+
+    def f(idx, tgt, logits):
+        e = emb(idx)
+        g = torch.gather(logits, 1, tgt.view(-1, 1))
+        s = torch.index_select(logits, 0, tgt)
+        return e.sum() + g.sum() + s.sum() + F.cross_entropy(logits, tgt)
+
+    g = gt.graphify(f)
+    for _ in range(3):
+        idx = torch.randint(0, 10, (8,), device=device)
+        tgt = torch.randint(0, 5, (8,), device=device)
+        logits = torch.randn(8, 5, device=device)
+        with torch.no_grad():
+            torch.testing.assert_close(g(idx, tgt, logits), f(idx, tgt, logits))
+
+
+def test_host_read_of_state_names_the_lines():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("scale", torch.tensor(2.0))
+
+        def forward(self, x):
+            return x * float(self.scale)
+
+    g = gt.graphify(M())
+    with pytest.raises(gt.GraphifyError, match="reads a tensor's value on the host") as ei:
+        g(torch.ones(2))
+    assert "float(self.scale)" in str(ei.value)
+
+
+def test_describe_shows_state_and_first_call_policy():
+    lin = nn.Linear(3, 2)
+    g = gt.graphify(lambda x: lin(x))
+    with torch.no_grad():
+        g(torch.ones(3))
+        g(torch.ones(3))
+    d = g.describe()
+    assert "lin.weight" in d and "state" in d and "eagerly" in d
+
+
+def test_pure_functions_are_still_recorded_on_the_first_call():
+    f = gt.graphify(lambda x: x * 2)
+    a = f(torch.ones(2))
+    f(torch.ones(2))
+    with pytest.raises(gt.OverwrittenOutputError):
+        a + 1
+
+
+def test_failed_trace_leaves_modules_untouched():
+    class Lazy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.cache = None
+
+        def forward(self, x):
+            if self.cache is None:
+                self.cache = x * 0 + 1
+            if x.sum() > 0:  # data-dependent: the trace fails
+                return x
+            return x + self.cache
+
+    m = Lazy()
+    with pytest.raises(gt.GraphifyError):
+        gt.graphify(m)(torch.ones(2))
+    assert m.cache is None or type(m.cache) is torch.Tensor
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.cuda
+def test_held_grad_of_an_earlier_step_is_poisoned_on_cuda():
+    model = _mlp("cuda")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(x, y):
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+
+    f = gt.graphify(step)
+    batches = _batches("cuda", 4)
+    for x, y in batches[:3]:
+        f(x, y)
+    kept = model[0].weight.grad
+    f(*batches[3])
+    with pytest.raises(gt.OverwrittenOutputError):
+        kept + 1
+    assert type(model[0].weight.grad) is torch.Tensor  # the slot itself holds the current one
+
+
+_OPS = st.lists(st.sampled_from(["call", "call", "call", "eval", "train", "data", "rebind", "hook", "unhook", "nograd"]),
+                min_size=1, max_size=12)
+
+
+@given(ops=_OPS)
+def test_state_changes_between_calls_follow_eager(ops):
+    """Any sequence of calls and state changes: graphify(model) gives what eager gives."""
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(3, 4), nn.Dropout(0.0), nn.BatchNorm1d(4), nn.Linear(4, 2))
+    import copy
+
+    ref = copy.deepcopy(base)
+    g = gt.graphify(base)
+    models = [(ref, ref), (base, g)]
+    hooks: list = []
+    x = torch.randn(5, 3)
+    for k, op in enumerate(ops):
+        outs = []
+        for m, call in models:
+            if op == "call":
+                with torch.no_grad():
+                    outs.append(call(x + k).clone())
+            elif op == "nograd":
+                with torch.no_grad():
+                    outs.append(call(x - k).clone())
+            elif op == "eval":
+                m.eval()
+            elif op == "train":
+                m.train()
+            elif op == "data":
+                m[0].weight.data = m[0].weight.data * 0.5
+            elif op == "rebind":
+                m[3].bias = nn.Parameter(m[3].bias.detach() + 1.0)
+            elif op == "hook":
+                hooks.append(m[3].register_forward_hook(lambda mod, i, o: o * 2))
+            elif op == "unhook" and hooks:
+                for h in hooks:
+                    h.remove()
+        if op == "unhook":
+            hooks.clear()
+        if outs:
+            torch.testing.assert_close(outs[1], outs[0])
+    for h in hooks:
+        h.remove()
+    del models
+    gc.collect()
