@@ -16,8 +16,8 @@ What this module does for a recording with collectives:
    friends) trace without their ``work.wait()``; gloo runs them on a worker
    thread, so a CPU replay would read the result before it is there. On the CPU
    (and for ``fuse=True``, whose compiler cannot take c10d's process-group
-   objects) they are rewritten into the equivalent in-place functional
-   collectives followed by ``wait_tensor``. NCCL's synchronous collectives run
+   objects) they are rewritten into the equivalent functional collectives,
+   ``wait_tensor`` and a copy into the tensor the c10d op writes. NCCL's synchronous collectives run
    on the current stream and are captured as traced.
 2. **Lockstep.** Before recording, every rank taking part in the graph's
    collectives publishes what it is about to record (function, input
@@ -125,7 +125,7 @@ def _unbox_group(obj: Any) -> Any:
     if isinstance(obj, str):
         from torch.distributed.distributed_c10d import _resolve_process_group
 
-        return _resolve_process_group(obj)
+        return _resolve_process_group(obj)  # type: ignore[arg-type]
     if _dist is not None and isinstance(obj, _dist.ProcessGroup):
         return obj
     return _dist.ProcessGroup.unbox(obj)  # type: ignore[union-attr]
@@ -216,8 +216,9 @@ def _rewrite_c10d(gm: torch.fx.GraphModule) -> bool:
     """Rewrite c10d's in-place collectives so that a replay waits for them.
 
     ``allreduce_``, ``broadcast_``, ``_allgather_base_`` and
-    ``_reduce_scatter_base_`` become the in-place functional collectives plus
-    ``wait_tensor`` (which the compiler of ``fuse=True`` understands too);
+    ``_reduce_scatter_base_`` become the functional collectives, their
+    ``wait_tensor`` and a copy into the tensor the c10d op writes (the
+    compiler of ``fuse=True`` understands those, and removes the copy);
     other c10d ops get a ``work.wait()`` after them.
 
     Returns:
@@ -227,59 +228,56 @@ def _rewrite_c10d(gm: torch.fx.GraphModule) -> bool:
     c10d = torch.ops.c10d
     fc = torch.ops._c10d_functional
     wait = fc.wait_tensor.default
+    copy = torch.ops.aten.copy_.default
     changed = False
+
+    def functional(after: torch.fx.Node, op: Any, args: Tuple[Any, ...], dst: Any) -> torch.fx.Node:
+        # dst.copy_(wait_tensor(op(*args))): the functional collective, its wait, and
+        # the in-place result the c10d op would have written
+        with g.inserting_after(after):
+            r = g.call_function(op, args)
+        with g.inserting_after(r):
+            wt = g.call_function(wait, (r,))
+        with g.inserting_after(wt):
+            return g.call_function(copy, (dst, wt))
+
     for n in list(g.nodes):
         if n.op != "call_function" or _namespace(n.target) != "c10d":
             continue
         target = n.target
         repl: List[Tuple[List[torch.fx.Node], torch.fx.Node]] = []  # (old users, new value)
         try:
-            gname = str(_unbox_group(_attr_value(gm, _schema_arg(n, "process_group"))).group_name)
+            gname: Optional[str] = str(_unbox_group(_attr_value(gm, _schema_arg(n, "process_group"))).group_name)
         except Exception:
             gname = None
         done = False
         if gname is not None and target is c10d.allreduce_.default:
             op = _reduce_name(_attr_value(gm, _schema_arg(n, "reduce_op")))
             if op is not None and _schema_arg(n, "sparse_indices") is None:
-                with g.inserting_after(n):
-                    last = n
-                    for i, t in enumerate(n.args[0]):
-                        with g.inserting_after(last):
-                            r = g.call_function(fc.all_reduce_.default, (t, op, gname))
-                        with g.inserting_after(r):
-                            last = g.call_function(wait, (r,))
-                        repl.append((_tensor_users(n, i), last))
+                last = n
+                for i, t in enumerate(n.args[0]):  # type: ignore[arg-type]
+                    last = functional(last, fc.all_reduce.default, (t, op, gname), t)
+                    repl.append((_tensor_users(n, i), last))
                 done = True
         elif gname is not None and target is c10d.broadcast_.default and _schema_arg(n, "root_tensor") == 0:
             src = _schema_arg(n, "root_rank")
             last = n
-            for i, t in enumerate(n.args[0]):
-                with g.inserting_after(last):
-                    r = g.call_function(fc.broadcast_.default, (t, src, gname))
-                with g.inserting_after(r):
-                    last = g.call_function(wait, (r,))
+            for i, t in enumerate(n.args[0]):  # type: ignore[arg-type]
+                last = functional(last, fc.broadcast.default, (t, src, gname), t)
                 repl.append((_tensor_users(n, i), last))
             done = True
         elif gname is not None and target is c10d._allgather_base_.default:
             out, inp = n.args[0], n.args[1]
             size = _unbox_group(gname).size()
-            with g.inserting_after(n):
-                r = g.call_function(fc.all_gather_into_tensor_out.default, (inp, size, gname), {"out": out})
-            with g.inserting_after(r):
-                w = g.call_function(wait, (r,))
-            repl.append((_tensor_users(n, None), w))
+            c = functional(n, fc.all_gather_into_tensor.default, (inp, size, gname), out)
+            repl.append((_tensor_users(n, None), c))
             done = True
         elif gname is not None and target is c10d._reduce_scatter_base_.default:
             op = _reduce_name(_attr_value(gm, _schema_arg(n, "reduce_op")))
             if op is not None:
                 out, inp = n.args[0], n.args[1]
                 size = _unbox_group(gname).size()
-                with g.inserting_after(n):
-                    r = g.call_function(fc.reduce_scatter_tensor.default, (inp, op, size, gname))
-                with g.inserting_after(r):
-                    w = g.call_function(wait, (r,))
-                with g.inserting_after(w):
-                    c = g.call_function(torch.ops.aten.copy_.default, (out, w))
+                c = functional(n, fc.reduce_scatter_tensor.default, (inp, op, size, gname), out)
                 repl.append((_tensor_users(n, None), c))
                 done = True
         if done:
@@ -332,7 +330,7 @@ class _World:
             except ValueError:
                 pass
         try:
-            return float(self.store.timeout.total_seconds())
+            return float(self.store.timeout.total_seconds())  # type: ignore[attr-defined]
         except Exception:  # pragma: no cover
             return 1800.0
 
@@ -618,12 +616,26 @@ class _Guarded:
             raise
         except Exception as e:
             w = _world()
-            if w is None:
-                raise
+            if w is None or not _is_comm_failure(w, e):
+                raise  # the user's or the compiler's error, unchanged
             raise GraphifyError(_replay_failure(w, self.desc, e)) from e
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.gm, name)
+
+
+_COMM_WORDS = ("gloo", "nccl", "connection", "peer", "timed out", "timeout", "abort", "socket", "process group")
+
+
+def _is_comm_failure(w: _World, e: BaseException) -> bool:
+    """Whether ``e`` (raised by a replay) is a failed collective rather than the user's error."""
+    if w.aborted is not None:
+        return True
+    dist_error = getattr(_dist, "DistError", None)
+    if dist_error is not None and isinstance(e, dist_error):
+        return True
+    text = str(e).lower()
+    return isinstance(e, RuntimeError) and any(word in text for word in _COMM_WORDS)
 
 
 def _replay_failure(w: _World, desc: str, e: BaseException) -> str:
