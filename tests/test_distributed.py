@@ -380,6 +380,7 @@ def nccl_group() -> Any:
     if not dist.is_initialized():
         dist.init_process_group("nccl", device_id=torch.device("cuda", rank), timeout=timedelta(seconds=120))
     yield dist.get_rank()
+    print(f"LAST_STEP_AT {time.time():.3f} rank {rank}", flush=True)
     t0 = time.monotonic()
     dist.destroy_process_group()
     print(f"[rank {rank}] destroy_process_group took {time.monotonic() - t0:.3f} s", flush=True)
