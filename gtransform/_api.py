@@ -457,7 +457,17 @@ class Graphified(Generic[P, R]):
         extra = [(paths[i], x) for i, x in enumerate(leaves) if not isinstance(x, torch.Tensor)]
         extra += [(f"static {w}", v) for w, v in statics]
         roots = find_roots(self._fn, extra)
-        plan = trace(self._fn, rebuild, specs, in_paths, self._desc, cuda, roots)
+        try:
+            plan = trace(self._fn, rebuild, specs, in_paths, self._desc, cuda, roots)
+        except GraphifyError as err:
+            if record and key not in st.warmed and getattr(err, "gt_touched_state", False):
+                # state may be created lazily by the first call (a cache allocated on first
+                # use): run it eagerly, and trace again on the next call
+                st.warmed.add(key)
+                log.info("%s: the first trace failed after reading state (%s); this call runs "
+                         "eagerly, the next one traces again", self._desc, str(err).splitlines()[0])
+                return None
+            raise
         if device is None and plan.uses_cuda and torch.cuda.is_available():
             cuda = True
         warm = not plan.touches_state or key in st.warmed

@@ -105,7 +105,7 @@ def _higher_order(desc: str) -> GraphifyError:
 class _Box:
     """Per-call carrier between ``forward`` and ``backward`` (not a tensor)."""
 
-    __slots__ = ("g", "template", "spec", "tpos", "statics", "entry", "need", "part")
+    __slots__ = ("g", "template", "spec", "tpos", "statics", "entry", "need", "part", "pre")
 
     def __init__(self, g: Any, template: List[Any], spec: Any, tpos: List[int], statics: Any, need: Tuple[bool, ...]):
         self.g = g
@@ -116,6 +116,7 @@ class _Box:
         self.need = need
         self.entry: Any = None
         self.part: Any = None
+        self.pre: Any = None  # inputs the forward updates in place, as they were before it
 
 
 def partition_for(e: Any, need: Tuple[bool, ...], owner: Any) -> Any:
@@ -186,6 +187,9 @@ class GraphFn(torch.autograd.Function):
             # still holds them at the next forward, the forward moves its
             # outputs instead of writing over them
             return (*res[:n], *[t.detach() for t in res[n:]])
+        if e.plan.mutated:
+            # the backward recomputes the forward from the inputs as they were
+            box.pre = {i: tensors[i].detach().clone() for i in e.plan.mutated}
         outs = g._run_flat(e, st, list(tensors))
         # autograd.Function may not return an input as-is when it also saves it
         ids = {id(t) for t in tensors}
@@ -202,7 +206,9 @@ class GraphFn(torch.autograd.Function):
             nd = [o for o in output[: part.n_out] if not (o.is_floating_point() or o.is_complex())]
             ctx.mark_non_differentiable(*saved, *nd)
             return
-        ctx.save_for_backward(*inputs[1:])
+        pre = box.pre or {}
+        box.pre = None
+        ctx.save_for_backward(*[pre.get(i, t) for i, t in enumerate(inputs[1:])])
         nd = [o for o in output if not (o.is_floating_point() or o.is_complex())]
         if nd:
             ctx.mark_non_differentiable(*nd)

@@ -64,15 +64,13 @@ class StaleOutput(torch.Tensor):
         if name in ("__repr__", "__format__", "__str__"):
             return _stale_repr(args[0])
         msg = None
-        for a in args:
-            if isinstance(a, StaleOutput):
-                msg = a.__dict__.get("_gt_message")
-                break
-        else:
-            for a in (kwargs or {}).values():
-                if isinstance(a, StaleOutput):
-                    msg = a.__dict__.get("_gt_message")
+        for a in list(args) + list((kwargs or {}).values()):
+            for t in (a if isinstance(a, (list, tuple)) else (a,)):
+                if isinstance(t, StaleOutput):
+                    msg = t.__dict__.get("_gt_message")
                     break
+            if msg is not None:
+                break
         raise OverwrittenOutputError(
             f"{msg or 'stale gtransform output'}\n(operation: {name or func})"
         ) from None

@@ -535,16 +535,18 @@ _getrefcount = sys.getrefcount
 class EscapeWriter:
     """After each replay, puts the recording's escape outputs where eager left them.
 
-    The objects written are pool tensors that every replay overwrites (as
-    ``p.grad`` in torch's own whole-network capture). If the caller keeps one of
-    them (``g = p.grad``) past the next call, that object is poisoned when the
-    next call begins and the slot gets a fresh object over the same memory.
+    The objects written are tensors over the recording's memory, which every
+    replay overwrites (as ``p.grad`` in torch's own whole-network capture). If
+    the caller keeps one of them elsewhere (``g = p.grad``) when the next call
+    begins, that object is poisoned and the slot gets a fresh object over the
+    same memory.
     """
 
     def __init__(self, slots: Sequence[Slot], desc: str):
         self.slots = list(slots)
         self.desc = desc
         self.last: List[Any] = [None] * len(self.slots)
+        self.ptrs: List[int] = [0] * len(self.slots)
         self.reuse = False  # True where replays write the same memory again (CUDA)
 
     def before_replay(self) -> None:
@@ -553,31 +555,44 @@ class EscapeWriter:
             return
         from ._liveness import poison_tensor
 
-        for i, (slot, obj) in enumerate(zip(self.slots, self.last)):
+        last = self.last
+        for i in range(len(last)):
+            obj = last[i]
             if obj is None:
                 continue
-            # our list + getrefcount's argument (+ the slot, if it still holds it)
+            slot = self.slots[i]
+            # the list, this local, getrefcount's argument (+ the slot, if it still holds it)
             held_by_slot = slot.get() is obj
-            if _getrefcount(obj) > 2 + held_by_slot:
-                fresh = torch.empty(0, dtype=obj.dtype, device=obj.device).set_(
-                    obj.untyped_storage(), obj.storage_offset(), obj.shape, obj.stride())
+            if _getrefcount(obj) > 3 + held_by_slot:
+                fresh = _alias(obj)
                 poison_tensor(obj, (
                     f"{self.desc}: this tensor ({slot.path}) was written by an earlier call and is "
                     "overwritten by the next one. Fix: .clone() it if you need it after the next call."))
                 if held_by_slot:
                     slot.set(fresh)
-                self.last[i] = fresh
+                last[i] = fresh
 
     def write(self, outs: Sequence[torch.Tensor]) -> None:
-        last = self.last
-        for i, (slot, t) in enumerate(zip(self.slots, outs)):
-            prev = last[i]
-            if prev is not None and prev.data_ptr() == t.data_ptr() and prev.shape == t.shape:
-                t = prev  # same memory: keep handing out the same object
+        """Put this replay's tensors into their slots (the same objects while the memory is the same)."""
+        last, ptrs = self.last, self.ptrs
+        for i, t in enumerate(outs):
+            obj = last[i]
+            if self.reuse:
+                ptr = t.data_ptr()
+                if obj is None or ptrs[i] != ptr or obj.shape != t.shape:
+                    obj = last[i] = _alias(t)  # never hand out the recording's own tensor
+                    ptrs[i] = ptr
             else:
-                last[i] = t
-            if slot.get() is not t:
-                slot.set(t)
+                obj = last[i] = t  # fresh memory on every replay
+            slot = self.slots[i]
+            if slot.get() is not obj:
+                slot.set(obj)
+
+
+def _alias(t: torch.Tensor) -> torch.Tensor:
+    """A new tensor object over ``t``'s memory (a normal tensor, even under inference mode)."""
+    with torch.inference_mode(False):
+        return torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
 
 
 def escape_error(desc: str, where: List[str], site: str) -> GraphifyError:

@@ -555,6 +555,9 @@ def _internal_failure(desc: str, exc: BaseException, cuda: bool) -> Optional[Gra
     tb = traceback.extract_tb(exc.__traceback__)
     if not tb or not tb[-1].filename.startswith(os.path.dirname(os.path.abspath(torch.__file__))):
         return None
+    text = str(exc)
+    if "meta" not in text and "fake" not in text.lower():
+        return None  # e.g. a shape mismatch: the user's own error, raised as eager would
     fr = user_frame(tb)
     hint = ""
     if any(os.sep + os.path.join("torch", "optim") + os.sep in f.filename for f in tb):
@@ -638,49 +641,56 @@ def trace(
         return tuple(x for x in leaves if isinstance(x, torch.Tensor)) + tuple(f for _, f in scan.escapes)
 
     try:
-        # fx tracing keeps global state (its patcher): one trace at a time
-        with TRACE_LOCK, _compiling(), mode:
-            gm = make_fx(flat_fn, tracing_mode="real", _allow_non_fake_inputs=True)(*fakes)
-    except (DataDependentOutputException, DynamicOutputShapeException, GuardOnDataDependentSymNode) as e:
-        raise _data_dependent(desc, e, cuda) from None
-    except NotImplementedError as e:
-        if "Generator" not in str(e):
-            raise
-        fr = user_frame_from_exc(e)
-        raise GraphifyError(
-            f"{desc}: a random op takes an explicit torch.Generator, which this version of "
-            f"torch ({torch.__version__}) cannot trace.\n  at {format_frame(fr)}\n"
-            "Why: the tracer cannot record a Generator object as an argument of an operation.\n"
-            "Fix: use the default generator (seeded with torch.manual_seed), or upgrade torch "
-            "(2.13 traces explicit generators)."
-        ) from None
-    except RuntimeError as e:
-        msg = str(e)
-        host = next((what for key, what in _HOST_READS if key in msg), None)
-        if host is None:
-            internal = _internal_failure(desc, e, cuda)
-            if internal is None:
+        try:
+            # fx tracing keeps global state (its patcher): one trace at a time
+            with TRACE_LOCK, _compiling(), mode:
+                gm = make_fx(flat_fn, tracing_mode="real", _allow_non_fake_inputs=True)(*fakes)
+        except (DataDependentOutputException, DynamicOutputShapeException, GuardOnDataDependentSymNode) as e:
+            raise _data_dependent(desc, e, cuda) from None
+        except NotImplementedError as e:
+            if "Generator" not in str(e):
                 raise
-            raise internal from e
-        fr = user_frame_from_exc(e)
-        raise GraphifyError(
-            f"{desc}: {host} reads a tensor's data on the host.\n  at {format_frame(fr)}\n"
-            "Why: a recording is traced once without real data and replayed without Python; "
-            "host-side reads of tensor data cannot be part of it.\n"
-            "Fix: keep the computation in torch ops on the device, or move this part out of the "
-            "graphified function."
-        ) from None
-    except UnsupportedOperatorException as e:
-        fr = user_frame_from_exc(e)
-        raise GraphifyError(
-            f"{desc}: operator {e} cannot be traced with fake tensors.\n  at {format_frame(fr)}\n"
-            "Why: graphify traces each signature without running it, and this operator has no "
-            "shape rule (meta kernel).\nFix: move this operation out of the graphified function."
-        ) from None
-    finally:
-        # the trace has no visible effect on the Python state the function reaches
-        snap.restore()
-        mode.closed = desc
+            fr = user_frame_from_exc(e)
+            raise GraphifyError(
+                f"{desc}: a random op takes an explicit torch.Generator, which this version of "
+                f"torch ({torch.__version__}) cannot trace.\n  at {format_frame(fr)}\n"
+                "Why: the tracer cannot record a Generator object as an argument of an operation.\n"
+                "Fix: use the default generator (seeded with torch.manual_seed), or upgrade torch "
+                "(2.13 traces explicit generators)."
+            ) from None
+        except RuntimeError as e:
+            msg = str(e)
+            host = next((what for key, what in _HOST_READS if key in msg), None)
+            if host is None:
+                internal = _internal_failure(desc, e, cuda)
+                if internal is None:
+                    raise
+                raise internal from e
+            fr = user_frame_from_exc(e)
+            raise GraphifyError(
+                f"{desc}: {host} reads a tensor's data on the host.\n  at {format_frame(fr)}\n"
+                "Why: a recording is traced once without real data and replayed without Python; "
+                "host-side reads of tensor data cannot be part of it.\n"
+                "Fix: keep the computation in torch ops on the device, or move this part out of the "
+                "graphified function."
+            ) from None
+        except UnsupportedOperatorException as e:
+            fr = user_frame_from_exc(e)
+            raise GraphifyError(
+                f"{desc}: operator {e} cannot be traced with fake tensors.\n  at {format_frame(fr)}\n"
+                "Why: graphify traces each signature without running it, and this operator has no "
+                "shape rule (meta kernel).\nFix: move this operation out of the graphified function."
+            ) from None
+        finally:
+            # the trace has no visible effect on the Python state the function reaches
+            snap.restore()
+            mode.closed = desc
+
+    except GraphifyError as err:
+        # the first call of a signature that touches state may fail to trace before
+        # lazily created state exists: the caller may run that call eagerly instead
+        err.gt_touched_state = bool(watch.state)  # type: ignore[attr-defined]
+        raise
 
     scan = box["scan"]
     if scan.appended:
