@@ -119,7 +119,6 @@ def main() -> None:
             else:
                 model = make_model(args.width, args.layers, device)
                 p = {k: v.detach().clone() for k, v in model.named_parameters()}
-                group = dist.group.WORLD
                 kind = m
 
                 def loss_fn(p: Dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor, model: Any = model) -> torch.Tensor:
@@ -129,7 +128,7 @@ def main() -> None:
                     grads = torch.func.grad(loss_fn)(p, x, y)
                     if kind == "gt_bucket":
                         flat = torch.cat([gr.reshape(-1) for gr in grads.values()])
-                        flat = funcol.all_reduce(flat, "sum", group)
+                        flat = funcol.all_reduce(flat, "sum", dist.group.WORLD)
                         off = 0
                         for k, gr in grads.items():
                             n = gr.numel()
@@ -140,7 +139,7 @@ def main() -> None:
                         if kind == "gt_c10d":
                             dist.all_reduce(gr)
                         else:
-                            gr = funcol.all_reduce(gr, "sum", group)
+                            gr = funcol.all_reduce(gr, "sum", dist.group.WORLD)
                         p[k].sub_(gr, alpha=lr / world)
 
                 f = gt.graphify(dp_step)

@@ -54,7 +54,7 @@ def loss_fn(p: Params, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.mse_loss(x, y)
 
 
-def batch(step: int, n: int, sizes: Sequence[int], device: str) -> "tuple[torch.Tensor, torch.Tensor]":
+def batch(step: int, n: int, sizes: Sequence[int], device: str) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1 + step)
     return torch.randn(n, sizes[0], generator=g).to(device), torch.randn(n, sizes[-1], generator=g).to(device)
 

@@ -409,7 +409,7 @@ def _fail(w: _World, msg: str, abort: bool) -> GraphifyError:
     return GraphifyError(msg)
 
 
-def before_record(plan: Any, desc: str) -> None:
+def before_record(plan: Any, desc: str, cuda: Optional[bool] = None, fuse: Optional[bool] = None) -> None:
     """Called before ``plan`` is recorded (may raise ``GraphifyError``).
 
     If ``plan`` contains collectives and a process group is initialised, make
@@ -418,6 +418,8 @@ def before_record(plan: Any, desc: str) -> None:
     Args:
         plan: the traced signature (``plan.gm`` is its aten graph).
         desc: ``graphify(name)``, for messages.
+        cuda: whether the CUDA backend records it (``None``: read from the caller).
+        fuse: whether it is compiled with ``fuse=True`` (``None``: read from the caller).
 
     Raises:
         GraphifyError: the ranks disagree, a rank did not arrive in time, or
@@ -433,7 +435,8 @@ def before_record(plan: Any, desc: str) -> None:
         info = plan.__dict__["_gt_collectives"] = _analyse(plan.gm)
     if info is None:
         return
-    cuda, fuse = _caller_flags(plan)
+    if cuda is None or fuse is None:
+        cuda, fuse = _caller_flags(plan)
     if (not cuda or fuse) and not info.rewritten:
         # the fused graph is compiled lazily from plan.gm, so rewriting now suffices
         _rewrite_c10d(plan.gm)
