@@ -438,8 +438,12 @@ def make_recording(plan: Plan, tensors: Sequence[torch.Tensor], static_idx: Sequ
     cls = CUDARecording if cuda else CPURecording
     # static buffers and outputs are normal tensors even if the first call
     # happens under torch.inference_mode (later calls may not)
-    _distributed.before_record(plan, desc)
-    with torch.inference_mode(False):
-        rec = cls(plan, tensors, static_idx, pool, desc, fuse)
+    _distributed.before_record(plan, desc, cuda=cuda, fuse=fuse)
+    try:
+        with torch.inference_mode(False):
+            rec = cls(plan, tensors, static_idx, pool, desc, fuse)
+    except BaseException as exc:
+        _distributed.record_failed(plan, desc, exc)
+        raise
     _distributed.track(rec)
     return rec

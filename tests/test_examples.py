@@ -23,7 +23,7 @@ def _load(name: str) -> ModuleType:
 
 @pytest.mark.parametrize(
     "name, steps",
-    [("train_loop", 4), ("inference_loop", 4), ("rl_rollout", 6)],
+    [("train_loop", 4), ("inference_loop", 4), ("rl_rollout", 6), ("data_parallel", 4)],
 )
 def test_example_runs_on_cpu(name: str, steps: int, capsys: pytest.CaptureFixture[str]) -> None:
     module = _load(name)
@@ -35,4 +35,4 @@ def test_example_runs_on_cpu(name: str, steps: int, capsys: pytest.CaptureFixtur
 
 def test_every_example_is_tested() -> None:
     found = {p.stem for p in EXAMPLES.glob("*.py") if not p.name.startswith("_")}
-    assert found == {"train_loop", "inference_loop", "rl_rollout"}, found
+    assert found == {"train_loop", "inference_loop", "rl_rollout", "data_parallel"}, found
