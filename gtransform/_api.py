@@ -40,7 +40,17 @@ from ._liveness import PoolState, StaleOutput
 from ._log import log
 from ._pool import GraphPool
 from ._record import Recording, make_recording
-from ._signature import Entry, RerecordWarning, StormDetector, ThreadState, alias_pattern, diff_leaves, sig_brief
+from ._signature import (
+    Entry,
+    RerecordWarning,
+    StormDetector,
+    ThreadState,
+    alias_pattern,
+    dict_orders,
+    diff_leaves,
+    global_key,
+    sig_brief,
+)
 from ._state import env_key_fn, find_roots
 from ._trace import trace
 from ._tree import flatten, leaf_paths, static_leaf_key, tensor_meta, unflatten
@@ -198,7 +208,7 @@ class Graphified(Generic[P, R]):
             return self._fallback(args, kwargs, statics)
         return e.plan.assemble(self._run_flat(e, st, tensors))
 
-    def _entry_for(self, leaves: List[Any], spec: Any, statics: Any, tree: Any = None) -> Tuple[Optional[Entry], ThreadState, List[torch.Tensor]]:
+    def _entry_for(self, leaves: List[Any], spec: Any, statics: Any, tree: Any = None, grad_mode: Optional[bool] = None) -> Tuple[Optional[Entry], ThreadState, List[torch.Tensor]]:
         """The entry of this call's signature (looked up or traced), the thread's state, and the call's tensors.
 
         The tensors are the caller's tensor leaves followed by the state the
@@ -209,14 +219,17 @@ class Graphified(Generic[P, R]):
             st = self._tls.state
         except AttributeError:
             st = self._new_state()
+        glob = global_key(grad_mode)
+        if tree is None:
+            tree = unflatten(spec, leaves)
         e = st.last
-        if e is not None and e.spec == spec:
+        if e is not None and e.spec == spec and e.glob == glob and (not e.orders or dict_orders(tree) == e.orders):
             state = e.resolve_state() if e.state_src else []
             if state is not None and e.match(leaves, statics, state):
                 self._hits += 1
                 return e, st, [leaves[i] for i in e.tpos] + state
-        args, kwargs = tree if tree is not None else unflatten(spec, leaves)
-        found = self._lookup(st, leaves, spec, args, kwargs, statics, record=True)
+        args, kwargs = tree
+        found = self._lookup(st, leaves, spec, args, kwargs, statics, record=True, glob=glob)
         if found is None:
             return None, st, []
         e, state = found
@@ -373,7 +386,7 @@ class Graphified(Generic[P, R]):
         kw.update(kwargs)
         return self._fn(*a, **kw)
 
-    def _key(self, leaves: List[Any], spec: Any, args: Any, kwargs: Any, statics: Tuple[Any, ...]) -> Tuple[Any, List[Any], List[int], Optional[torch.device], List[str]]:
+    def _key(self, leaves: List[Any], spec: Any, args: Any, kwargs: Any, statics: Tuple[Any, ...], glob: Any) -> Tuple[Any, List[Any], List[int], Optional[torch.device], List[str]]:
         """The cache key of a call (validating its leaves), its parts and tensor positions."""
         parts: List[Any] = []
         tpos: List[int] = []
@@ -408,9 +421,9 @@ class Graphified(Generic[P, R]):
                         "register its type as a pytree node with optree (namespace='gtransform')."
                     ) from None
         alias = alias_pattern([leaves[i] for i in tpos])
-        return (spec, tuple(parts), alias, statics), parts, tpos, device, paths
+        return (spec, tuple(parts), alias, statics, glob, dict_orders((args, kwargs))), parts, tpos, device, paths
 
-    def _lookup(self, st: ThreadState, leaves: List[Any], spec: Any, args: Any, kwargs: Any, statics: Tuple[Any, ...], record: bool) -> Optional[Tuple[Entry, List[torch.Tensor]]]:
+    def _lookup(self, st: ThreadState, leaves: List[Any], spec: Any, args: Any, kwargs: Any, statics: Tuple[Any, ...], record: bool, glob: Any = None) -> Optional[Tuple[Entry, List[torch.Tensor]]]:
         """Find or trace the signature of a call.
 
         Returns:
@@ -419,7 +432,7 @@ class Graphified(Generic[P, R]):
             (lazily created state, such as optimizer moments, then exists as
             real tensors before anything is recorded).
         """
-        key, parts, tpos, device, paths = self._key(leaves, spec, args, kwargs, statics)
+        key, parts, tpos, device, paths = self._key(leaves, spec, args, kwargs, statics, glob if glob is not None else global_key())
         e = st.cache.get(key)
         if e is not None:
             state = e.resolve_state() if e.state_src else []
@@ -659,8 +672,9 @@ class Graphified(Generic[P, R]):
         leaves, spec = flatten((args, kwargs))
         st = self._tls.__dict__.get("state")
         entries = list(st.cache.values()) if st is not None else []
+        glob, orders = global_key(), dict_orders((args, kwargs))
         for e in entries:
-            if e.spec == spec:
+            if e.spec == spec and e.glob == glob and e.orders == orders:
                 state = e.resolve_state() if e.state_src else []
                 if state is not None and e.match(leaves, statics, state):
                     return f"{self._desc}: replays a recorded signature (hit)"

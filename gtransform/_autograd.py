@@ -105,7 +105,7 @@ def _higher_order(desc: str) -> GraphifyError:
 class _Box:
     """Per-call carrier between ``forward`` and ``backward`` (not a tensor)."""
 
-    __slots__ = ("g", "template", "spec", "tpos", "statics", "entry", "need", "part", "pre")
+    __slots__ = ("g", "template", "spec", "tpos", "statics", "entry", "need", "part", "pre", "grad_mode")
 
     def __init__(self, g: Any, template: List[Any], spec: Any, tpos: List[int], statics: Any, need: Tuple[bool, ...]):
         self.g = g
@@ -117,6 +117,7 @@ class _Box:
         self.entry: Any = None
         self.part: Any = None
         self.pre: Any = None  # inputs the forward updates in place, as they were before it
+        self.grad_mode = torch.is_grad_enabled()  # the caller's (forward runs with grad off)
 
 
 def partition_for(e: Any, need: Tuple[bool, ...], owner: Any) -> Any:
@@ -164,7 +165,7 @@ class GraphFn(torch.autograd.Function):
         leaves = list(box.template)
         for p, t in zip(box.tpos, tensors):
             leaves[p] = t
-        e, st, _ = g._entry_for(leaves, box.spec, box.statics)
+        e, st, _ = g._entry_for(leaves, box.spec, box.statics, grad_mode=box.grad_mode)
         if e is None:  # pragma: no cover - the caller resolved the entry just before
             raise GraphifyError(f"{g._desc}: internal error: the signature vanished between two lookups")
         bad = [i for i in e.plan.mutated if box.need[i]]

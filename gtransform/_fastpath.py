@@ -52,7 +52,7 @@ class _Gen:
         return f"t{self.n}"
 
 
-def _gen_flatten(g: _Gen, spec: Any, expr: str, leaves: List[str]) -> bool:
+def _gen_flatten(g: _Gen, spec: Any, expr: str, leaves: List[str], sample: Any = None) -> bool:
     kind = spec.kind
     if kind == _K.LEAF:
         name = f"l{len(leaves)}"
@@ -70,13 +70,18 @@ def _gen_flatten(g: _Gen, spec: Any, expr: str, leaves: List[str]) -> bool:
         g.lines.append(f"if type({v}) is not {typ} or len({v}) != {n}: return MISS")
         children = spec.children()
         if kind == _K.DICT:
+            if type(sample) is dict and len(sample) > 1:
+                # key order is part of the signature (optree sorts keys; the function may not)
+                g.lines.append(f"if tuple({v}) != {g.const(tuple(sample))}: return MISS")
             for key, child in zip(spec.entries(), children):
                 k = repr(key) if type(key) in (str, int) else g.const(key)
-                if not _gen_flatten(g, child, f"{v}[{k}]", leaves):
+                sub = sample[key] if type(sample) is dict else None
+                if not _gen_flatten(g, child, f"{v}[{k}]", leaves, sub):
                     return False
         else:
             for i, child in enumerate(children):
-                if not _gen_flatten(g, child, f"{v}[{i}]", leaves):
+                sub = sample[i] if isinstance(sample, (list, tuple)) and i < len(sample) else None
+                if not _gen_flatten(g, child, f"{v}[{i}]", leaves, sub):
                     return False
         return True
     return False
@@ -136,7 +141,8 @@ def build_fast_path(owner: Any, entry: Any, rec: Any, pool: Any) -> Any:
     """
     g = _Gen()
     leaves: List[str] = []
-    if not _gen_flatten(g, entry.spec, "root", leaves):
+    sample = optree.tree_unflatten(entry.spec, list(range(entry.n_leaves)))  # the recorded key order
+    if not _gen_flatten(g, entry.spec, "root", leaves, sample):
         g.lines = ["flat, spec = _flatten(root)", "if spec != SPEC: return MISS"]
         g.lines += [f"l{i} = flat[{i}]" for i in range(entry.n_leaves)]
         leaves = [f"l{i}" for i in range(entry.n_leaves)]
@@ -164,8 +170,12 @@ def build_fast_path(owner: Any, entry: Any, rec: Any, pool: Any) -> Any:
     tens = [leaves[i] for i in entry.tpos] + state_names
     if entry.env is not None:
         checks.append("if ENV() != ENVVAL: return MISS")
-    if entry.any_rg:
-        checks.append("if _grad_enabled(): return MISS")
+    # global settings (grad mode, default dtype, autocast) are part of the signature
+    gm, dt, ac = entry.glob
+    checks.append(f"if _grad_enabled() is not {gm!r} or _default_dtype() is not {g.const(dt)}: return MISS")
+    checks.append("if _any_autocast(): return MISS" if ac is None else "return MISS")
+    if entry.any_rg and gm:
+        checks.append("return MISS")
     if tens:
         if entry.guard.impl is not None:
             checks.append(f"if not GUARD.check({', '.join(tens)}): return MISS")
@@ -247,6 +257,8 @@ def build_fast_path(owner: Any, entry: Any, rec: Any, pool: Any) -> Any:
         "_copysign": math.copysign,
         "_key": static_leaf_key,
         "_grad_enabled": torch.is_grad_enabled,
+        "_default_dtype": torch.get_default_dtype,
+        "_any_autocast": getattr(torch._C, "_is_any_autocast_enabled", lambda: True),
         "_alias": alias_pattern,
         "_flatten": flatten,
         "_unflatten": optree.tree_unflatten,

@@ -22,7 +22,7 @@ from ._trace import Plan
 from ._tree import static_leaf_key, tensor_meta
 
 __all__ = [
-    "Guard", "Entry", "ThreadState", "alias_pattern", "diff_leaves", "sig_brief",
+    "Guard", "Entry", "ThreadState", "alias_pattern", "global_key", "dict_orders", "diff_leaves", "sig_brief",
     "RerecordWarning", "StormDetector", "STORM_THRESHOLD",
 ]
 
@@ -33,6 +33,40 @@ except Exception:  # pragma: no cover
     _TensorGuards = None
 
 _Parameter = torch.nn.Parameter
+_is_grad_enabled = torch.is_grad_enabled
+_get_default_dtype = torch.get_default_dtype
+_any_autocast: Any = getattr(torch._C, "_is_any_autocast_enabled", None)
+
+
+def global_key(grad_mode: Optional[bool] = None) -> Tuple[Any, ...]:
+    """The global settings that change what a function computes, like dynamo's global guards.
+
+    Grad mode, the default dtype and the autocast state (per device type).
+    """
+    gm = _is_grad_enabled() if grad_mode is None else grad_mode
+    ac = None
+    if _any_autocast is None or _any_autocast():
+        ac = tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda"))
+    return (gm, _get_default_dtype(), ac)
+
+
+def dict_orders(tree: Any) -> Tuple[Tuple[Any, ...], ...]:
+    """Insertion order of every dict with several keys in ``tree`` (optree sorts keys; a function may not)."""
+    out: List[Tuple[Any, ...]] = []
+
+    def walk(x: Any) -> None:
+        t = type(x)
+        if t is dict:
+            if len(x) > 1:
+                out.append(tuple(x))
+            for v in x.values():
+                walk(v)
+        elif t is list or t is tuple:
+            for v in x:
+                walk(v)
+
+    walk(tree)
+    return tuple(out)
 
 
 class Guard:
@@ -88,11 +122,13 @@ class Entry:
     __slots__ = (
         "key", "spec", "tpos", "consts", "statics", "guard", "plan", "rec", "first_refs",
         "calls", "cuda", "any_rg", "must_static", "alias", "n_leaves", "bwd", "const_vals", "parts",
-        "state_src", "env", "env_val", "n_user", "state_static",
+        "state_src", "env", "env_val", "n_user", "state_static", "glob", "orders",
     )
 
     def __init__(self, key: Hashable, spec: Any, leaves: Sequence[Any], tpos: List[int], statics: Any, plan: Plan, cuda: bool):
         self.key = key
+        self.glob = key[4]  # type: ignore[index]
+        self.orders = key[5]  # type: ignore[index]
         self.spec = spec
         self.tpos = tpos
         self.n_leaves = len(leaves)
@@ -255,6 +291,10 @@ def diff_leaves(e: Entry, leaves: Sequence[Any], paths: Sequence[str]) -> List[s
                 out.append(f"state {e.plan.state_names[k]}: {old[3]}{list(old[1])} -> {new[3]}{list(new[1])}")
     if e.env is not None and e.env() != e.env_val:
         out.append("module training flags, hooks or optimizer hyperparameters changed")
+    glob = global_key()
+    for name, old, new in zip(("grad mode (torch.is_grad_enabled())", "the default dtype", "autocast"), e.glob, glob):
+        if old != new:
+            out.append(f"{name}: {old} -> {new}")
     return out
 
 
