@@ -242,9 +242,9 @@ def test_replaced_state_is_seen(device):
 
 def test_training_flag_and_hooks_are_in_the_signature(device):
     torch.manual_seed(0)
-    m = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5)).to(device)
+    m = nn.Sequential(nn.Linear(64, 64), nn.Dropout(0.5)).to(device)
     g = gt.graphify(m)
-    x = torch.ones(1, 4, device=device)
+    x = torch.ones(1, 64, device=device)
     with torch.no_grad():
         g(x)
         g(x)
@@ -256,7 +256,7 @@ def test_training_flag_and_hooks_are_in_the_signature(device):
         assert torch.equal(g(x), m(x))
         m.train()
         y = g(x)
-        assert (y == 0).any()  # dropout is on again
+        assert (y == 0).sum() > 8  # dropout is on again (P(fewer) < 1e-9)
 
 
 def test_escape_into_a_list_is_an_error(device):
