@@ -70,3 +70,20 @@ def assert_close(actual, expected) -> None:
             torch.testing.assert_close(a, e, equal_nan=True, **tol(e.dtype))
         else:
             assert a == e or (a != a and e != e), (a, e)
+
+
+def stale(name: str = "") -> str:
+    """A ``pytest.raises(..., match=)`` pattern for an OverwrittenOutputError.
+
+    The message names the function whose output went stale (``name``, if given)
+    and the fix (``.clone()`` it), as DESIGN semantics 4 requires.
+    """
+    import re
+
+    return "(?s)" + (re.escape(name) + ".*" if name else "") + r"\.clone\(\)"
+
+
+def pytest_report_header(config):  # noqa: D103 - which gtransform is under test (planted copies via PYTHONPATH)
+    import gtransform
+
+    return f"gtransform: {os.path.dirname(gtransform.__file__)}"

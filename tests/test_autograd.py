@@ -1,13 +1,15 @@
 """graphify composes with torch.func and torch.autograd in both orders."""
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import assert_close
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import gtransform as gt
-from conftest import assert_close
 
 
 def mlp_loss(p, x, y):
@@ -102,12 +104,29 @@ def test_backward_accumulates_like_eager(device):
         loss.backward()
         for k in p:
             torch.testing.assert_close(pg[k].grad, pe[k].grad, rtol=1e-5, atol=1e-6)
-    # gradients held in .grad are the caller's: later calls never change them
+    # gradients held in .grad are the caller's, not pool memory: later calls
+    # (forwards, and forward+backward of other tensors) never change them
     saved = {k: v.grad.clone() for k, v in pg.items()}
-    f(pg, torch.randn(5, 4, device=device), torch.randn(5, 1, device=device)).backward()
-    mlp_loss(pe, torch.zeros(5, 4, device=device), torch.zeros(5, 1, device=device))
+    held = dict(pg)  # the .grad tensors themselves, as an optimizer holds them
+    held_grads = {k: v.grad for k, v in pg.items()}
+    other = {k: v.clone().requires_grad_() for k, v in p.items()}
+    for _ in range(3):
+        x = torch.randn(5, 4, device=device)
+        y = torch.randn(5, 1, device=device)
+        f(pg, x, y)  # forward only
+        f(other, x, y).backward()  # the same signature's backward, for other tensors
+        with torch.no_grad():
+            f(pg, x, y)
     for k in p:
-        assert not torch.equal(pg[k].grad, saved[k])
+        assert held[k].grad is held_grads[k]
+        torch.testing.assert_close(pg[k].grad, saved[k], rtol=0, atol=0)
+    # and the next backward accumulates into them like eager
+    x = torch.randn(5, 4, device=device)
+    y = torch.randn(5, 1, device=device)
+    f(pg, x, y).backward()
+    mlp_loss(pe, x, y).backward()
+    for k in p:
+        torch.testing.assert_close(pg[k].grad, pe[k].grad, rtol=1e-5, atol=1e-6)
 
 
 def test_higher_order_is_a_clear_error(device):
@@ -204,23 +223,46 @@ def _parts(f):
 def test_backward_is_partitioned_and_saved_activations_survive_a_second_forward(device):
     p = make_params([6, 8, 1], device)
     f = gt.graphify(mlp_loss)
-    x = torch.randn(5, 6, device=device)
-    y = torch.randn(5, 1, device=device)
+    gen = torch.Generator().manual_seed(5)
+
+    def batch():
+        return torch.randn(5, 6, generator=gen).to(device), torch.randn(5, 1, generator=gen).to(device)
+
+    x, y = batch()
     assert_close(torch.func.grad(f)(p, x, y), torch.func.grad(mlp_loss)(p, x, y))
     parts = _parts(f)
     assert parts and all(pt is not None for pt in parts)  # joint graph, partitioned
     assert parts[0].n_saved > 0
-    # two forwards before the backwards (clone: the loss itself is a pool output)
+    # Warm the signature up first: the parameters are passed again, so an early
+    # call re-records them as read in place. Only once the recording is stable
+    # does a second forward write the very memory the first one's saved
+    # activations live in; that is the protection under test.
     pr = {k: v.clone().requires_grad_() for k, v in p.items()}
-    l1 = f(pr, x, y).clone()
-    l2 = f(pr, x * 2, y).clone()
-    l1.backward()
-    g1 = {k: v.grad.clone() for k, v in pr.items()}
+    for _ in range(3):
+        f(pr, *batch()).backward()
     for v in pr.values():
         v.grad = None
-    l2.backward()
-    assert_close(g1, torch.func.grad(mlp_loss)(p, x, y))
-    assert_close({k: v.grad for k, v in pr.items()}, torch.func.grad(mlp_loss)(p, x * 2, y))
+    part = next(pt for pt in _parts(f) if pt is not None and pt.fw.cache_info().currsize)
+    fw_misses = part.fw.cache_info().misses
+    # two forwards before the backwards (clone: the loss itself is a pool output)
+    for rnd in range(3):
+        x1, y1 = batch()
+        x2, y2 = batch()
+        l1 = f(pr, x1, y1).clone()
+        l2 = f(pr, x2 * 2, y2).clone()
+        if rnd == 2:  # and the backwards in the other order
+            l1, l2, x1, y1, x2, y2 = l2, l1, x2 * 2, y2, x1 / 2, y1
+        l1.backward()
+        g1 = {k: v.grad.clone() for k, v in pr.items()}
+        for v in pr.values():
+            v.grad = None
+        l2.backward()
+        assert_close(g1, torch.func.grad(mlp_loss)(p, x1, y1))
+        assert_close({k: v.grad for k, v in pr.items()}, torch.func.grad(mlp_loss)(p, x2 * 2, y2))
+        for v in pr.values():
+            v.grad = None
+    # the forwards replayed the warmed-up recording: no new recording was needed
+    assert part.fw.cache_info().misses == fw_misses
 
 
 def test_outputs_aliasing_inputs_fall_back_to_recompute(device):
@@ -238,3 +280,152 @@ def test_jacrev_through_partitioned_backward(device):
     fn = lambda x: (x.sin() * x[:1]).tanh()  # noqa: E731
     x = torch.randn(3, device=device)
     assert_close(torch.func.jacrev(gt.graphify(fn))(x), torch.func.jacrev(fn)(x))
+
+
+# -- never silently wrong ------------------------------------------------------------------
+#
+# Closed-over tensors that require grad (an nn.Module's parameters reached from
+# inside fn) are about to become implicit inputs of the recording, so gradients
+# will reach them. Until then the library refuses (GraphifyError) or warns. The
+# tests below pin neither implementation: they accept
+#   * gradients equal to eager's (the new behaviour), or
+#   * a GraphifyError, or a warning that says gradients will not reach those
+#     tensors (the old behaviour: loud),
+# and fail only when the gradient is silently missing or wrong.
+
+
+class _LoudOrRight:
+    """Runs ``run()`` then ``check()`` for each call of a test; a call passes if
+    it is right, raised a GraphifyError, or comes after a warning (issued once
+    per function) that gradients will not reach the closed-over tensors."""
+
+    def __enter__(self):
+        import warnings
+
+        self._cm = warnings.catch_warnings(record=True)
+        self.caught = self._cm.__enter__()
+        warnings.simplefilter("always")
+        self.outcomes = []
+        return self
+
+    def __exit__(self, *exc):
+        return self._cm.__exit__(*exc)
+
+    def __call__(self, run, check):
+        try:
+            run()
+        except gt.GraphifyError as e:
+            assert "Fix:" in str(e), str(e)
+            self.outcomes.append("error")
+            return
+        try:
+            check()
+        except AssertionError:
+            loud = [w for w in self.caught if issubclass(w.category, UserWarning) and "grad" in str(w.message)]
+            if not loud:
+                raise AssertionError(
+                    "closed-over tensors: gradient silently missing or wrong (no GraphifyError, no warning)"
+                ) from None
+            self.outcomes.append("warned")
+            return
+        self.outcomes.append("right")
+
+
+def _eager_lin_grads(lin, x, extra):
+    ref = copy.deepcopy(lin)
+    loss = ref(x).sum() + extra(ref)
+    loss.backward()
+    return ref.weight.grad, ref.bias.grad
+
+
+@pytest.mark.parametrize("x_grad", [False, True], ids=["x_plain", "x_requires_grad"])
+def test_closed_over_parameters_get_eager_gradients_or_a_loud_refusal(device, x_grad):
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 3).to(device)
+    g = gt.graphify(lambda x: lin(x))
+    # a second term that reaches the weight directly, so backward() itself
+    # succeeds even where g's output does not require grad
+    extra = lambda m: (m.weight**2).sum()  # noqa: E731
+    with _LoudOrRight() as loud_or_right:
+        for _ in range(3):  # the first call records, later calls replay
+            x = torch.randn(2, 4, device=device)
+            want_w, want_b = _eager_lin_grads(lin, x, extra)
+            xr = x.clone().requires_grad_(x_grad)
+            lin.zero_grad(set_to_none=True)
+
+            def run(xr=xr):
+                loss = g(xr).sum() + extra(lin)
+                loss.backward()
+
+            def check(xr=xr, want_w=want_w, want_b=want_b):
+                assert lin.weight.grad is not None and lin.bias.grad is not None, "no gradient reached lin"
+                torch.testing.assert_close(lin.weight.grad, want_w, rtol=1e-5, atol=1e-6)
+                torch.testing.assert_close(lin.bias.grad, want_b, rtol=1e-5, atol=1e-6)
+                if x_grad:
+                    torch.testing.assert_close(xr.grad, torch.ones(2, 3, device=device) @ lin.weight.detach())
+
+            loud_or_right(run, check)
+
+
+def test_closed_over_parameters_under_torch_func_grad(device):
+    # gradients w.r.t. the argument are right whatever happens to the closed-over weight
+    torch.manual_seed(1)
+    lin = torch.nn.Linear(4, 3).to(device)
+    g = gt.graphify(lambda x: lin(x).tanh().sum())
+    with _LoudOrRight() as loud_or_right:
+        for _ in range(3):
+            x = torch.randn(2, 4, device=device)
+            want = torch.func.grad(lambda t: lin(t).tanh().sum())(x)
+            got = {}
+
+            def run(x=x, got=got):
+                got["g"] = torch.func.grad(g)(x)
+
+            def check(got=got, want=want):
+                assert_close(got["g"], want)
+
+            loud_or_right(run, check)
+
+
+# In-place updates of inputs under autograd (a running statistic next to a
+# parameter): either the update happens exactly once and the gradient is
+# eager's, or a GraphifyError is raised before anything is written.
+
+
+def with_running_stat(w, buf, x):
+    buf.mul_(0.5).add_(x.mean(0))
+    return ((x @ w) * buf.sum()).pow(2).sum()
+
+
+@pytest.mark.parametrize("same", [False, True], ids=["fresh", "same"])
+def test_inplace_input_update_under_autograd_is_right_or_refused(device, same):
+    g = gt.graphify(with_running_stat)
+    gen = torch.Generator().manual_seed(2)
+    w0 = torch.randn(4, 3, generator=gen).to(device)
+    buf_g = torch.ones(4, device=device)
+    buf_e = torch.ones(4, device=device)
+    for _ in range(3):
+        x = torch.randn(5, 4, generator=gen).to(device)
+        if not same:
+            buf_g = torch.ones(4, device=device)
+            buf_e = torch.ones(4, device=device)
+        we = w0.clone().requires_grad_()
+        with_running_stat(we, buf_e, x).backward()
+        wg = w0.clone().requires_grad_()
+        before = buf_g.clone()
+        try:
+            loss = g(wg, buf_g, x)
+        except gt.GraphifyError as e:
+            msg = str(e)
+            assert "args[1]" in msg and "in place" in msg and "Fix:" in msg, msg
+            # refused before anything was written
+            torch.testing.assert_close(buf_g, before, rtol=0, atol=0)
+            # the fix the message gives works
+            with torch.no_grad():
+                assert_close(g(wg, buf_g, x), with_running_stat(w0, before.clone(), x))
+            return
+        loss.backward()
+        # applied once, like eager, and the gradient is eager's
+        assert_close(buf_g, buf_e)
+        assert_close(wg.grad, we.grad)
+        assert_close(loss.detach(), with_running_stat(w0, before, x))

@@ -99,8 +99,8 @@ def test_data_dependent_op_is_graphify_error(device, fn):
     # the same function works for good inputs afterwards
     assert_close(g(x, True), x * 2)
     assert_close(g(x + 1, True), (x + 1) * 2)
-    # and still refuses the bad signature
-    with pytest.raises(gt.GraphifyError):
+    # and still refuses the bad signature, with the same message
+    with pytest.raises(gt.GraphifyError, match=f"(?s){fn.__name__}.*Fix:"):
         g(x, False)
 
 
@@ -186,7 +186,7 @@ def test_user_exception_on_a_new_shape_keeps_old_recordings(device):
     g = gt.graphify(fn)
     x = torch.randn(3, device=device)
     assert_close(g(x), x.sin())
-    with pytest.raises(UserError):
+    with pytest.raises(UserError, match="^empty$"):
         g(torch.randn(0, device=device))
     x = torch.randn(3, device=device)
     assert_close(g(x), x.sin())
@@ -305,7 +305,7 @@ def test_stale_output_as_input_is_overwritten_output_error(device):
     g = gt.graphify(lambda x: x * 2)
     a = g(torch.ones(2, device=device))
     g(torch.ones(2, device=device))
-    with pytest.raises(gt.OverwrittenOutputError):
+    with pytest.raises(gt.OverwrittenOutputError, match=r"(?s)\.clone\(\).*args\[0\]"):
         g(a)
     assert_close(g(torch.ones(2, device=device)), torch.full((2,), 2.0, device=device))
 
@@ -330,3 +330,40 @@ def test_numpy_inside_the_function_is_graphify_error(device):
     h = gt.graphify(lambda x: (_ for _ in ()).throw(RuntimeError("mine")))
     with pytest.raises(RuntimeError, match="^mine$"):
         h(torch.ones(1, device=device))
+
+
+# -- outputs that are dtype-reinterpreting views of inputs ------------------------------------
+
+DTYPE_VIEWS = {
+    "float32_as_int32": (torch.float32, lambda x: x.view(torch.int32)),
+    "float32_as_uint8": (torch.float32, lambda x: x.view(torch.uint8)),
+    "float64_as_int64_slice": (torch.float64, lambda x: x[1:].view(torch.int64)),
+    "int64_as_float64": (torch.int64, lambda x: x.view(torch.float64)),
+    "float32_as_bfloat16_pairs": (torch.float32, lambda x: x.view(torch.bfloat16)),
+}
+
+
+@pytest.mark.parametrize("case", list(DTYPE_VIEWS))
+def test_output_that_is_a_dtype_view_of_an_input_is_right_or_refused(device, case):
+    # x.view(other dtype) shares the caller's bytes under another dtype: either it
+    # comes back bit for bit as eager returns it, or a GraphifyError says so;
+    # never the input's dtype, never other values
+    dtype, view = DTYPE_VIEWS[case]
+    g = gt.graphify(lambda x: (view(x), x * 2))
+    for k in range(3):
+        x = torch.arange(1, 9, device=device).to(dtype) * (k + 1)
+        want = view(x)
+        try:
+            out, twice = g(x)
+        except gt.GraphifyError as e:
+            msg = str(e)
+            assert "view of input args[0]" in msg and "dtype" in msg and "Fix:" in msg, msg
+            # the fix it names works
+            g2 = gt.graphify(lambda x: (view(x).clone(), x * 2))
+            out, _ = g2(x)
+            assert out.dtype == want.dtype and torch.equal(out, want)
+            return
+        assert out.dtype == want.dtype and out.shape == want.shape
+        assert torch.equal(out, want)
+        assert out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()  # the caller's bytes
+        assert_close(twice, x * 2)

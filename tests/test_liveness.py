@@ -14,7 +14,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from conftest import assert_close
+from conftest import assert_close, stale
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
@@ -134,7 +134,7 @@ class LivenessMachine(RuleBasedStateMachine):
     def read(self, i, kind):
         h = self.held[i % len(self.held)]
         if self._stale(h):
-            with pytest.raises(gt.OverwrittenOutputError):
+            with pytest.raises(gt.OverwrittenOutputError, match=stale(("step_a", "step_b")[h.fn])):
                 _read(kind, h.obj)
         else:
             assert_close(_same_device(_read(kind, h.obj), _read(kind, h.expected)), _read(kind, h.expected))
@@ -155,7 +155,7 @@ class LivenessMachine(RuleBasedStateMachine):
     def clone(self, i):
         h = self.held[i % len(self.held)]
         if self._stale(h):
-            with pytest.raises(gt.OverwrittenOutputError):
+            with pytest.raises(gt.OverwrittenOutputError, match=stale(("step_a", "step_b")[h.fn])):
                 h.obj.clone()
         else:
             self.clones.append((h.obj.clone(), h.expected))
@@ -255,7 +255,7 @@ def _np_array(t):
 @pytest.mark.parametrize("kind", list(ACCESS))
 def test_stale_output_raises_on_every_access(device, kind):
     a, b, _ = _stale_pair(device)
-    with pytest.raises(gt.OverwrittenOutputError):
+    with pytest.raises(gt.OverwrittenOutputError, match=stale("my_step")):
         ACCESS[kind](a)
     # the fresh output is right
     assert_close(b, (torch.arange(4.0, device=device) + 1) * 2)
@@ -264,14 +264,14 @@ def test_stale_output_raises_on_every_access(device, kind):
 @pytest.mark.parametrize("kind", list(CPU_ONLY_ACCESS))
 def test_stale_output_raises_on_numpy_conversion(kind):
     a, _, _ = _stale_pair("cpu")
-    with pytest.raises(gt.OverwrittenOutputError):
+    with pytest.raises(gt.OverwrittenOutputError, match=stale("my_step")):
         CPU_ONLY_ACCESS[kind](a)
 
 
 def test_stale_output_raises_when_passed_to_a_graphified_function(device):
     a, _, _ = _stale_pair(device)
     other = gt.graphify(lambda t: t + 1)
-    with pytest.raises(gt.OverwrittenOutputError):
+    with pytest.raises(gt.OverwrittenOutputError, match=stale("my_step")):
         other(a)
     # and the other function still works afterwards
     assert_close(other(torch.ones(4, device=device)), torch.full((4,), 2.0, device=device))
@@ -366,11 +366,11 @@ def test_held_output_is_poisoned_and_a_fresh_object_returned(device, inputs):
     x1 = x0 if inputs == "same" else x0 + 1
     b = g(x1)
     assert b is not a
-    with pytest.raises(gt.OverwrittenOutputError):
+    with pytest.raises(gt.OverwrittenOutputError, match=stale("my_step")):
         a.sum()
     assert_close(b, x1 * 2)
     c = g(x1 + 1)
-    with pytest.raises(gt.OverwrittenOutputError):
+    with pytest.raises(gt.OverwrittenOutputError, match=stale("my_step")):
         b.sum()
     assert_close(c, (x1 + 1) * 2)
 
@@ -394,11 +394,11 @@ def test_shared_pool_poisons_across_functions(device):
     a = f(x)
     assert_close(a, x + 1)
     b = g(x)
-    with pytest.raises(gt.OverwrittenOutputError):
+    with pytest.raises(gt.OverwrittenOutputError, match=stale("<lambda>")):
         a.sum()
     assert_close(b, x * 3)
     c = f(x + 1)
-    with pytest.raises(gt.OverwrittenOutputError):
+    with pytest.raises(gt.OverwrittenOutputError, match=stale("<lambda>")):
         b.sum()
     assert_close(c, x + 2)
 
@@ -431,7 +431,7 @@ def test_outputs_that_are_inputs_are_the_callers_tensors(device):
     g(x, y)
     assert prev[0] is x
     assert_close(prev[1], x[1:])
-    with pytest.raises(gt.OverwrittenOutputError):
+    with pytest.raises(gt.OverwrittenOutputError, match=stale("fn")):
         prev[4].sum()
 
 
@@ -469,7 +469,7 @@ def test_user_view_keeps_its_values(device, keep_output):
         assert_close(v1, want1)
         assert_close(v2, want2)
     if keep_output:
-        with pytest.raises(gt.OverwrittenOutputError):
+        with pytest.raises(gt.OverwrittenOutputError, match=stale("<lambda>")):
             a.sum()
 
 

@@ -6,6 +6,7 @@ recording; a new shape, dtype or static value records a new one.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import optree
@@ -163,13 +164,16 @@ def test_kwargs_match_eager(device, spec, extra, scale, shift):
 
 def _change_leaf(leaf, how):
     if isinstance(leaf, TensorSpec):
-        if how == 0:
+        # the same layout (transposed, sliced...) with one thing changed
+        if how == 3 and leaf.effective_layout() == "contiguous" and leaf.shape:
+            return dataclasses.replace(leaf, layout="sliced")  # other strides, same shape and dtype
+        if how in (0, 3):
             shape = leaf.shape[:-1] + (leaf.shape[-1] + 1,) if leaf.shape else (1,)
-            return TensorSpec(shape, leaf.dtype, leaf.seed)
+            return dataclasses.replace(leaf, shape=shape)
         if how == 1:
-            return TensorSpec(leaf.shape + (1,), leaf.dtype, leaf.seed)
+            return dataclasses.replace(leaf, shape=leaf.shape + (1,))
         i = DTYPES.index(leaf.dtype)
-        return TensorSpec(leaf.shape, DTYPES[(i + 1) % len(DTYPES)], leaf.seed)
+        return dataclasses.replace(leaf, dtype=DTYPES[(i + 1) % len(DTYPES)])
     if isinstance(leaf, bool):  # pragma: no cover - not generated
         return not leaf
     if isinstance(leaf, int):
@@ -190,7 +194,7 @@ def test_new_shape_dtype_or_static_records_again(device, spec, data):
         spec2 = [spec, 1]  # another structure
     else:
         i = data.draw(st.integers(0, len(leaves) - 1), label="leaf")
-        how = data.draw(st.integers(0, 2), label="how")
+        how = data.draw(st.integers(0, 3), label="how")
         leaves2 = list(leaves)
         leaves2[i] = _change_leaf(leaves[i], how)
         spec2 = optree.tree_unflatten(treespec, leaves2)
