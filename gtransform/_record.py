@@ -310,19 +310,24 @@ class CUDARecording(Recording):
             side.wait_stream(cur)
             args = self.gm_args
             if warmup:
-                # Warm-up (lazy library init) must have no visible effect:
-                # in-place inputs that the function mutates are cloned, and
-                # the RNG state is restored.
-                warm = list(args)
-                for i in self.static_idx:
-                    if i in self.plan.mutated:
-                        warm[i] = args[i].clone()
+                # Warm-up (lazy library init, inductor's first call) must have no
+                # visible effect: it runs on the very tensors the capture will see
+                # (a compiled graph would otherwise specialise on other ones), and
+                # the in-place inputs it updates are put back from a snapshot, as
+                # is the RNG state.
+                with torch.no_grad():
+                    saved = [(args[i], args[i].detach().clone()) for i in self.static_idx if i in self.plan.mutated]
                 rng = torch.cuda.get_rng_state(dev) if self.plan.random else None
                 extra = [(gen, gen.get_state()) for gen in self._cuda_generators()]
-                with torch.cuda.stream(side), torch.no_grad():
-                    self.gm(*warm)
-                del warm
-                side.synchronize()
+                try:
+                    with torch.cuda.stream(side), torch.no_grad():
+                        self.gm(*args)
+                finally:
+                    side.synchronize()
+                    with torch.no_grad():
+                        for t, snap in saved:
+                            t.copy_(snap)
+                    del saved
                 if rng is not None:
                     torch.cuda.set_rng_state(rng, dev)
                 for gen, state in extra:
