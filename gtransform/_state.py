@@ -240,6 +240,7 @@ class Change:
 class ScanResult:
     escapes: List[Tuple[Slot, Any]] = field(default_factory=list)  # (slot, fake)
     appended: List[str] = field(default_factory=list)  # paths of containers a fake was appended to
+    sites: List[str] = field(default_factory=list)  # where those tensors were made
     changes: List[Change] = field(default_factory=list)
 
 
@@ -306,6 +307,7 @@ class Snapshot:
                         continue
                     if is_fake(p):
                         res.appended.append(f"{path}.{n} (a new nn.Parameter made from a traced tensor)")
+                        res.sites.append(p.__dict__.get("_gt_site", ""))
                     elif is_fake(p.grad):
                         res.escapes.append((Slot("grad", p, "grad", f"{path}.{n}.grad"), p.grad))
                 for n, b in obj._buffers.items():
@@ -336,6 +338,7 @@ class Snapshot:
                             res.escapes.append((Slot("item", obj, i, f"{path}[{i}]"), v))
                         else:
                             res.appended.append(f"{path} (appended at index {i})")
+                            res.sites.append(v.__dict__.get("_gt_site", ""))
             elif kind == "dict":
                 for k, v in obj.items():
                     if is_fake(v):

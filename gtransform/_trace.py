@@ -694,8 +694,8 @@ def trace(
 
     scan = box["scan"]
     if scan.appended:
-        site = ""
-        raise escape_error(desc, scan.appended, site)
+        made = next((x for x in scan.sites if x), "")
+        raise escape_error(desc, scan.appended, f"\n  made at {made}" if made else "")
     _lift_state(gm, watch.state_fakes)
     _drop_profiler_nodes(gm)
     gm.recompile()
