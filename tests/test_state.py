@@ -501,3 +501,23 @@ def test_state_changes_between_calls_follow_eager(ops):
         h.remove()
     del models
     gc.collect()
+
+
+def test_host_read_inside_a_library_names_both_lines(tmp_path, monkeypatch):
+    """Like torchdiffeq's odeint reading a step size: the user's line and the library's line."""
+    lib = tmp_path / "site-packages" / "fakeode"
+    lib.mkdir(parents=True)
+    (lib / "__init__.py").write_text(
+        "def odeint(f, y0, t):\n"
+        "    dt = float(t[1] - t[0])  # a host read, inside the library\n"
+        "    return y0 + dt * f(y0)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path / "site-packages"))
+    import fakeode
+
+    g = gt.graphify(lambda y, t: fakeode.odeint(torch.tanh, y, t))
+    with pytest.raises(gt.GraphifyError) as ei:
+        g(torch.ones(3), torch.tensor([0.0, 0.1]))
+    msg = str(ei.value)
+    assert "test_state.py" in msg and "fakeode.odeint" in msg  # the user's line
+    assert "read at" in msg and "fakeode" in msg and "float(t[1] - t[0])" in msg  # the library's
