@@ -118,8 +118,11 @@ def run(args: argparse.Namespace) -> int:
     skip = min(2, max(0, args.steps - 1))
     g_us = statistics.median(times["graphify"][skip:]) * 1e6
     e_us = statistics.median(times["eager"][skip:]) * 1e6
-    tol = 1e-4
-    ok = err < tol and err_dp < tol
+    # graphify equals data-parallel eager; single-process eager of the same global batch sums in
+    # another order (float32: ~1e-4 after 20 steps on an H200)
+    tol_dp = 1e-5
+    tol = 5e-4
+    ok = err < tol and err_dp < tol_dp
     print(
         f"rank {rank}/{world} ({backend}, {'c10d in-place' if args.c10d else 'functional'} all_reduce): "
         f"graphify {g_us:.1f} us/step, eager {e_us:.1f} us/step ({e_us / g_us:.1f}x); "

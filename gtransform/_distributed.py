@@ -698,11 +698,21 @@ def _abort_local(w: _World, msg: str) -> None:
         )
         for pg in info.groups:
             groups[id(pg)] = pg
-    for pg in groups.values():
-        try:
-            pg.abort()
-        except Exception:
-            pass
+    if not groups:
+        return
+
+    def abort_all() -> None:
+        for pg in groups.values():
+            try:
+                pg.abort()
+            except Exception:
+                pass
+
+    # An abort can block (NCCL may wait for a communicator that a CUDA graph of this rank
+    # captured): it runs in a daemon thread, and this rank's error is raised all the same.
+    t = threading.Thread(target=abort_all, name="gtransform-abort", daemon=True)
+    t.start()
+    t.join(timeout=min(10.0, w.timeout()))
 
 
 def _start_monitor(w: _World) -> None:

@@ -186,6 +186,10 @@ def case_mismatch(device: str, rank: int) -> Dict[str, Any]:
     f = gt.graphify(fn)
     for _ in range(3):
         f(torch.ones(4, dtype=torch.float64, device=device))
+    if os.environ.get("GT_DUMP_STACKS"):
+        import faulthandler
+
+        faulthandler.dump_traceback_later(20, exit=False)  # where a rank hangs, if it does
     n = 5 if rank == 0 else 4
     t0 = time.monotonic()
     try:
