@@ -78,6 +78,11 @@ class StaleOutput(torch.Tensor):
     def __repr__(self, *args: Any, **kwargs: Any) -> str:  # type: ignore[override]  # noqa: D105
         return _stale_repr(self)
 
+    def as_subclass(self, cls: Any) -> Any:  # noqa: D102 - would hand out the next call's numbers
+        raise OverwrittenOutputError(
+            f"{self.__dict__.get('_gt_message') or 'stale gtransform output'}\n(operation: as_subclass)"
+        )
+
     __str__ = __repr__
 
     def __format__(self, spec: str) -> str:  # noqa: D105

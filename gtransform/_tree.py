@@ -9,6 +9,7 @@ namespace="gtransform")``.
 from __future__ import annotations
 
 import math
+from numbers import Number as _Number
 from typing import Any, Hashable, List, Sequence, Tuple
 
 import optree
@@ -82,6 +83,9 @@ def static_leaf_key(leaf: Any) -> Hashable:
         # -0.0 == 0.0 in Python, but 1/x tells them apart
         return (float, leaf, math.copysign(1.0, leaf))
     hash(leaf)
+    if isinstance(leaf, _Number) and leaf != leaf:
+        # NaN of another number type (np.float64("nan"), np.float32, complex)
+        return (type(leaf), _NAN)
     return (type(leaf), leaf)
 
 
