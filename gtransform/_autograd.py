@@ -204,7 +204,8 @@ class GraphFn(torch.autograd.Function):
         if part is not None:
             saved = output[part.n_out:]
             ctx.save_for_backward(*saved)
-            nd = [o for o in output[: part.n_out] if not (o.is_floating_point() or o.is_complex())]
+            # outputs that do not require grad in eager (made under no_grad, detached, integer)
+            nd = [o for o, d in zip(output[: part.n_out], part.diff_out) if not d]
             ctx.mark_non_differentiable(*saved, *nd)
             return
         pre = box.pre or {}
@@ -255,7 +256,7 @@ class GraphFn(torch.autograd.Function):
 
 def _partitioned_backward(box: _Box, saved: Sequence[torch.Tensor], grads: Sequence[Any], need: Sequence[bool]) -> List[Any]:
     part = box.part
-    tangents = [g for g, d in zip(grads[: part.n_out], part.diff_out) if d]
+    tangents = [grads[i] for i in part.tan_idx]
     if any(unwrap(t)[1] < 0 for t in list(saved) + list(tangents)):
         # vmap over the backward (jacrev): the backward graph, eagerly
         res = list(part.bw_gm(*saved, *tangents))
@@ -270,7 +271,10 @@ def _partitioned_backward(box: _Box, saved: Sequence[torch.Tensor], grads: Seque
             if depth > 1 or (depth == 0 and create_graph):
                 raise _higher_order(box.g._desc)
             res = list(part.bw._call_plain(tuple(plain), {}, ()))
-    return [r if n else None for r, n in zip(res, need)]
+    # the backward returns the gradients that exist; eager's None stays None
+    it = iter(res)
+    flags = iter(part.grad_none)
+    return [None if not n or next(flags) else next(it) for n in need]
 
 
 def make_backward(plan: Any, need: Sequence[bool]) -> Any:

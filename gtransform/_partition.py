@@ -1,11 +1,17 @@
 """Partitioned forward and backward for differentiating through a recording.
 
-For a signature and a set of inputs to differentiate, AOTAutograd traces the
-joint forward+backward graph of the signature's aten graph, and the default
-partitioner splits it into a forward that also returns the activations the
-backward needs ("saved") and a backward that takes them with the output
-gradients. Each half is recorded as a graphified function of its own, so the
-saved activations live in the forward recording's pool.
+For a signature and a set of inputs to differentiate, the joint
+forward+backward graph is traced **from the user's function itself**, at the
+level of autograd: the function runs on fake tensors that require grad, and
+``torch.autograd.grad`` of its outputs is traced with it. So everything that
+exists only for autograd is respected as eager respects it: ``torch.no_grad``
+blocks, ``.detach()``, custom ``torch.autograd.Function`` backwards, tensor
+hooks, and random numbers (a dropout mask is drawn once, in the forward, and
+saved for the backward). The default partitioner then splits the joint graph
+into a forward that also returns the activations the backward needs
+("saved") and a backward that takes them with the output gradients. Each half
+is recorded as a graphified function of its own, so the saved activations live
+in the forward recording's pool.
 
 A saved activation is handed to autograd as a fresh alias of pool memory; if
 autograd still holds it when the forward replays again (two forwards before
@@ -19,7 +25,7 @@ from __future__ import annotations
 from typing import Any, List, Optional, Sequence
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.multiprocessing.reductions import StorageWeakRef
 
 __all__ = ["Partition", "build_partition"]
 
@@ -27,13 +33,15 @@ __all__ = ["Partition", "build_partition"]
 class Partition:
     """The recorded forward and backward of one signature."""
 
-    def __init__(self, fw: Any, bw: Any, n_out: int, n_saved: int, diff_out: List[bool], bw_gm: Any):
+    def __init__(self, fw: Any, bw: Any, n_out: int, n_saved: int, diff_out: List[bool], bw_gm: Any, grad_none: List[bool]):
         self.fw = fw
         self.bw = bw
         self.n_out = n_out
         self.n_saved = n_saved
-        self.diff_out = diff_out  # outputs that receive a gradient (tangent)
+        self.diff_out = diff_out  # outputs that require grad (as in eager): they receive a tangent
         self.bw_gm = bw_gm  # for eager use under vmap (jacrev)
+        self.grad_none = grad_none  # per differentiated input: eager's gradient is None
+        self.tan_idx: List[int] = []  # which outputs' gradients the backward takes
 
 
 def _flat_fn(gm: Any, name: str) -> Any:
@@ -45,42 +53,109 @@ def _flat_fn(gm: Any, name: str) -> Any:
 
 
 def build_partition(plan: Any, metas: Sequence[Any], need: Sequence[bool], owner: Any) -> Optional[Partition]:
-    """Partition ``plan``'s graph for the inputs in ``need``; ``None`` if it cannot be.
+    """Partition the joint graph of ``plan``'s signature for the inputs in ``need``; ``None`` if it cannot be.
 
     Args:
-        plan: the traced signature.
-        metas: ``tensor_meta`` of each tensor input.
+        plan: the traced signature (its function, how to call it, its state).
+        metas: ``tensor_meta`` of each tensor input (the caller's, then state).
         need: which inputs are differentiated.
-        owner: the graphified function (for its name and ``fuse`` option).
+        owner: the graphified function (for its name and options).
 
     Returns:
         A :class:`Partition`, or ``None`` when the graph does not fit (outputs
-        that alias inputs, a trace the partitioner rejects): the caller then
-        recomputes the forward inside the backward recording instead.
+        that alias inputs, inputs updated in place): the caller then recomputes
+        the forward inside the backward recording instead.
     """
-    from torch._functorch.aot_autograd import aot_export_joint_simple
     from torch._functorch.partitioners import default_partition
+    from torch.fx.experimental.proxy_tensor import make_fx
 
-    if any(e.kind == "input" for e in plan.out_entries) or plan.escape_slots:
+    from ._state import StateIndex
+    from ._trace import TRACE_LOCK, _drop_profiler_nodes, _lift_state, _TraceMode, _Watch, flatten_output
+
+    if plan.fn is None or plan.escape_slots or plan.mutated:
         return None
-
-    mode = FakeTensorMode()
+    if any(e.kind == "input" for e in plan.out_entries):
+        return None  # outputs that alias inputs: the partitioner cannot split them (recompute instead)
+    n_user = plan.n_user_in
+    n_state = len(plan.state)
+    n_out = len(plan.tensor_entries)
+    mode = _TraceMode(allow_non_fake_inputs=True)
     with mode:
-        args = []
-        for (_typ, shape, stride, dtype, device, _rg), n in zip(metas, need):
-            t = torch.empty_strided(shape, stride, dtype=dtype, device=device)
-            args.append(t.requires_grad_(bool(n)))
+        fakes = [
+            torch.empty_strided(shape, stride, dtype=dtype, device=device).requires_grad_(bool(n))
+            for (_typ, shape, stride, dtype, device, _rg), n in zip(metas[:n_user], need[:n_user])
+        ]
+        # a tangent per output, shaped like it; those of outputs that do not require grad stay unused
+        tangents = [torch.zeros(tuple(v.shape), dtype=v.dtype, device=v.device) for v in _output_metas(plan)]
+    storages: dict = {}
+    watch = _Watch(storages, list(plan.in_paths[:n_user]), owner._desc, plan.cuda, mode, StateIndex(()), n_user)
+    for t in plan.state:  # state keeps the forward plan's order: inputs line up with the recording's
+        watch._fake(t)
+    box: dict = {}
+
+    def joint(*ins: torch.Tensor) -> tuple:
+        user, tans = list(ins[:n_user]), ins[n_user:]
+        storages.clear()
+        for i, t in enumerate(user):
+            storages.setdefault(StorageWeakRef(t.untyped_storage()), i)
+        for k, f in enumerate(watch.state_fakes):
+            storages.setdefault(StorageWeakRef(f.untyped_storage()), n_user + k)
+        args, kwargs = plan.rebuild(user)
         with torch.enable_grad():
-            outs = plan.gm(*args)
-        diff_out = [bool(o.requires_grad) for o in outs]
-    n_out = len(outs)
-    joint: Any = aot_export_joint_simple(_flat_fn(plan.gm, "forward"), tuple(args), trace_joint=True)
-    fw_gm, bw_gm = default_partition(joint, args, num_fwd_outputs=n_out)
-    n_fw = len([n for n in fw_gm.graph.nodes if n.op == "output"][0].args[0])
-    n_saved = n_fw - n_out
-    n_tangents = len([n for n in bw_gm.graph.nodes if n.op == "placeholder"]) - n_saved
-    if n_tangents != sum(diff_out):
+            with watch:
+                out = plan.fn(*args, **kwargs)
+            leaves, _ = flatten_output(out, owner._desc)
+            outs = [x for x in leaves if isinstance(x, torch.Tensor)]
+            diff = [bool(o.requires_grad and (o.is_floating_point() or o.is_complex())) for o in outs]
+            wrt = [user[i] for i in range(n_user) if need[i]] + [plan.state[k] for k in range(n_state) if need[n_user + k]]
+            pairs = [(o, t) for o, t, d in zip(outs, tans, diff) if d]
+            grads: Sequence[Any] = [None] * len(wrt)
+            if pairs and wrt:
+                with watch:
+                    grads = torch.autograd.grad([o for o, _ in pairs], wrt, [t for _, t in pairs], allow_unused=True)
+        box["diff"] = diff
+        box["none"] = [g is None for g in grads]
+        return tuple(o.detach() for o in outs) + tuple(g for g in grads if g is not None)
+
+    if len(tangents) != n_out:
         return None
+    try:
+        with TRACE_LOCK, mode:
+            gm = make_fx(joint, tracing_mode="real", _allow_non_fake_inputs=True)(*fakes, *tangents)
+    finally:
+        mode.closed = owner._desc
+    if len(watch.state) != n_state or len(box["diff"]) != n_out:
+        return None  # the backward reached state the forward did not: keep the recompute path
+    _lift_state(gm, watch.state_fakes)
+    _drop_profiler_nodes(gm)
+    # placeholders as the partitioner expects them: primals (the caller's, then state), then tangents
+    phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    order = phs[:n_user] + phs[n_user + n_out:] + phs[n_user:n_user + n_out]
+    body = next(n for n in gm.graph.nodes if n.op != "placeholder")
+    for k, n in enumerate(order):
+        n.target = n.name = f"primals_{k + 1}" if k < n_user + n_state else f"tangents_{k - n_user - n_state + 1}"
+        body.prepend(n)
+    gm.graph.lint()
+    gm.recompile()
+    fw_gm, bw_gm = default_partition(gm, None, num_fwd_outputs=n_out)
+    n_fw = len([n for n in fw_gm.graph.nodes if n.op == "output"][0].args[0])
+    # the tangents the backward takes (by their position among the outputs)
+    tan_idx = [int(str(n.target).split("_")[-1]) - 1 for n in bw_gm.graph.nodes
+               if n.op == "placeholder" and "tangents" in str(n.target)]
     fw = owner._spawn(_flat_fn(fw_gm, f"forward of {owner._desc}"))
     bw = owner._spawn(_flat_fn(bw_gm, f"backward of {owner._desc}"))
-    return Partition(fw, bw, n_out, n_saved, diff_out, bw_gm)
+    part = Partition(fw, bw, n_out, n_fw - n_out, box["diff"], bw_gm, box["none"])
+    part.tan_idx = tan_idx
+    return part
+
+
+def _output_metas(plan: Any) -> List[Any]:
+    """Fake values of the forward plan's tensor outputs (from its graph's output node)."""
+    out = [n for n in plan.gm.graph.nodes if n.op == "output"][0]
+    vals = []
+    for a in list(out.args[0])[: len(plan.tensor_entries)]:
+        v = a.meta.get("val") if hasattr(a, "meta") else None
+        if v is None:
+            raise RuntimeError("no output metadata")
+        vals.append(v)
+    return vals

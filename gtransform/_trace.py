@@ -10,6 +10,7 @@ device and operations on CPU tensors, naming the user's source line.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import threading
@@ -27,6 +28,7 @@ from torch._subclasses.fake_tensor import (
 )
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._errors import GraphifyError, format_frame, innermost_frame, is_library_file, user_frame, user_frame_from_exc
@@ -38,9 +40,45 @@ try:  # torch >= 2.1
 except ImportError:  # pragma: no cover
     GuardOnDataDependentSymNode = DataDependentOutputException  # type: ignore[misc,assignment]
 
-__all__ = ["Plan", "OutEntry", "trace", "flatten_output", "TRACE_LOCK"]
+__all__ = ["Plan", "OutEntry", "trace", "flatten_output", "TRACE_LOCK", "tracing", "plain_layout"]
 
 TRACE_LOCK = threading.RLock()
+_ACTIVE = threading.local()
+
+
+def tracing() -> bool:
+    """Whether this thread is inside a graphify trace (a nested graphified call inlines)."""
+    return bool(_ACTIVE.__dict__.get("depth"))
+
+
+def plain_layout(t: torch.Tensor) -> bool:
+    """Whether ``t`` owns its storage exactly: offset 0, dense, nothing else in the storage.
+
+    A static buffer made for such an input has the caller's layout to the byte, so
+    ``storage_offset()`` and ``as_strided`` read the same elements in the recording.
+    """
+    if t.storage_offset() != 0:
+        return False
+    dims = sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz != 1)
+    expected = 1
+    for st, sz in dims:
+        if st != expected:
+            return False
+        expected *= sz
+    return t.untyped_storage().nbytes() == t.numel() * t.element_size()
+
+
+def _overlaps(size: Sequence[int], stride: Sequence[int]) -> bool:
+    """Whether a tensor of this size and stride may have elements sharing memory."""
+    dims = sorted((abs(st), sz) for sz, st in zip(size, stride) if sz != 1)
+    if any(sz == 0 for sz in size):
+        return False
+    reach = 0  # the farthest element offset spanned by the dims so far
+    for st, sz in dims:
+        if st <= reach:
+            return True
+        reach += st * (sz - 1)
+    return False
 
 _aten = torch.ops.aten
 _RESIZES = {_aten.resize_.default, _aten.resize_as_.default}
@@ -120,6 +158,11 @@ class Plan:
     py_changes: List[Any] = field(default_factory=list)
     roots: List[Any] = field(default_factory=list)
     ran_backward: bool = False
+    # the user's function and how to call it on the flat tensors (for the joint
+    # forward+backward trace of _partition)
+    fn: Any = None
+    rebuild: Any = None
+    cuda: bool = False
 
     def __post_init__(self) -> None:
         self.tensor_entries = [e for e in self.out_entries if e.kind != "const"]
@@ -236,6 +279,7 @@ class _Watch(TorchDispatchMode):
         self.state: List[torch.Tensor] = []
         self.state_fakes: List[FakeTensor] = []
         self._fake_of: Dict[int, FakeTensor] = {}
+        self.overlapping: Set[int] = set()  # caller's inputs whose elements share memory
 
     def _fail(self, what: str, why: str, fix: str) -> None:
         fr = user_frame(traceback.extract_stack())
@@ -287,6 +331,7 @@ class _Watch(TorchDispatchMode):
                     idx = self.inputs.get(StorageWeakRef(t.untyped_storage()))
                     if idx is not None:
                         self.mutated.add(idx)
+        written: List[Tuple[torch.Tensor, int, Any]] = []
         if schema.is_mutable:
             for i, a in enumerate(schema.arguments):
                 ai = a.alias_info
@@ -305,6 +350,16 @@ class _Watch(TorchDispatchMode):
                             "return the new tensor instead of resizing the input, or do the resize "
                             "outside the graphified function.",
                         )
+                    if idx in self.overlapping:
+                        self._fail(
+                            f"{func} updates input {self.paths[idx]} in place, and that input overlaps "
+                            "itself (its elements share memory).",
+                            "eager updates such a tensor element by element in an order-dependent way "
+                            "through the shared memory; the recording updates a copy and writes it back.",
+                            f"pass {self.paths[idx]}.contiguous() or .clone() (or update a copy and "
+                            "return it).",
+                        )
+                    written.append((t, idx, (t.shape, t.stride(), t.storage_offset())))
                     self.mutated.add(idx)
         if _SEEDED is not None and _SEEDED in func.tags:
             self.random = True
@@ -312,6 +367,16 @@ class _Watch(TorchDispatchMode):
         if isinstance(gen, torch.Generator) and all(gen is not g for g in self.generators):
             self.generators.append(gen)
         out = func(*args, **kwargs)
+        for t, idx, meta in written:
+            if (t.shape, t.stride(), t.storage_offset()) != meta:
+                self._fail(
+                    f"{func} changes the shape or strides of input {self.paths[idx]} in place "
+                    f"({list(meta[0])} -> {list(t.shape)}).",
+                    "eager changes the caller's tensor object itself; a recording only writes "
+                    "values back into the caller's tensor, whose shape it cannot change.",
+                    f"use the out-of-place op and return its result (e.g. y = x.t() instead of "
+                    "x.t_()), or change the tensor outside the graphified function.",
+                )
         if func in _LIFTS:
             self.lifted.update(id(t) for t in _tensors_in(out))
         site = None
@@ -354,6 +419,148 @@ class _Watch(TorchDispatchMode):
                     "recording time, and its result would be frozen.",
                     "create the tensor on the GPU (device=x.device), or move this work out of "
                     "the graphified function.",
+                )
+
+
+_DATA_SET = torch._C.TensorBase.__dict__["data"]
+_LAYOUT_READS = frozenset(
+    getattr(torch._C.TensorBase, n) for n in ("storage_offset", "as_strided", "as_strided_")
+    if hasattr(torch._C.TensorBase, n)
+)
+
+
+class _FnWatch(TorchFunctionMode):
+    """Watches the Python-level tensor calls of the trace that dispatch cannot see.
+
+    ``x.data = ...`` on an input (eager swaps the caller's tensor's data; a
+    recording cannot), and ``storage_offset()`` / ``as_strided`` on an input
+    whose layout a static buffer does not keep (an offset view, a strided view).
+    """
+
+    def __init__(self, watch: _Watch, storages: Dict[Any, int], n_in: int, plain: Sequence[bool]):
+        super().__init__()
+        self.watch = watch
+        self.storages = storages
+        self.n_in = n_in
+        self.plain = plain
+        self.layout_used: Set[int] = set()
+
+    def _input(self, t: Any) -> Optional[int]:
+        if not isinstance(t, FakeTensor):
+            return None
+        idx = self.storages.get(StorageWeakRef(t.untyped_storage()))
+        return idx if idx is not None and idx < self.n_in else None
+
+    def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if args and (func in _LAYOUT_READS or getattr(func, "__self__", None) is _DATA_SET):
+            idx = self._input(args[0])
+            if idx is not None:
+                w = self.watch
+                path = w.paths[idx]
+                if func not in _LAYOUT_READS:
+                    w._fail(
+                        f"`{path}.data = ...` replaces the data of input {path}.",
+                        "eager swaps the caller's tensor's storage; a recording reads and writes fixed "
+                        "memory and cannot replace the caller's storage.",
+                        f"update it in place instead (e.g. {path}.clamp_(-0.5, 0.5), or "
+                        f"{path}.copy_(new_value)), or return the new tensor.",
+                    )
+                name = getattr(func, "__name__", str(func))
+                if not self.plain[idx]:
+                    w._fail(
+                        f"{name}() reads the memory layout of input {path}, which is a view into "
+                        "a larger storage, or not dense.",
+                        "an input copied into a static buffer gets a dense buffer of its own, "
+                        "so its storage offset and the memory around it differ from the caller's.",
+                        f"pass {path}.contiguous() (or .clone()), or call {name} outside the "
+                        "graphified function.",
+                    )
+                self.layout_used.add(idx)
+        return func(*args, **kwargs)
+
+
+_SEED_FNS = (
+    (torch, "manual_seed"),
+    (torch.random, "manual_seed"),
+    (torch, "seed"),
+    (torch.random, "seed"),
+    (torch.cuda, "manual_seed"),
+    (torch.cuda, "manual_seed_all"),
+    (torch.cuda, "seed"),
+    (torch.cuda, "seed_all"),
+)
+_SEED_MSG = (
+    "Why: a recording draws fresh random numbers on every replay from the generator's "
+    "current state; seeding inside the function happens once, while tracing, so eager "
+    "would draw the same numbers on every call and the recording different ones.
+"
+    "Fix: seed outside the function (torch.manual_seed before the call), or use a "
+    "torch.Generator passed as an argument (generator=g in the random ops)."
+)
+
+
+class _no_seeding:
+    """Seeding a default generator inside the traced function is a GraphifyError.
+
+    ``torch.manual_seed`` and its relatives are wrapped while this thread
+    traces (other threads pass through); a default generator reseeded some
+    other way (``torch.default_generator.manual_seed``) is caught after the trace
+    by its changed state.
+    """
+
+    def __init__(self, desc: str):
+        self.desc = desc
+        self.saved: List[Tuple[Any, str, Any]] = []
+        self.thread = threading.get_ident()
+
+    def _wrap(self, orig: Any, name: str) -> Any:
+        desc, thread = self.desc, self.thread
+
+        @functools.wraps(orig)
+        def seeding(*a: Any, **k: Any) -> Any:
+            if threading.get_ident() != thread:
+                return orig(*a, **k)
+            fr = user_frame(traceback.extract_stack())
+            raise GraphifyError(
+                f"{desc}: torch.{name}() seeds a default random generator inside the function.\n"
+                f"  at {format_frame(fr)}\n{_SEED_MSG}"
+            )
+
+        return seeding
+
+    @staticmethod
+    def _states() -> List[Any]:
+        states = [torch.default_generator.get_state()]
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            states += [g.get_state() for g in torch.cuda.default_generators]
+        return states
+
+    def __enter__(self) -> "_no_seeding":
+        self.before = self._states()
+        for mod, name in _SEED_FNS:
+            orig = getattr(mod, name, None)
+            if orig is not None:
+                self.saved.append((mod, name, orig))
+                setattr(mod, name, self._wrap(orig, f"{mod.__name__[len('torch.'):] + '.' if mod is not torch else ''}{name}"))
+        return self
+
+    def __exit__(self, typ: Any, exc: Any, tb: Any) -> None:
+        for mod, name, orig in reversed(self.saved):
+            setattr(mod, name, orig)
+        self.saved = []
+        after = self._states()
+        changed = len(after) != len(self.before) or any(not torch.equal(a, b) for a, b in zip(after, self.before))
+        if changed:
+            torch.default_generator.set_state(self.before[0])
+            if len(after) == len(self.before):
+                for g, st in zip(torch.cuda.default_generators if len(after) > 1 else (), self.before[1:]):
+                    g.set_state(st)
+            if typ is None:
+                raise GraphifyError(
+                    f"{self.desc}: the function reseeds or draws from a default random generator "
+                    "directly (e.g. torch.default_generator.manual_seed(...)) while tracing.\n"
+                    f"{_SEED_MSG}"
                 )
 
 
@@ -754,4 +961,7 @@ def trace(
         roots=list(roots),
         ran_backward=any(s.kind == "grad" for s, _ in scan.escapes) or any(
             s is not None and s.kind == "grad" for s in state_slots),
+        fn=fn,
+        rebuild=rebuild,
+        cuda=cuda,
     )
