@@ -52,7 +52,7 @@ from ._signature import (
     sig_brief,
 )
 from ._state import env_key_fn, find_roots
-from ._trace import trace
+from ._trace import plain_layout, trace, tracing
 from ._tree import flatten, leaf_paths, static_leaf_key, tensor_meta, unflatten
 
 try:
@@ -191,6 +191,10 @@ class Graphified(Generic[P, R]):
         return self._call_transformed(interp, args, kwargs, statics)  # type: ignore[no-any-return]
 
     def _call_generic(self, args: Any, kwargs: Any, statics: Any) -> Any:
+        if tracing():
+            # called inside another graphified function's trace (its arguments are that
+            # trace's fake tensors): inline it, like jax.jit inside jax.jit
+            return self._fallback(args, kwargs, statics)
         leaves, spec = flatten((args, kwargs))
         e, st, tensors = self._entry_for(leaves, spec, statics, (args, kwargs))
         if e is None:
@@ -248,6 +252,8 @@ class Graphified(Generic[P, R]):
         grad/vjp go through the autograd wrapper; vmap and jvp run the function eagerly
         (correct, not recorded).
         """
+        if tracing():
+            return self._fallback(args, kwargs, statics)
         if interp.key() == _GRAD and _only_grad_transforms():
             leaves, spec = flatten((args, kwargs))
             # the signature is looked up on the tensors under torch.func's wrappers,
@@ -471,7 +477,7 @@ class Graphified(Generic[P, R]):
         extra += [(f"static {w}", v) for w, v in statics]
         roots = find_roots(self._fn, extra)
         try:
-            plan = trace(self._fn, rebuild, specs, in_paths, self._desc, cuda, roots)
+            plan = trace(self._fn, rebuild, specs, in_paths, self._desc, cuda, roots, [plain_layout(t) for t in tensors])
         except GraphifyError as err:
             if record and key not in st.warmed and getattr(err, "gt_touched_state", False):
                 # state may be created lazily by the first call (a cache allocated on first

@@ -26,6 +26,7 @@ import optree
 import torch
 
 from ._signature import alias_pattern
+from ._trace import plain_layout
 from ._tree import flatten, static_leaf_key
 
 __all__ = ["MISS", "build_fast_path"]
@@ -181,6 +182,10 @@ def build_fast_path(owner: Any, entry: Any, rec: Any, pool: Any) -> Any:
             checks.append(f"if not GUARD.check({', '.join(tens)}): return MISS")
         else:
             checks.append(f"if not GUARD.check([{', '.join(tens)}]): return MISS")
+    if entry.plan.layout_idx:
+        # the function reads these inputs' storage offset or layout (see _trace._FnWatch)
+        lay = " and ".join(f"_plain({tens[i]})" for i in sorted(entry.plan.layout_idx))
+        checks.append(f"if not ({lay}): return MISS")
     if rec.static_idx:
         st = ", ".join(tens[i] for i in rec.static_idx)
         checks.append(f"if list(map(_data_ptr, ({st},))) != PTRS: return MISS")
@@ -260,6 +265,7 @@ def build_fast_path(owner: Any, entry: Any, rec: Any, pool: Any) -> Any:
         "_default_dtype": torch.get_default_dtype,
         "_any_autocast": getattr(torch._C, "_is_any_autocast_enabled", lambda: True),
         "_alias": alias_pattern,
+        "_plain": plain_layout,
         "_flatten": flatten,
         "_unflatten": optree.tree_unflatten,
         "ENV": entry.env,

@@ -18,7 +18,7 @@ import torch
 
 from ._liveness import PoolState
 from ._record import Recording
-from ._trace import Plan
+from ._trace import Plan, plain_layout
 from ._tree import static_leaf_key, tensor_meta
 
 __all__ = [
@@ -204,6 +204,8 @@ class Entry:
             return False
         if self.env is not None and self.env() != self.env_val:
             return False
+        if self.plan.layout_idx and not all(plain_layout(tensors[i]) for i in self.plan.layout_idx):
+            return False  # the function reads these inputs' storage offset or layout
         if self.must_static or (self.plan.mutated and self.alias):
             return alias_pattern(tensors) == self.alias
         return True

@@ -148,6 +148,8 @@ class Plan:
     op_count: int
     generators: List[Any] = field(default_factory=list)
     notes: List[str] = field(default_factory=list)
+    # caller's inputs whose storage offset / layout the function reads: keyed on being plain
+    layout_idx: Set[int] = field(default_factory=set)
     # state (see _state.py): real tensors read as extra inputs after the
     # caller's, where each lives, and tensors left in Python state
     state: List[torch.Tensor] = field(default_factory=list)
@@ -493,8 +495,7 @@ _SEED_FNS = (
 _SEED_MSG = (
     "Why: a recording draws fresh random numbers on every replay from the generator's "
     "current state; seeding inside the function happens once, while tracing, so eager "
-    "would draw the same numbers on every call and the recording different ones.
-"
+    "would draw the same numbers on every call and the recording different ones.\n"
     "Fix: seed outside the function (torch.manual_seed before the call), or use a "
     "torch.Generator passed as an argument (generator=g in the random ops)."
 )
@@ -790,6 +791,7 @@ def trace(
     desc: str,
     cuda: bool,
     roots: Sequence[Root] = (),
+    plain: Optional[Sequence[bool]] = None,
 ) -> Plan:
     """Trace ``fn`` for one signature.
 
@@ -802,6 +804,8 @@ def trace(
         cuda: whether the function is recorded by the CUDA backend.
         roots: the Python state ``fn`` reaches (see ``_state.find_roots``): put
             back as it was after the trace, and searched for escapes.
+        plain: per tensor input, whether it owns its storage exactly
+            (:func:`plain_layout`); ``None``: all do.
 
     Returns:
         The :class:`Plan` of the signature.
@@ -823,6 +827,8 @@ def trace(
     index = StateIndex(roots)
     snap = Snapshot(roots)
     watch = _Watch(storages, paths, desc, cuda, mode, index, len(fakes))
+    watch.overlapping = {i for i, sp in enumerate(in_specs) if _overlaps(sp[0], sp[1])}
+    fnwatch = _FnWatch(watch, storages, len(fakes), plain if plain is not None else [True] * len(fakes))
 
     def is_ours(v: Any) -> bool:
         return isinstance(v, FakeTensor) and v.fake_mode is mode
@@ -833,7 +839,7 @@ def trace(
             storages.setdefault(StorageWeakRef(t.untyped_storage()), i)
         box["inputs"] = tensors
         args, kwargs = rebuild(tensors)
-        with watch:
+        with watch, fnwatch:
             out = fn(*args, **kwargs)
         leaves, spec = flatten_output(out, desc)
         box["spec"] = spec
@@ -850,8 +856,12 @@ def trace(
     try:
         try:
             # fx tracing keeps global state (its patcher): one trace at a time
-            with TRACE_LOCK, _compiling(), mode:
-                gm = make_fx(flat_fn, tracing_mode="real", _allow_non_fake_inputs=True)(*fakes)
+            with TRACE_LOCK, _compiling(), _no_seeding(desc), mode:
+                _ACTIVE.depth = _ACTIVE.__dict__.get("depth", 0) + 1
+                try:
+                    gm = make_fx(flat_fn, tracing_mode="real", _allow_non_fake_inputs=True)(*fakes)
+                finally:
+                    _ACTIVE.depth -= 1
         except (DataDependentOutputException, DynamicOutputShapeException, GuardOnDataDependentSymNode) as e:
             raise _data_dependent(desc, e, cuda) from None
         except NotImplementedError as e:
@@ -959,6 +969,7 @@ def trace(
         escape_entries=esc_entries,
         py_changes=list(scan.changes),
         roots=list(roots),
+        layout_idx=set(fnwatch.layout_used),
         ran_backward=any(s.kind == "grad" for s, _ in scan.escapes) or any(
             s is not None and s.kind == "grad" for s in state_slots),
         fn=fn,
