@@ -25,6 +25,7 @@ from typing import Any, Dict, List, Optional
 import optree
 import torch
 
+from ._errors import OverwrittenOutputError
 from ._signature import alias_pattern
 from ._trace import plain_layout
 from ._tree import flatten, static_leaf_key
@@ -203,7 +204,9 @@ def build_fast_path(owner: Any, entry: Any, rec: Any, pool: Any) -> Any:
     call.append("REPLAY()")
     call.append("REC.replays += 1")
     if rec.cb_idx:
-        call.append(f"_copy([{', '.join(tens[i] for i in rec.cb_idx)}], CBBUFS)")
+        cb = ", ".join(tens[i] for i in rec.cb_idx)
+        # an output fed back in and updated in place was poisoned by begin_call (zero-cost try)
+        call += ["try:", f"    _copy([{cb}], CBBUFS)", "except STALE:", f"    REC.copy_back_stale([{cb}])"]
     if esc:
         call.append(f"ESC.write(REC.escape_values([{', '.join(tens)}]))")
     if rec.groups:
@@ -259,6 +262,7 @@ def build_fast_path(owner: Any, entry: Any, rec: Any, pool: Any) -> Any:
         "SPEC": entry.spec,
         "OUTSPEC": plan.out_spec,
         "_copy": torch._foreach_copy_,
+        "STALE": OverwrittenOutputError,
         "_copysign": math.copysign,
         "_key": static_leaf_key,
         "_grad_enabled": torch.is_grad_enabled,

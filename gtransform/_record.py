@@ -20,8 +20,8 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from . import _distributed
-from ._errors import GraphifyError
-from ._liveness import Handout, OutputGroup, PoolState
+from ._errors import GraphifyError, OverwrittenOutputError
+from ._liveness import Handout, OutputGroup, PoolState, StaleOutput
 from ._state import EscapeWriter
 from ._trace import Plan
 
@@ -171,7 +171,10 @@ class Recording:
         if self._pending_adopt is not None:
             self._adopt_now()
         if self.cb_idx:
-            _foreach_copy([tensors[i] for i in self.cb_idx], self.cb_bufs)
+            try:
+                _foreach_copy([tensors[i] for i in self.cb_idx], self.cb_bufs)
+            except OverwrittenOutputError:
+                self.copy_back_stale([tensors[i] for i in self.cb_idx])
         if esc is not None:
             esc.write(self.escape_values(tensors))
         if self.groups:
@@ -189,6 +192,24 @@ class Recording:
                 else:
                     res.append(t.as_strided(e.size, e.stride, t.storage_offset() + e.rel_offset))
         return res
+
+    def copy_back_stale(self, targets: Sequence[torch.Tensor]) -> None:
+        """Copy back in-place updates into inputs that this call's start made stale.
+
+        An output of an earlier call fed back into a function that updates it in
+        place (``s = step(s)``, or another function of the same pool): the input
+        was read into a static buffer before the pool poisoned it, and eager
+        updates it in place. It gets memory of its own (the pool's may hold this
+        call's outputs now), is made a normal tensor again and receives the update.
+        """
+        for t in targets:
+            if type(t) is StaleOutput:
+                t.__class__ = torch.Tensor  # type: ignore[assignment]
+                t.__dict__.pop("_gt_message", None)
+                with torch.no_grad():
+                    own = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+                    t.set_(own.untyped_storage(), 0, t.shape, t.stride())
+        _foreach_copy(list(targets), self.cb_bufs)
 
     def escape_values(self, tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
         """The tensors to write back into Python state after this replay."""

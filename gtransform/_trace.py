@@ -376,7 +376,7 @@ class _Watch(TorchDispatchMode):
                     f"({list(meta[0])} -> {list(t.shape)}).",
                     "eager changes the caller's tensor object itself; a recording only writes "
                     "values back into the caller's tensor, whose shape it cannot change.",
-                    f"use the out-of-place op and return its result (e.g. y = x.t() instead of "
+                    "use the out-of-place op and return its result (e.g. y = x.t() instead of "
                     "x.t_()), or change the tensor outside the graphified function.",
                 )
         if func in _LIFTS:
@@ -537,7 +537,7 @@ class _no_seeding:
             states += [g.get_state() for g in torch.cuda.default_generators]
         return states
 
-    def __enter__(self) -> "_no_seeding":
+    def __enter__(self) -> _no_seeding:
         self.before = self._states()
         for mod, name in _SEED_FNS:
             orig = getattr(mod, name, None)

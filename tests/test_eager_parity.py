@@ -1,0 +1,183 @@
+"""Issue #10 §3-§5 ("exactly eager"): each case gives eager's behaviour, or a
+GraphifyError that names the operation, the user's line and the fix."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import gtransform as gt
+from gtransform import GraphifyError, OverwrittenOutputError
+
+# -- §3: operations the replay model cannot follow ---------------------------
+
+
+def test_manual_seed_inside_fn_is_refused(device):
+    def fn(x):
+        torch.manual_seed(0)  # SEED-LINE
+        return torch.rand(2, device=x.device) + x
+
+    f = gt.graphify(fn)
+    state = torch.get_rng_state()
+    with pytest.raises(GraphifyError, match=r"(?s)manual_seed.*SEED-LINE.*seed outside the function.*torch\.Generator"):
+        f(torch.zeros(2, device=device))
+    assert torch.equal(torch.get_rng_state(), state)  # the trace left the generator alone
+    # the function stays usable once fixed, and seeding outside follows eager
+    g = gt.graphify(lambda x: torch.rand(2, device=x.device) + x)
+    x = torch.zeros(2, device=device)
+    torch.manual_seed(0)
+    a = g(x).clone()
+    torch.manual_seed(0)
+    assert torch.equal(a, torch.rand(2, device=device))
+
+
+def test_default_generator_reseeded_inside_fn_is_refused(device):
+    def fn(x):
+        torch.default_generator.manual_seed(3)
+        return x + 1
+
+    with pytest.raises(GraphifyError, match=r"(?s)default random generator.*torch\.Generator"):
+        gt.graphify(fn)(torch.zeros(2, device=device))
+
+
+def test_data_assignment_on_input_is_refused(device):
+    def fn(p):
+        p.data = p.data.clamp(-0.5, 0.5)  # DATA-LINE
+        return p + 0.6
+
+    p = torch.tensor([2.0], device=device)
+    with pytest.raises(GraphifyError, match=r"(?s)\.data = .*DATA-LINE.*clamp_\(-0\.5, 0\.5\).*copy_"):
+        gt.graphify(fn)(p)
+    assert p.item() == 2.0
+    # the fix the message gives matches eager
+    f = gt.graphify(lambda p: p.clamp_(-0.5, 0.5) + 0.6)
+    q = torch.tensor([2.0], device=device)
+    out = f(q)
+    torch.testing.assert_close(out, torch.tensor([1.1], device=device))
+    assert q.item() == 0.5
+
+
+def test_storage_offset_and_as_strided_of_views(device):
+    base = torch.arange(10.0, device=device)
+    f = gt.graphify(lambda x: x.as_strided((2,), (1,)) + 0)
+    with pytest.raises(GraphifyError, match=r"(?s)as_strided.*args\[0\].*contiguous\(\)"):
+        f(base[::2])  # eager reads [0, 1]; a dense buffer would give [0, 2]
+    g = gt.graphify(lambda x: x + x.storage_offset())
+    with pytest.raises(GraphifyError, match=r"(?s)storage_offset.*args\[0\].*contiguous\(\)"):
+        g(base[4:6])  # eager adds 4
+    # plain inputs (own their storage) are exact, and a later view with the same
+    # shape and strides is not replayed from the plain recording
+    h = gt.graphify(lambda x: x.as_strided((2,), (1,), 0) * 1 + x.storage_offset())
+    x = torch.tensor([5.0, 6.0], device=device)
+    torch.testing.assert_close(h(x), torch.tensor([5.0, 6.0], device=device))
+    torch.testing.assert_close(h(x.clone()), torch.tensor([5.0, 6.0], device=device))
+    with pytest.raises(GraphifyError, match="storage_offset|as_strided"):
+        h(base[4:6])
+
+
+@pytest.mark.parametrize(
+    "op,args,shape",
+    [("t_", (), (2, 3)), ("transpose_", (0, 1), (2, 3)), ("unsqueeze_", (0,), (2, 3)),
+     ("squeeze_", (0,), (1, 6)), ("as_strided_", ((3, 2), (1, 3)), (2, 3))],
+)
+def test_inplace_metadata_change_of_input_is_refused(device, op, args, shape):
+    def fn(x):
+        getattr(x, op)(*args)  # META-LINE
+        return x * 2
+
+    x = torch.arange(6.0, device=device).reshape(shape)
+    with pytest.raises(GraphifyError, match=rf"(?s){op}.*changes the shape or strides of input args\[0\].*META-LINE.*out-of-place"):
+        gt.graphify(fn)(x)
+    assert x.shape == shape  # the caller's tensor is untouched
+
+
+def test_inplace_update_of_overlapping_input_is_refused(device):
+    f = gt.graphify(lambda x: x.add_(1))  # OVERLAP-LINE
+    x = torch.arange(6.0, device=device).unfold(0, 3, 1)
+    with pytest.raises(GraphifyError, match=r"(?s)add_.*args\[0\] in place.*overlaps itself.*OVERLAP-LINE.*contiguous\(\) or \.clone\(\)"):
+        f(x)
+    torch.testing.assert_close(x.contiguous().flatten()[:3], torch.arange(3.0, device=device))
+    # non-overlapping strided inputs are fine
+    y = torch.arange(8.0, device=device)[::2]
+    f(y)
+    torch.testing.assert_close(y, torch.tensor([1.0, 3.0, 5.0, 7.0], device=device))
+
+
+# -- §4: composition ---------------------------------------------------------
+
+
+def test_graphified_inside_graphified_is_inlined(device):
+    inner = gt.graphify(lambda x: x * 2)
+    outer = gt.graphify(lambda x: inner(x) + 1)
+    for v in (1.0, 2.0, 3.0):
+        x = torch.full((3,), v, device=device)
+        out = outer(x)
+        torch.testing.assert_close(out, x * 2 + 1)
+        assert out.dtype == x.dtype
+    assert outer.cache_info().misses == 1
+    torch.testing.assert_close(inner(torch.ones(2, device=device)), torch.full((2,), 2.0, device=device))
+
+
+def test_output_fed_back_into_inplace_function(device):
+    @gt.graphify
+    def step(s):
+        s.mul_(2)
+        return s + 1
+
+    def eager(s):
+        s.mul_(2)
+        return s + 1
+
+    s, e = torch.ones(2, device=device), torch.ones(2, device=device)
+    prev = None
+    for _ in range(5):
+        old = s
+        s, e = step(s), eager(e)
+        torch.testing.assert_close(s, e)
+        if prev is not None:
+            # the caller's previous output was updated in place, as in eager
+            torch.testing.assert_close(old, (e - 1))
+        prev = old
+    # returning the updated input itself works too
+    f = gt.graphify(lambda s: s.mul_(2))
+    t = torch.ones(2, device=device)
+    for _ in range(3):
+        t = f(t)
+    torch.testing.assert_close(t, torch.full((2,), 8.0, device=device))
+
+
+def test_output_handed_to_inplace_function_of_same_pool(device):
+    pool = gt.graph_pool()
+    f = gt.graphify(lambda x: x + 1, pool=pool)
+    g = gt.graphify(lambda y: y.mul_(2), pool=pool)
+    for v in (1.0, 2.0, 3.0):
+        a = f(torch.full((2,), v, device=device))
+        b = g(a)
+        torch.testing.assert_close(b, torch.full((2,), (v + 1) * 2, device=device))
+        torch.testing.assert_close(a, torch.full((2,), (v + 1) * 2, device=device))
+        assert b is a
+    # liveness still holds for f's outputs
+    a = f(torch.ones(2, device=device))
+    f(torch.ones(2, device=device))
+    with pytest.raises(OverwrittenOutputError):
+        a + 0
+
+
+# -- §5: rough edges ---------------------------------------------------------
+
+
+def test_as_subclass_of_stale_output_raises(device):
+    f = gt.graphify(lambda x: x + 1)
+    a = f(torch.ones(2, device=device))
+    f(torch.zeros(2, device=device))
+    with pytest.raises(OverwrittenOutputError, match=r"(?s)\.clone\(\).*as_subclass"):
+        a.as_subclass(torch.Tensor)
+
+
+def test_numpy_nan_static_leaf_hits(device):
+    f = gt.graphify(lambda x, k: x * k)
+    x = torch.ones(2, device=device)
+    for k in (np.float64("nan"), np.float64("nan"), np.float32("nan"), np.float32("nan")):
+        assert torch.isnan(f(x, k)).all()
+    assert f.cache_info().misses == 2 and f.cache_info().hits == 2
