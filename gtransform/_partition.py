@@ -106,6 +106,8 @@ def build_partition(plan: Any, metas: Sequence[Any], need: Sequence[bool], owner
                 out = plan.fn(*args, **kwargs)
             leaves, _ = flatten_output(out, owner._desc)
             outs = [x for x in leaves if isinstance(x, torch.Tensor)]
+            # forward outputs before any backward op (the partitioner goes by placement)
+            detached = [o.detach() for o in outs]
             diff = [bool(o.requires_grad and (o.is_floating_point() or o.is_complex())) for o in outs]
             wrt = [user[i] for i in range(n_user) if need[i]] + [plan.state[k] for k in range(n_state) if need[n_user + k]]
             pairs = [(o, t) for o, t, d in zip(outs, tans, diff) if d]
@@ -115,7 +117,7 @@ def build_partition(plan: Any, metas: Sequence[Any], need: Sequence[bool], owner
                     grads = torch.autograd.grad([o for o, _ in pairs], wrt, [t for _, t in pairs], allow_unused=True)
         box["diff"] = diff
         box["none"] = [g is None for g in grads]
-        return tuple(o.detach() for o in outs) + tuple(g for g in grads if g is not None)
+        return tuple(detached) + tuple(g for g in grads if g is not None)
 
     if len(tangents) != n_out:
         return None
@@ -132,12 +134,52 @@ def build_partition(plan: Any, metas: Sequence[Any], need: Sequence[bool], owner
     phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     order = phs[:n_user] + phs[n_user + n_out:] + phs[n_user:n_user + n_out]
     body = next(n for n in gm.graph.nodes if n.op != "placeholder")
-    for k, n in enumerate(order):
-        n.target = n.name = f"primals_{k + 1}" if k < n_user + n_state else f"tangents_{k - n_user - n_state + 1}"
+    for n in order:
         body.prepend(n)
     gm.graph.lint()
     gm.recompile()
+    # the partitioner wants a functional graph (dropout's bernoulli_ and div_ are in place):
+    # functionalize it, as AOTAutograd does
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.func import functionalize
+
+    specs = [(m[1], m[2], m[3], m[4]) for m in metas] + [
+        (tuple(v.shape), v.stride(), v.dtype, v.device) for v in _output_metas(plan)]
+    fmode = FakeTensorMode()
+    with fmode:
+        ins = [torch.empty_strided(shape, stride, dtype=dtype, device=device) for shape, stride, dtype, device in specs]
+        with TRACE_LOCK:
+            gm = make_fx(functionalize(gm, remove="mutations_and_views"), tracing_mode="real")(*ins)
+    phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for k, n in enumerate(phs):
+        n.target = n.name = f"primals_{k + 1}" if k < n_user + n_state else f"tangents_{k - n_user - n_state + 1}"
+    # the partitioner saves forward values that carry tensor metadata (and recomputes the
+    # rest in the backward: a random op would draw again)
+    from torch.fx.passes.shape_prop import _extract_tensor_metadata
+
+    for n in gm.graph.nodes:
+        v = n.meta.get("val")
+        if isinstance(v, torch.Tensor) and "tensor_meta" not in n.meta:
+            n.meta["tensor_meta"] = _extract_tensor_metadata(v)
+    # the forward is what the forward outputs need (AOTAutograd tags it the same way)
+    out_node = [n for n in gm.graph.nodes if n.op == "output"][0]
+    todo = [a for a in out_node.args[0][:n_out] if isinstance(a, torch.fx.Node)]
+    seen = set()
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op != "placeholder":
+            n.meta["partitioner_tag"] = "is_forward"
+        todo.extend(n.all_input_nodes)
+    gm.graph.lint()
+    gm.recompile()
     fw_gm, bw_gm = default_partition(gm, None, num_fwd_outputs=n_out)
+    # a random op the backward does not use (the forward saved its result) must not draw
+    # again: the backward graph is functional, so whatever no output needs goes
+    bw_gm.graph.eliminate_dead_code(is_impure_node=lambda n: n.op in ("placeholder", "output"))
+    bw_gm.recompile()
     n_fw = len([n for n in fw_gm.graph.nodes if n.op == "output"][0].args[0])
     # the tangents the backward takes (by their position among the outputs)
     tan_idx = [int(str(n.target).split("_")[-1]) - 1 for n in bw_gm.graph.nodes

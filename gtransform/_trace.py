@@ -505,9 +505,7 @@ class _no_seeding:
     """Seeding a default generator inside the traced function is a GraphifyError.
 
     ``torch.manual_seed`` and its relatives are wrapped while this thread
-    traces (other threads pass through); a default generator reseeded some
-    other way (``torch.default_generator.manual_seed``) is caught after the trace
-    by its changed state.
+    traces (other threads pass through).
     """
 
     def __init__(self, desc: str):
@@ -531,14 +529,17 @@ class _no_seeding:
         return seeding
 
     @staticmethod
-    def _states() -> List[Any]:
-        states = [torch.default_generator.get_state()]
+    def _generators() -> List[Any]:
+        gens = [torch.default_generator]
         if torch.cuda.is_available() and torch.cuda.is_initialized():
-            states += [g.get_state() for g in torch.cuda.default_generators]
-        return states
+            gens += list(torch.cuda.default_generators)
+        return gens
 
     def __enter__(self) -> _no_seeding:
-        self.before = self._states()
+        # a reseed changes a generator's initial seed; drawing numbers (in any thread) does not
+        gens = self._generators()
+        self.seeds = [g.initial_seed() for g in gens]
+        self.states = [g.get_state() for g in gens]
         for mod, name in _SEED_FNS:
             orig = getattr(mod, name, None)
             if orig is not None:
@@ -547,20 +548,18 @@ class _no_seeding:
         return self
 
     def __exit__(self, typ: Any, exc: Any, tb: Any) -> None:
+        # (the generators' state is not compared: other threads may draw meanwhile)
         for mod, name, orig in reversed(self.saved):
             setattr(mod, name, orig)
         self.saved = []
-        after = self._states()
-        changed = len(after) != len(self.before) or any(not torch.equal(a, b) for a, b in zip(after, self.before))
-        if changed:
-            torch.default_generator.set_state(self.before[0])
-            if len(after) == len(self.before):
-                for g, st in zip(torch.cuda.default_generators if len(after) > 1 else (), self.before[1:]):
-                    g.set_state(st)
+        gens = self._generators()
+        if len(gens) == len(self.seeds) and any(g.initial_seed() != s for g, s in zip(gens, self.seeds)):
+            for g, st in zip(gens, self.states):
+                g.set_state(st)
             if typ is None:
                 raise GraphifyError(
-                    f"{self.desc}: the function reseeds or draws from a default random generator "
-                    "directly (e.g. torch.default_generator.manual_seed(...)) while tracing.\n"
+                    f"{self.desc}: the function reseeds a default random generator directly "
+                    "(e.g. torch.default_generator.manual_seed(...)) while tracing.\n"
                     f"{_SEED_MSG}"
                 )
 
