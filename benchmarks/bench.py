@@ -16,6 +16,8 @@ against eager (relative error), warmed up and timed:
     gt_new                        gt.graphify, fresh input tensors every call (pre-made, rotating)
     gt_held                       gt_same, but the loop keeps `out = f(...)` alive across calls
                                   (what a user's loop does; exercises the poison-and-alias path)
+    gt_views                      gt_held, and the loop also keeps a view of an output of each of
+                                  the last 4 calls (`history.append(out[0])`, 4 kept)
     gt_fused                      gt.graphify(fn, fuse=True): inductor-fused kernels, recorded
 
 Rows: the seven synthetic workloads, then seven real programs (resnet18,
@@ -103,6 +105,7 @@ METHODS: Dict[str, str] = {
     "gt_same": "gt: same tensors",
     "gt_new": "gt: new tensors",
     "gt_held": "gt: same, out held",
+    "gt_views": "gt: same, views of 4 calls held",
     "gt_fused": "gt fuse=True: same tensors",
 }
 CUDA_ONLY = {"graph_copy", "graph_replay", "mgc"}
@@ -879,7 +882,7 @@ class Prepared:
     call: Callable[[], Any]
     errors: List[float]
     first_call_s: Optional[float] = None
-    hold: bool = False  # keep each call's output alive until the next call
+    hold: Any = False  # True: keep each call's output alive until the next call; "views": and views of 4 calls
     sync: Optional[Callable[[Any], None]] = None  # default: the device synchronisation
     extra: Dict[str, Any] = field(default_factory=dict)
     after: Optional[Callable[[], Dict[str, Any]]] = None  # more figures, read after timing
@@ -1103,7 +1106,7 @@ def method_jax(ctx: Ctx) -> Prepared:
                     extra={"first_call_is": "trace + compile + first call"})
 
 
-def _gt_prepare(ctx: Ctx, new_tensors: bool, held: bool, fuse: bool = False) -> Prepared:
+def _gt_prepare(ctx: Ctx, new_tensors: bool, held: Any, fuse: bool = False) -> Prepared:
     w = ctx.w
     f = gt.graphify(w.fn, fuse=fuse)
     extra: Dict[str, Any] = {"first_call_is": "trace + record + first call"}
@@ -1155,6 +1158,10 @@ def method_gt_held(ctx: Ctx) -> Prepared:
     return _gt_prepare(ctx, new_tensors=False, held=True)
 
 
+def method_gt_views(ctx: Ctx) -> Prepared:
+    return _gt_prepare(ctx, new_tensors=False, held="views")
+
+
 def method_gt_fused(ctx: Ctx) -> Prepared:
     return _gt_prepare(ctx, new_tensors=False, held=False, fuse=True)
 
@@ -1169,6 +1176,7 @@ METHOD_FNS: Dict[str, Callable[[Ctx], Prepared]] = {
     "gt_same": method_gt_same,
     "gt_new": method_gt_new,
     "gt_held": method_gt_held,
+    "gt_views": method_gt_views,
     "gt_fused": method_gt_fused,
 }
 
@@ -1326,7 +1334,7 @@ def st_compile(ctx: Ctx) -> Prepared:
                     extra={"memory": mem, "second_call_s": second, "first_call_is": "compile + first call"})
 
 
-def _st_gt(ctx: Ctx, new_tensors: bool, held: bool, fuse: bool = False) -> Prepared:
+def _st_gt(ctx: Ctx, new_tensors: bool, held: Any, fuse: bool = False) -> Prepared:
     inst = ctx.instance()
     f = gt.graphify(inst.fn, fuse=fuse)
     m0 = ctx.mem()
@@ -1370,6 +1378,7 @@ STATEFUL_METHOD_FNS: Dict[str, Callable[[Ctx], Prepared]] = {
     "gt_same": lambda ctx: _st_gt(ctx, new_tensors=False, held=False),
     "gt_new": lambda ctx: _st_gt(ctx, new_tensors=True, held=False),
     "gt_held": lambda ctx: _st_gt(ctx, new_tensors=False, held=True),
+    "gt_views": lambda ctx: _st_gt(ctx, new_tensors=False, held="views"),
     "gt_fused": lambda ctx: _st_gt(ctx, new_tensors=False, held=False, fuse=True),
 }
 
@@ -1436,7 +1445,24 @@ def compile_caches(label: str, reuse: Optional[str] = None):
 # --------------------------------------------------------------------------
 
 
-def run_calls(call: Callable[[], Any], n: int, hold: bool) -> Any:
+def _a_view(out: Any) -> Optional[torch.Tensor]:
+    """A view of the first tensor output (what `history.append(out[0])` keeps)."""
+    for leaf in torch.utils._pytree.tree_leaves(out):
+        if isinstance(leaf, torch.Tensor):
+            return leaf.unsqueeze(0)
+    return None
+
+
+def run_calls(call: Callable[[], Any], n: int, hold: Any) -> Any:
+    if hold == "views":
+        history: List[Any] = []
+        out = None
+        for _ in range(n):
+            out = call()
+            history.append(_a_view(out))
+            if len(history) > 4:
+                del history[0]
+        return out
     if hold:
         out = None
         for _ in range(n):
@@ -1452,6 +1478,8 @@ def time_method(p: Prepared, ctx: Ctx, opts: argparse.Namespace) -> Dict[str, An
     sync = p.sync or ctx.sync
     for _ in range(3):  # warm-up
         sync(run_calls(p.call, 1, True))
+    if p.hold == "views":  # the output generations the held views need, made before timing
+        sync(run_calls(p.call, 8, p.hold))
     t0 = perf_counter()
     sync(run_calls(p.call, 3, p.hold))
     est = max((perf_counter() - t0) / 3, 1e-7)
@@ -1722,6 +1750,7 @@ PLOT_LABELS: Dict[str, str] = {
     "gt_same": "gt: same tensors",
     "gt_new": "gt: new tensors",
     "gt_held": "gt: same, out held",
+    "gt_views": "gt: views of 4 calls held",
     "gt_fused": "gt fuse=True: same tensors",
 }
 

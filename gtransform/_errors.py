@@ -6,7 +6,7 @@ import os
 import traceback
 from typing import Optional
 
-__all__ = ["GraphifyError", "OverwrittenOutputError", "user_frame", "innermost_frame", "format_frame", "is_library_file"]
+__all__ = ["GraphifyError", "OverwrittenOutputError", "RerecordWarning", "user_frame", "innermost_frame", "format_frame", "is_library_file"]
 
 _PKG_DIR = os.path.dirname(os.path.abspath(__file__))
 _TORCH_DIR: Optional[str] = None
@@ -147,3 +147,23 @@ def describe_fn(fn: object) -> str:
     name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
     return f"graphify({name})"
 
+
+class RerecordWarning(UserWarning):
+    """A graphified function keeps recording new signatures.
+
+    Each new signature (tree structure, tensor shapes/dtypes/strides, values
+    of non-tensor leaves) costs a trace and a recording. The warning names the
+    part of the signature that keeps changing and how to keep it stable:
+    pass changing Python numbers as tensors, pad inputs to a few fixed
+    shapes, or keep the structure of the arguments fixed.
+
+    Examples:
+        >>> import warnings, torch, gtransform as gt
+        >>> f = gt.graphify(lambda x, s: x * s)
+        >>> with warnings.catch_warnings(record=True) as w:
+        ...     warnings.simplefilter("always")
+        ...     for i in range(20):
+        ...         _ = f(torch.ones(2), float(i))
+        >>> issubclass(w[0].category, gt.RerecordWarning)
+        True
+    """

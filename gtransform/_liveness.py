@@ -31,10 +31,11 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from ._errors import OverwrittenOutputError
 from ._log import log
 
-__all__ = ["OutputGroup", "StaleOutput", "PoolState", "poison_tensor"]
+__all__ = ["OutputGroup", "StaleOutput", "PoolState", "poison_tensor", "live_pins"]
 
 _getrefcount = sys.getrefcount
 _use_count = torch._C._storage_Use_Count
+_expired = torch.UntypedStorage._expired  # what StorageWeakRef.expired calls
 
 # Reads that stay legal on a stale output: metadata, no data.
 _PROPS = ("shape", "dtype", "device", "ndim", "is_cuda", "layout", "requires_grad", "is_leaf", "grad_fn")
@@ -122,7 +123,7 @@ class OutputGroup:
         members: ``(size, stride, storage_offset, dtype)`` of each output.
     """
 
-    __slots__ = ("base", "members", "device", "storage", "cdata", "objs", "limit", "pins", "owner", "spare")
+    __slots__ = ("base", "members", "device", "storage", "cdata", "objs", "limit", "pins", "owner", "spare", "need_fresh")
 
     def __init__(self, storage: torch.UntypedStorage, members: Sequence[Tuple[Any, Any, int, torch.dtype]], owner: Any = None):
         self.device = storage.device
@@ -141,6 +142,7 @@ class OutputGroup:
         self.cdata = 0
         self.objs: List[torch.Tensor] = []
         self.limit = 0
+        self.need_fresh = False
         self.fresh()
 
     def fresh(self) -> None:
@@ -149,6 +151,7 @@ class OutputGroup:
         A spare generation that nobody holds any more is revived; otherwise
         new objects are made over a new alias storage.
         """
+        self.need_fresh = False
         spare = self.spare
         for i, (st0, cd0, objs0) in enumerate(spare):
             if _use_count(cd0) == 1 + len(objs0) and all(_getrefcount(o) <= 3 for o in objs0):
@@ -190,18 +193,24 @@ class OutputGroup:
         new memory before it next writes them (see ``Recording.retire``), so
         those views keep the values of their own call.
         """
+        retire = False
         if _use_count(self.cdata) > self.limit:
             self.pins.append(StorageWeakRef(self.storage))
             owner = self.owner() if self.owner is not None else None
             if owner is not None:
-                owner.must_retire = True
+                owner.must_retire = retire = True
         for o in self.objs:
             if _getrefcount(o) > 3:
                 poison_tensor(o, message)
         self.spare.append((self.storage, self.cdata, self.objs))
         if len(self.spare) > 2:
             del self.spare[0]
-        self.fresh()
+        if retire:
+            # the owner moves to other memory before its next replay and makes
+            # the objects there (see Recording._retire): none are needed here
+            self.need_fresh = True
+        else:
+            self.fresh()
 
     def adopt(self, old: OutputGroup) -> None:
         """Keep handing out ``old``'s tensor objects, now over this group's memory.
@@ -226,8 +235,18 @@ class OutputGroup:
         """Whether views of an earlier call still use this group's memory."""
         pins = self.pins
         if pins:
-            pins[:] = [p for p in pins if not p.expired()]
+            pins[:] = [p for p, _ in live_pins(self.pins_with_ours())]
         return bool(pins)
+
+    def pins_with_ours(self) -> List[Tuple[StorageWeakRef, int]]:
+        """Each pin with the references to its storage that are ours, not the caller's.
+
+        A pinned alias storage stays alive while its poisoned generation waits
+        in ``spare`` (our storage object and one TensorImpl per object).
+        """
+        ours = {cd0: 1 + len(objs0) for _, cd0, objs0 in self.spare}
+        ours[self.cdata] = self.limit
+        return [(p, ours.get(p.cdata, 0)) for p in self.pins]
 
     def rebase(self, storage: torch.UntypedStorage) -> None:
         """Point the group at new memory (after its owner re-recorded)."""
@@ -247,6 +266,15 @@ class OutputGroup:
         self.spare = []
         self.limit = 1
         self.owner = None
+
+
+def live_pins(pins: List[Tuple[StorageWeakRef, int]]) -> List[Tuple[StorageWeakRef, int]]:
+    """The pins (alias storages that had views) that the caller still uses.
+
+    Each pin comes with the number of references to its storage that are ours
+    (see :meth:`OutputGroup.pins_with_ours`).
+    """
+    return [(p, n) for p, n in pins if not _expired(p.cdata) and _use_count(p.cdata) > n]
 
 
 class Handout:

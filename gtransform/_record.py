@@ -12,6 +12,7 @@ of in-place updates, the output pool and liveness) but how a replay happens:
 
 from __future__ import annotations
 
+import gc
 import threading
 import warnings
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -20,8 +21,8 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from . import _distributed
-from ._errors import GraphifyError, OverwrittenOutputError
-from ._liveness import Handout, OutputGroup, PoolState, StaleOutput
+from ._errors import GraphifyError, OverwrittenOutputError, RerecordWarning
+from ._liveness import Handout, OutputGroup, PoolState, StaleOutput, live_pins
 from ._state import EscapeWriter
 from ._trace import Plan
 
@@ -86,10 +87,15 @@ class Recording:
         self.cb_bufs = [b for _, b in cb]
         self.groups: List[OutputGroup] = []
         self.handout = Handout(self.groups)
-        self.slots: Dict[int, Tuple[OutputGroup, int]] = {}
+        self.slots: Dict[int, Tuple[int, int]] = {}  # gm output -> (group index, member)
         self.group_keys: List[int] = []  # a gm output index of each group
         self.replays = 0
         self.must_retire = False
+        # Output memory generations (see _retire): the active one is written by
+        # the replays; the others keep the values of views the caller holds.
+        self.ring: List[_Slot] = []
+        self.active = 0
+        self.cliff_warned = False
         self.fast: Any = None
         self._pending_adopt: Optional[Recording] = None
         self.moved_once: set = set()  # state inputs that moved once (see Graphified._kept)
@@ -115,10 +121,8 @@ class Recording:
                 if m is None:
                     m = first[id(t)] = len(members)
                     members.append((tuple(t.shape), t.stride(), int(t.storage_offset()), t.dtype))
-                self.slots[k] = (None, m)  # type: ignore[assignment]
+                self.slots[k] = (len(self.groups), m)
             g = OutputGroup(outs[ks[0]].untyped_storage(), members, owner=self)
-            for k in ks:
-                self.slots[k] = (g, self.slots[k][1])
             self.groups.append(g)
             self.group_keys.append(ks[0])
         self.handout.refresh()
@@ -142,15 +146,95 @@ class Recording:
         of being written over.
         """
         self.must_retire = False
-        if any(g.pinned() for g in self.groups):
-            self._retire()
-            self.handout.refresh()
+        self._retire()
+        self.handout.refresh()
 
     def _replay(self) -> None:  # pragma: no cover - overridden
         raise NotImplementedError
 
-    def _retire(self) -> None:  # pragma: no cover - overridden
+    # -- output generations ---------------------------------------------------
+    def _start_ring(self, slot: _Slot) -> None:
+        """The first generation: the output groups just bound (see _bind_outputs)."""
+        slot.groups = list(self.groups)
+        slot.handout = Handout(slot.groups)
+        self.handout = slot.handout
+        self.handout.refresh()
+        self.ring = [slot]
+        self.active = 0
+
+    def _retire(self) -> None:
+        """The caller keeps views of the active generation's outputs: write elsewhere.
+
+        A generation whose views were all dropped is used again, with its own
+        output objects (no capture, no new objects); otherwise a new one is
+        made (CUDA: captured into a private pool of its own), up to
+        RING_SLOTS. Beyond that the active generation is replaced by new
+        memory (its old memory stays with the views) and, where that costs a
+        capture per call, a warning says so once.
+        """
+        groups = self.groups
+        ring = self.ring
+        cur = ring[self.active]
+        cur.pins = live_pins([pn for g in groups if g.pins for pn in g.pins_with_ours()])
+        if not cur.pins:  # the views went (e.g. before this call, after another's)
+            for g in groups:
+                g.pins = []
+                if g.need_fresh:
+                    g.fresh()
+            return
+        for g in groups:
+            g.pins = []
+        n = len(ring)
+        j = self.active
+        for _ in range(n - 1):
+            j = j + 1 if j + 1 < n else 0
+            if not ring[j].pinned():
+                self._use_slot(j)
+                return
+        if n < RING_SLOTS:
+            ring.append(self._new_slot())
+            self._use_slot(n)
+            return
+        if self.CLIFF and not self.cliff_warned:
+            self.cliff_warned = True
+            warnings.warn(
+                f"{self.desc}: the caller keeps views of the outputs of {n} earlier calls "
+                f"(more than the {RING_SLOTS} output generations a recording alternates "
+                "between), so every call now records the function again to keep those "
+                "views' values (a CUDA graph capture per call: slow).\n"
+                "Fix: keep copies instead of views (e.g. history.append(out[0].clone())), "
+                f"or keep views of fewer than {RING_SLOTS} calls.",
+                RerecordWarning,
+                stacklevel=4,
+            )
+        for g in cur.groups:  # the old memory stays with the caller's views
+            g.detach()
+        ring[self.active] = self._new_slot(replacing=cur)
+        self._use_slot(self.active)
+
+    CLIFF = False  # whether a new generation costs a capture
+
+    def _new_slot(self, replacing: Optional[_Slot] = None) -> _Slot:  # pragma: no cover - overridden
         raise NotImplementedError
+
+    def _slot_groups(self, slot: _Slot, storages: Sequence[torch.UntypedStorage]) -> None:
+        """Give a new slot output groups like the active one's, over ``storages``."""
+        slot.groups = [OutputGroup(st, g.members, owner=self) for st, g in zip(storages, self.groups)]
+        slot.handout = Handout(slot.groups)
+
+    def _use_slot(self, j: int) -> None:
+        """Write generation ``j`` from now on: its output groups are handed out."""
+        slot = self.ring[j]
+        self.active = j
+        self.groups[:] = slot.groups  # in place: the fast path holds this list
+        self.handout = slot.handout
+        for g in slot.groups:
+            if g.need_fresh:  # poisoned on its last call: its objects now
+                g.fresh()
+        self._activate(slot)  # the caller refreshes the handout
+
+    def _activate(self, slot: _Slot) -> None:
+        """Backend: make ``slot`` the one replays write."""
 
     def run_flat(self, tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
         """Copy in, poison stale outputs, replay, copy back.
@@ -181,10 +265,11 @@ class Recording:
             self.pool.outstanding.append(self.handout)
         res: List[torch.Tensor] = []
         slots = self.slots
+        groups = self.groups
         for e in self.plan.tensor_entries:
             if e.kind == "pool":
-                g, m = slots[e.index]
-                res.append(g.objs[m])
+                gi, m = slots[e.index]
+                res.append(groups[gi].objs[m])
             else:
                 t = tensors[e.index]
                 if e.identical:
@@ -239,6 +324,8 @@ class Recording:
         if old is None:
             return
         old.handout = Handout([])  # drop its references to the objects first
+        for slot in old.ring:
+            slot.handout = None
         if len(old.groups) == len(self.groups):
             for new, og in zip(self.groups, old.groups):
                 new.adopt(og)
@@ -251,6 +338,11 @@ class Recording:
         """Release the recording; outputs the caller holds stay valid."""
         for g in self.groups:
             g.detach()
+        for slot in self.ring:
+            for g in slot.groups:
+                g.detach()
+            slot.groups = []
+            slot.handout = None
         self.groups = []
         self.handout = Handout(self.groups)
         self.fast = None
@@ -265,10 +357,14 @@ class CPURecording(Recording):
         super().__init__(*a, **k)
         self.stores: List[Tuple[torch.UntypedStorage, int]] = []
         self.first = True
-        self.rebind = False
 
-    def _retire(self) -> None:
-        self.rebind = True
+    def _new_slot(self, replacing: Optional[_Slot] = None) -> _Slot:
+        slot = _Slot(None, [])
+        self._slot_groups(slot, [torch.UntypedStorage(g.base.untyped_storage().nbytes(), device=g.device) for g in self.groups])
+        return slot
+
+    def _activate(self, slot: _Slot) -> None:
+        self.stores = [(g.base.untyped_storage(), k) for g, k in zip(slot.groups, self.group_keys)]
 
     def _replay(self) -> None:
         with torch.no_grad():
@@ -277,16 +373,8 @@ class CPURecording(Recording):
         if self.first:
             self.first = False
             self._bind_outputs(outs)
-            self.stores = [(g.base.untyped_storage(), k) for g, k in zip(self.groups, self.group_keys)]
-            return
-        if self.rebind:
-            # the fresh results become the output memory; the old memory
-            # stays with the caller's views
-            self.rebind = False
-            for g, k in zip(self.groups, self.group_keys):
-                g.rebase(outs[k].untyped_storage())
-            self.stores = [(g.base.untyped_storage(), k) for g, k in zip(self.groups, self.group_keys)]
-            self.handout.refresh()
+            self._start_ring(_Slot(None, []))
+            self._activate(self.ring[0])
             return
         for dst, k in self.stores:
             src = outs[k].untyped_storage()
@@ -305,27 +393,55 @@ class CUDARecording(Recording):
             self.escapes.reuse = True
         self.graph: Optional[torch.cuda.CUDAGraph] = None
         self.device = next((t.device for t in tensors), torch.device("cuda", torch.cuda.current_device()))
-        self._capture(warmup=True)
+        # Output generations (see Recording._retire): the first is captured in
+        # the function's pool, later ones each in a private pool of their own,
+        # so that no generation's intermediates overlap another's outputs.
+        g, outs = self._capture(warmup=True, pool_id=_pool_id(self.pool, self.device))
+        slot = _Slot(g, outs)
+        self._activate(slot)
+        self._bind_outputs(outs)
+        self._start_ring(slot)
 
     def _cuda_generators(self) -> List[Any]:
         return [gen for gen in self.plan.generators if gen.device.type == "cuda"]
 
-    def _retire(self) -> None:
-        # Re-capture: the new graph's outputs get new memory in the pool,
-        # while the old memory stays with the views the caller holds.
-        old = self.graph
-        self._capture(warmup=False)
-        if old is not None:
-            self.pool.keeper = old
+    CLIFF = True
 
-    def _capture(self, warmup: bool) -> None:
+    def _new_slot(self, replacing: Optional[_Slot] = None) -> _Slot:
+        # Always a private pool: in the function's pool (maybe shared with
+        # other functions) new outputs could land in another recording's
+        # intermediate memory, which that recording's replays write.
+        with torch.cuda.device(self.device):
+            pool_id = torch.cuda.graph_pool_handle()
+        g, outs = self._capture(warmup=False, pool_id=pool_id)
+        if replacing is not None and replacing.pool_id is None:
+            self.pool.keeper = replacing.graph  # keeps the function's pool id usable
+        slot = _Slot(g, outs, pool_id)
+        self._slot_groups(slot, [outs[k].untyped_storage() for k in self.group_keys])
+        return slot
+
+    def _activate(self, slot: _Slot) -> None:
+        self.graph = slot.graph
+        self.outs = slot.outs
+        self.last_outs = slot.outs
+
+    def _capture(self, warmup: bool, pool_id: Any) -> Tuple[Any, List[torch.Tensor]]:
         with _CAPTURE_LOCK:
-            self._capture_locked(warmup)
+            # Destroying a CUDA graph (a dead recording in a reference cycle)
+            # inside a capture on this thread is not permitted and invalidates
+            # the capture: the cyclic collector must not run here. Other
+            # threads may free graphs meanwhile; the driver allows that.
+            gc_was_on = gc.isenabled()
+            gc.disable()
+            try:
+                return self._capture_locked(warmup, pool_id)
+            finally:
+                if gc_was_on:
+                    gc.enable()
 
-    def _capture_locked(self, warmup: bool) -> None:
+    def _capture_locked(self, warmup: bool, pool_id: Any) -> Tuple[Any, List[torch.Tensor]]:
         dev = self.device
         with torch.cuda.device(dev):
-            pool_id = _pool_id(self.pool, dev)
             cur = torch.cuda.current_stream()
             side = _capture_stream(dev)
             side.wait_stream(cur)
@@ -391,26 +507,49 @@ class CUDARecording(Recording):
                         "CUDA work stay usable."
                     ) from e
             cur.wait_stream(side)
-            self.graph = g
-            self.outs = list(outs)
-            self.last_outs = self.outs
-            if self.groups:
-                for grp, k in zip(self.groups, self.group_keys):
-                    grp.rebase(self.outs[k].untyped_storage())
-            else:
-                self._bind_outputs(self.outs)
+            return g, list(outs)
 
     def _replay(self) -> None:
         self.graph.replay()  # type: ignore[union-attr]
 
     def close(self) -> None:
         super().close()
-        if self.graph is not None:
+        if self.ring and self.ring[0].pool_id is None:
             # The allocators drop a graph pool once no graph refers to it and
             # then refuse to capture into its id again: the pool's last
-            # closed graph is kept alive to keep the id usable.
-            self.pool.keeper = self.graph
+            # closed graph is kept alive to keep the id usable. (Slots in
+            # private pools go with the recording.)
+            self.pool.keeper = self.ring[0].graph
+        self.ring = []
         self.graph = None
+
+
+RING_SLOTS = 8
+"""Output generations a recording alternates between while the caller holds views."""
+
+
+class _Slot:
+    """One output generation of a recording: its memory, its output groups, who views it.
+
+    CUDA: a capture of its own (graph, outputs, private pool); CPU: memory the
+    replays' results are copied into.
+    """
+
+    __slots__ = ("graph", "outs", "pool_id", "groups", "handout", "pins")
+
+    def __init__(self, graph: Any, outs: List[torch.Tensor], pool_id: Any = None):
+        self.graph = graph
+        self.outs = outs
+        self.pool_id = pool_id  # CUDA; None: the function's pool
+        self.groups: List[OutputGroup] = []
+        self.handout: Any = None
+        self.pins: List[Tuple[StorageWeakRef, int]] = []  # with the references that are ours
+
+    def pinned(self) -> bool:
+        """Whether views the caller derived from this slot's outputs are alive."""
+        if self.pins:
+            self.pins = live_pins(self.pins)
+        return bool(self.pins)
 
 
 _CAPTURE_LOCK = threading.RLock()

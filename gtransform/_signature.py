@@ -16,6 +16,7 @@ from typing import Any, Dict, Hashable, List, Optional, Sequence, Set, Tuple
 
 import torch
 
+from ._errors import RerecordWarning
 from ._liveness import PoolState
 from ._record import Recording
 from ._trace import Plan, plain_layout
@@ -301,27 +302,6 @@ def diff_leaves(e: Entry, leaves: Sequence[Any], paths: Sequence[str]) -> List[s
 
 
 STORM_THRESHOLD = 16
-
-
-class RerecordWarning(UserWarning):
-    """A graphified function keeps recording new signatures.
-
-    Each new signature (tree structure, tensor shapes/dtypes/strides, values
-    of non-tensor leaves) costs a trace and a recording. The warning names the
-    part of the signature that keeps changing and how to keep it stable:
-    pass changing Python numbers as tensors, pad inputs to a few fixed
-    shapes, or keep the structure of the arguments fixed.
-
-    Examples:
-        >>> import warnings, torch, gtransform as gt
-        >>> f = gt.graphify(lambda x, s: x * s)
-        >>> with warnings.catch_warnings(record=True) as w:
-        ...     warnings.simplefilter("always")
-        ...     for i in range(20):
-        ...         _ = f(torch.ones(2), float(i))
-        >>> issubclass(w[0].category, gt.RerecordWarning)
-        True
-    """
 
 
 def _leaf_kind(values: Set[Any]) -> str:

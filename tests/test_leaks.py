@@ -7,6 +7,7 @@ import gc
 import threading
 import weakref
 
+import pytest
 import torch
 from conftest import assert_close
 
@@ -133,3 +134,44 @@ def test_evicted_recordings_are_released(device):
     assert _collected(wr) == [True]
     assert_close(b, y * 2)
     del a
+
+
+def test_cuda_graphs_collected_during_a_capture_do_not_break_it(device, monkeypatch):
+    # Python's cyclic collector can run at any allocation; if it frees a CUDA
+    # graph (a dead recording's, or the user's own) while a recording is being
+    # captured on the same thread, the driver invalidates that capture.
+    # Here dead graphs in reference cycles become garbage just as the capture
+    # starts, and the collector runs at every allocation.
+    if device != "cuda":
+        pytest.skip("CUDA graph capture")
+    x = torch.randn(32, device=device)
+    side = torch.cuda.Stream()
+    graphs = []
+    for i in range(4):
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(side):
+            g.capture_begin()
+            _ = x * i
+            g.capture_end()
+        graphs.append(g)
+    torch.cuda.synchronize()
+    real_begin = torch.cuda.CUDAGraph.capture_begin
+
+    def begin_then_allocate(self, *args, **kwargs):
+        for g in graphs:  # young cycles, the graphs' only owners from here on
+            cycle = [g]
+            cycle.append(cycle)
+        graphs.clear()
+        real_begin(self, *args, **kwargs)
+        _ = [{} for _ in range(64)]  # with threshold 1 the collector runs here when enabled
+
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "capture_begin", begin_then_allocate)
+    old = gc.get_threshold()
+    gc.set_threshold(1, 1, 1)
+    try:
+        f = gt.graphify(lambda t: (t * 3).sin() + 1)
+        out = f(x)
+    finally:
+        gc.set_threshold(*old)
+    assert_close(out, (x * 3).sin() + 1)
+    gc.collect()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import io
+import traceback
 import warnings
 
 import numpy as np
@@ -490,3 +491,93 @@ def test_user_view_of_a_view_output_keeps_its_values(device):
         assert_close(t, ((x + k) * 2)[1:])
         del y, t
     assert_close(v, (x * 2)[1:3])
+
+
+def _count_captures(monkeypatch):
+    """A list that grows by one per CUDA graph capture."""
+    n = []
+    if torch.cuda.is_available():
+        real = torch.cuda.CUDAGraph.capture_begin
+
+        def counted(self, *a, **k):
+            n.append("".join(traceback.format_stack(limit=9)[:-1]))  # who captured, for the failure message
+            return real(self, *a, **k)
+
+        monkeypatch.setattr(torch.cuda.CUDAGraph, "capture_begin", counted)
+    return n
+
+
+@pytest.mark.parametrize("keep", [1, 4])
+def test_views_of_the_last_calls_keep_their_values_without_recapturing(device, monkeypatch, keep):
+    # history.append(out[0]) with the last `keep` views kept: each view keeps its
+    # own call's values, and the recording alternates between a few output
+    # generations instead of capturing again on every call (DESIGN 4: holding
+    # views must not make calls slow).
+    g = gt.graphify(lambda x: (x * 2 + 1, x.sum()))
+    x0 = torch.arange(6.0, device=device)
+    xs = [x0 + 10 * k for k in range(24)]  # distinct tensors (no address reused)
+    g(x0)  # recorded
+    captures = _count_captures(monkeypatch)
+    history = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", gt.RerecordWarning)
+        for k in range(24):
+            x = xs[k]
+            y, s = g(x)
+            history.append((y[0], y[1:3], (x * 2 + 1)[0], (x * 2 + 1)[1:3]))
+            history = history[-keep:]
+            for v0, v1, w0, w1 in history:
+                assert_close(v0, w0)
+                assert_close(v1, w1)
+            assert_close(s, x.sum())
+    # one new output generation per extra view kept, then none
+    assert len(captures) <= keep, f"{len(captures)} captures for {keep} kept call(s) of views:\n" + "\n---\n".join(captures)
+
+
+def test_views_dropped_free_their_generation_for_reuse(device, monkeypatch):
+    g = gt.graphify(lambda x: x * 3)
+    x = torch.ones(8, device=device)
+    xs = [x + k for k in range(3)]  # distinct tensors (no address reused)
+    g(x)
+    captures = _count_captures(monkeypatch)
+    for _round in range(4):
+        held = [g(xs[k])[:4] for k in range(3)]  # views of three calls
+        for k, v in enumerate(held):
+            assert_close(v, ((x + k) * 3)[:4])
+        del held, v  # every view dropped
+    assert len(captures) <= 2, "\n---\n".join(captures)
+
+
+def test_views_of_more_calls_than_the_ring_warn_once_and_stay_right(device, monkeypatch):
+    if device != "cuda":
+        pytest.skip("the CPU backend moves outputs to new memory without a capture")
+    from gtransform._record import RING_SLOTS
+
+    g = gt.graphify(lambda x: x - 1)
+    x = torch.zeros(4, device=device)
+    history = []
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        for k in range(RING_SLOTS + 6):
+            history.append((g(x + k)[1:], (x + k - 1)[1:]))
+    msgs = [str(m.message) for m in w if issubclass(m.category, gt.RerecordWarning)]
+    assert len(msgs) == 1, msgs
+    assert "<lambda>" in msgs[0] and ".clone()" in msgs[0] and "views" in msgs[0]
+    for v, want in history:
+        assert_close(v, want)
+
+
+def test_views_held_across_calls_of_a_shared_pool_keep_their_values(device):
+    pool = gt.graph_pool()
+    f = gt.graphify(lambda x: x + 1, pool=pool)
+    h = gt.graphify(lambda x: (x * 5, x * 7), pool=pool)
+    x = torch.arange(4.0, device=device)
+    views = []
+    for k in range(10):
+        views.append((f(x + k)[:2], (x + k + 1)[:2]))
+        a, b = h(x - k)
+        assert_close(a, (x - k) * 5)
+        assert_close(b, (x - k) * 7)
+        views = views[-3:]
+        for v, want in views:
+            assert_close(v, want)
