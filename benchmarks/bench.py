@@ -151,7 +151,7 @@ class Workload:
     # fresh Instance from the same initial state for every column; the check runs `steps` calls
     # (one per input set, in order) and compares each call's outputs with eager's, and the state
     # after them (Instance.state) with eager's. See "Stateful rows" below.
-    factory: Optional[Callable[[torch.device], "Instance"]] = None
+    factory: Optional[Callable[[torch.device], Instance]] = None
     steps: int = 4
     no_grad: bool = False  # build, check and time every column under torch.no_grad()
     state_tol: float = 1e-3  # for Instance.state, compared as updates (state_delta) or values
@@ -823,13 +823,13 @@ class Ctx:
                 del inst
                 self.sync()
 
-    def instance(self) -> "Instance":
+    def instance(self) -> Instance:
         """A fresh copy of the workload's program, from the same initial state."""
         inst = self.w.factory(self.device)
         self.sync()
         return inst
 
-    def state_err(self, inst: "Instance") -> Optional[float]:
+    def state_err(self, inst: Instance) -> Optional[float]:
         """Eager vs this instance after the check steps: the relative error of
         the state's updates (or values), max over tensors."""
         if self.ref_state is None or inst.state is None:
@@ -1195,7 +1195,7 @@ def run_steps(ctx: Ctx, step: Callable[[int], Any], ks: Any) -> tuple:
     errors: List[float] = []
     times: List[float] = []
     for k in ks:
-        out, t = timed_first_call(ctx, lambda: step(k))
+        out, t = timed_first_call(ctx, lambda k=k: step(k))
         times.append(t)
         errors.append(ctx.err(out, k))
         del out
@@ -1875,7 +1875,7 @@ def set_precision(tf32: bool) -> Dict[str, Any]:
     for name, obj in (("cuda.matmul.fp32_precision", getattr(torch.backends.cuda, "matmul", None)),
                       ("cudnn.conv.fp32_precision", getattr(torch.backends.cudnn, "conv", None))):
         try:
-            got[name] = getattr(obj, "fp32_precision")
+            got[name] = obj.fp32_precision
         except Exception:
             pass
     return got

@@ -199,8 +199,8 @@ class Recording:
             self.cliff_warned = True
             warnings.warn(
                 f"{self.desc}: the caller keeps views of the outputs of {n} earlier calls "
-                f"(more than the {RING_SLOTS} output generations a recording alternates "
-                "between), so every call now records the function again to keep those "
+                f"(all {RING_SLOTS} output generations a recording alternates between are "
+                "held), so every call now records the function again to keep those "
                 "views' values (a CUDA graph capture per call: slow).\n"
                 "Fix: keep copies instead of views (e.g. history.append(out[0].clone())), "
                 f"or keep views of fewer than {RING_SLOTS} calls.",

@@ -1,7 +1,7 @@
 import torch
+from conftest import assert_close
 
 import gtransform as gt
-from conftest import assert_close
 
 
 def test_dict_mlp_matches_eager(device):
