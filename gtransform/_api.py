@@ -32,6 +32,7 @@ from typing import (
 
 import torch
 
+from . import _fastpath
 from ._autograd import call_with_autograd, no_functorch
 from ._autograd import unwrap as unwrap_functorch
 from ._errors import GraphifyError, OverwrittenOutputError, describe_fn
@@ -546,6 +547,8 @@ class Graphified(Generic[P, R]):
                     try:
                         fast = rec.fast = build_fast_path(self, e, rec, st.pool)
                     except Exception:  # pragma: no cover - the generic path still works
+                        if _fastpath.STRICT:
+                            raise
                         log.debug("%s: no fast path", self._desc, exc_info=True)
                         fast = rec.fast = None
                 st.fast, st.fast_rec, st.fast_statics = fast, rec, e.statics

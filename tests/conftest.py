@@ -9,6 +9,11 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
+import gtransform._fastpath
+
+# a fast path that cannot be built is a bug, not a slow path: fail the test that meets it
+gtransform._fastpath.STRICT = True
+
 settings.register_profile(
     "ci",
     deadline=None,

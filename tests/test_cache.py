@@ -431,3 +431,62 @@ def test_logging_one_line_per_recording(device, caplog):
         f(torch.ones(2, device=device))
     recs = [r for r in caplog.records if r.name == "gtransform"]
     assert len(recs) == 1 and "recorded" in recs[0].getMessage()
+
+
+# -- the generated fast path -----------------------------------------------------------
+# Every steady call of a settled signature must be served by the generated fast
+# call (gtransform/_fastpath.py), not the generic path: a failure to build it is
+# silent by design (the generic path gives the same numbers), so only this test
+# sees it. The ring of output generations once broke it for every function.
+
+
+def _fast_cases(device):
+    lin = torch.nn.Linear(4, 3).to(device)
+    lin.eval()
+
+    def pure(x, d):
+        return {"y": x * 2 + d["b"], "s": x.sum()}
+
+    def module_fn(x):
+        return lin(x)
+
+    return [
+        ("pure dict out", pure, lambda: ((torch.ones(2, 4, device=device), {"b": torch.ones(4, device=device)}), {})),
+        ("closed-over module", module_fn, lambda: ((torch.ones(2, 4, device=device),), {})),
+        ("graphify(module)", lin, lambda: ((torch.ones(2, 4, device=device),), {})),
+        ("kwargs", lambda x, *, k: x - k, lambda: ((torch.ones(3, device=device),), {"k": torch.ones(3, device=device)})),
+    ]
+
+
+@pytest.mark.parametrize("hold", ["drop", "held", "views"])
+@pytest.mark.parametrize("case", range(4), ids=["pure", "closure", "module", "kwargs"])
+@torch.no_grad()  # parameters require grad: with grad on, calls go through autograd
+def test_steady_calls_take_the_fast_path(device, case, hold, monkeypatch):
+    _name, fn, make = _fast_cases(device)[case]
+    f = gt.graphify(fn)
+    args, kwargs = make()
+    history = []
+    out = None
+    for _ in range(4):  # first calls: record, settle in-place reads
+        out = f(*args, **kwargs)
+    generic = {"n": 0}
+    real = type(f)._call_generic
+
+    def counting(self, *a, **k):
+        generic["n"] += 1
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(type(f), "_call_generic", counting)
+    expected = fn(*args, **kwargs)
+    for _ in range(12):
+        out = f(*args, **kwargs)
+        first = out["y"] if isinstance(out, dict) else out
+        if hold == "views":
+            history.append(first[0])
+            history = history[-4:]
+        if hold == "drop":
+            del out, first
+            out = None
+    assert generic["n"] == 0, "steady calls went through the generic path: the fast path was not built"
+    got = f(*args, **kwargs)
+    assert_close(got["y"] if isinstance(got, dict) else got, expected["y"] if isinstance(expected, dict) else expected)
