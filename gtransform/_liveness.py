@@ -54,7 +54,7 @@ class StaleOutput(torch.Tensor):
     readable. Metadata (``shape``, ``dtype``, ``device``...) still reads.
     """
 
-    _gt_message: str
+    _gt_message: Any  # str() gives the message
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
@@ -91,12 +91,12 @@ class StaleOutput(torch.Tensor):
 
 
 def _stale_repr(t: Any) -> str:
-    msg = t.__dict__.get("_gt_message", "") if isinstance(t, torch.Tensor) else ""
+    msg = str(t.__dict__.get("_gt_message", "")) if isinstance(t, torch.Tensor) else ""
     first = msg.split("\n", 1)[0]
     return f"<stale gtransform output: {first}>"
 
 
-def poison_tensor(obj: torch.Tensor, message: str) -> None:
+def poison_tensor(obj: torch.Tensor, message: Any) -> None:
     """Turn ``obj`` into a :class:`StaleOutput` that raises ``message``."""
     obj.__class__ = StaleOutput
     obj.__dict__["_gt_message"] = message
@@ -130,7 +130,10 @@ class OutputGroup:
         with _normal_tensors():
             self.base = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage)
         self.members = list(members)
-        self.pins: List[StorageWeakRef] = []
+        # alias storages the caller derived views from, each with the number
+        # of references to it that are ours (our storage object + one per
+        # output object): alive while its use count is higher
+        self.pins: List[Tuple[StorageWeakRef, int]] = []
         # earlier generations of objects, poisoned, kept to be revived once
         # the caller has dropped them (the usual `y = f(x)` loop holds the
         # previous output during the next call)
@@ -193,24 +196,21 @@ class OutputGroup:
         new memory before it next writes them (see ``Recording.retire``), so
         those views keep the values of their own call.
         """
-        retire = False
         if _use_count(self.cdata) > self.limit:
-            self.pins.append(StorageWeakRef(self.storage))
+            self.pins.append((StorageWeakRef(self.storage), self.limit))
             owner = self.owner() if self.owner is not None else None
             if owner is not None:
-                owner.must_retire = retire = True
+                owner.must_retire = True
         for o in self.objs:
             if _getrefcount(o) > 3:
                 poison_tensor(o, message)
         self.spare.append((self.storage, self.cdata, self.objs))
         if len(self.spare) > 2:
             del self.spare[0]
-        if retire:
-            # the owner moves to other memory before its next replay and makes
-            # the objects there (see Recording._retire): none are needed here
-            self.need_fresh = True
-        else:
-            self.fresh()
+        # the caller (PoolState.begin_call) makes the next objects, unless the
+        # owner moves to another generation before its next replay and makes
+        # them there (see Recording._retire)
+        self.need_fresh = True
 
     def adopt(self, old: OutputGroup) -> None:
         """Keep handing out ``old``'s tensor objects, now over this group's memory.
@@ -230,23 +230,6 @@ class OutputGroup:
                 self.objs[m] = o_old
         old.objs = []
         old.limit = 1
-
-    def pinned(self) -> bool:
-        """Whether views of an earlier call still use this group's memory."""
-        pins = self.pins
-        if pins:
-            pins[:] = [p for p, _ in live_pins(self.pins_with_ours())]
-        return bool(pins)
-
-    def pins_with_ours(self) -> List[Tuple[StorageWeakRef, int]]:
-        """Each pin with the references to its storage that are ours, not the caller's.
-
-        A pinned alias storage stays alive while its poisoned generation waits
-        in ``spare`` (our storage object and one TensorImpl per object).
-        """
-        ours = {cd0: 1 + len(objs0) for _, cd0, objs0 in self.spare}
-        ours[self.cdata] = self.limit
-        return [(p, ours.get(p.cdata, 0)) for p in self.pins]
 
     def rebase(self, storage: torch.UntypedStorage) -> None:
         """Point the group at new memory (after its owner re-recorded)."""
@@ -272,7 +255,7 @@ def live_pins(pins: List[Tuple[StorageWeakRef, int]]) -> List[Tuple[StorageWeakR
     """The pins (alias storages that had views) that the caller still uses.
 
     Each pin comes with the number of references to its storage that are ours
-    (see :meth:`OutputGroup.pins_with_ours`).
+    (see ``OutputGroup.pins``).
     """
     return [(p, n) for p, n in pins if not _expired(p.cdata) and _use_count(p.cdata) > n]
 
@@ -336,7 +319,15 @@ class PoolState:
                         if g.held():
                             g.poison(msg)
                             n += 1
-                    h.refresh()
+                    owner = h.groups[0].owner
+                    owner = owner() if owner is not None else None
+                    if owner is None or not owner.must_retire:
+                        for g in h.groups:
+                            if g.need_fresh:
+                                g.fresh()
+                        h.refresh()
+                    # else: the owner switches generation before it replays
+                    # (Recording._retire), makes the objects there and refreshes
                     if log.isEnabledFor(logging.DEBUG):
                         log.debug("%s: call #%d poisoned %d held output group(s) of %s",
                                   desc, self.calls, n, self.last_desc)
@@ -344,12 +335,25 @@ class PoolState:
         self.last_desc = desc
 
 
-def _overwrite_message(old_desc: str, new_desc: str, call_no: int) -> str:
-    return (
-        f"{old_desc}: this output of pool call #{call_no - 1} was overwritten by call "
-        f"#{call_no} ({new_desc}), "
-        "which reuses the same memory pool. An output stays valid only until the next "
-        "call of the same graphified function in the same thread, or of any function "
-        "sharing its pool. Fix: .clone() the output if you need it after the next call, "
-        "or drop it before calling again."
-    )
+class _OverwriteMessage:
+    """The message of a stale output, formatted only if it is ever shown (off the per-call path)."""
+
+    __slots__ = ("old_desc", "new_desc", "call_no")
+
+    def __init__(self, old_desc: str, new_desc: str, call_no: int):
+        self.old_desc, self.new_desc, self.call_no = old_desc, new_desc, call_no
+
+    def __str__(self) -> str:
+        return (
+            f"{self.old_desc}: this output of pool call #{self.call_no - 1} was overwritten by call "
+            f"#{self.call_no} ({self.new_desc}), "
+            "which reuses the same memory pool. An output stays valid only until the next "
+            "call of the same graphified function in the same thread, or of any function "
+            "sharing its pool. Fix: .clone() the output if you need it after the next call, "
+            "or drop it before calling again."
+        )
+
+    __format__ = lambda self, spec: format(str(self), spec)  # noqa: E731
+
+
+_overwrite_message = _OverwriteMessage

@@ -175,15 +175,15 @@ class Recording:
         groups = self.groups
         ring = self.ring
         cur = ring[self.active]
-        cur.pins = live_pins([pn for g in groups if g.pins for pn in g.pins_with_ours()])
-        if not cur.pins:  # the views went (e.g. before this call, after another's)
-            for g in groups:
-                g.pins = []
-                if g.need_fresh:
-                    g.fresh()
-            return
+        # found alive by this call's poison (PoolState.begin_call), or by an
+        # earlier call of another function of the pool: checked again below
+        # before anything costly
+        pins = []
         for g in groups:
-            g.pins = []
+            if g.pins:
+                pins += g.pins
+                g.pins = []
+        cur.pins = pins
         n = len(ring)
         j = self.active
         for _ in range(n - 1):
@@ -191,6 +191,11 @@ class Recording:
             if not ring[j].pinned():
                 self._use_slot(j)
                 return
+        if not cur.pinned():  # the views went (e.g. before this call, after another's)
+            for g in groups:
+                if g.need_fresh:
+                    g.fresh()
+            return
         if n < RING_SLOTS:
             ring.append(self._new_slot())
             self._use_slot(n)
@@ -364,7 +369,9 @@ class CPURecording(Recording):
         return slot
 
     def _activate(self, slot: _Slot) -> None:
-        self.stores = [(g.base.untyped_storage(), k) for g, k in zip(slot.groups, self.group_keys)]
+        if slot.stores is None:
+            slot.stores = [(g.base.untyped_storage(), k) for g, k in zip(slot.groups, self.group_keys)]
+        self.stores = slot.stores
 
     def _replay(self) -> None:
         with torch.no_grad():
@@ -535,7 +542,7 @@ class _Slot:
     replays' results are copied into.
     """
 
-    __slots__ = ("graph", "outs", "pool_id", "groups", "handout", "pins")
+    __slots__ = ("graph", "outs", "pool_id", "groups", "handout", "pins", "stores")
 
     def __init__(self, graph: Any, outs: List[torch.Tensor], pool_id: Any = None):
         self.graph = graph
@@ -544,6 +551,7 @@ class _Slot:
         self.groups: List[OutputGroup] = []
         self.handout: Any = None
         self.pins: List[Tuple[StorageWeakRef, int]] = []  # with the references that are ours
+        self.stores: Any = None  # CPU: (storage, output index) of each group, made once
 
     def pinned(self) -> bool:
         """Whether views the caller derived from this slot's outputs are alive."""
