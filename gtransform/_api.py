@@ -50,7 +50,9 @@ from ._signature import (
     dict_orders,
     diff_leaves,
     global_key,
+    has_grad,
     sig_brief,
+    tensor_attrs,
 )
 from ._state import env_key_fn, find_roots
 from ._trace import plain_layout, trace, tracing
@@ -478,7 +480,8 @@ class Graphified(Generic[P, R]):
         extra += [(f"static {w}", v) for w, v in statics]
         roots = find_roots(self._fn, extra)
         try:
-            plan = trace(self._fn, rebuild, specs, in_paths, self._desc, cuda, roots, [plain_layout(t) for t in tensors])
+            plan = trace(self._fn, rebuild, specs, in_paths, self._desc, cuda, roots, [plain_layout(t) for t in tensors],
+                         [has_grad(t) for t in tensors], [tensor_attrs(t) for t in tensors])
         except GraphifyError as err:
             if record and key not in st.warmed and getattr(err, "gt_touched_state", False):
                 # state may be created lazily by the first call (a cache allocated on first

@@ -26,7 +26,7 @@ import optree
 import torch
 
 from ._errors import OverwrittenOutputError
-from ._signature import alias_pattern
+from ._signature import alias_pattern, attrs_key, has_grad
 from ._trace import plain_layout
 from ._tree import flatten, static_leaf_key
 
@@ -187,6 +187,16 @@ def build_fast_path(owner: Any, entry: Any, rec: Any, pool: Any) -> Any:
             checks.append(f"if not GUARD.check({', '.join(tens)}): return MISS")
         else:
             checks.append(f"if not GUARD.check([{', '.join(tens)}]): return MISS")
+    user = [leaves[i] for i in entry.tpos]
+    if entry.attrs is None:
+        # Python attributes set on an input (read by the trace as they were) are part of the signature
+        if user:
+            checks.append(f"if {' or '.join(f'{u}.__dict__' for u in user)}: return MISS")
+    else:
+        checks.append(f"if ({', '.join(f'_attrs_key({u})' for u in user)},) != {g.const(entry.attrs)}: return MISS")
+    if entry.plan.grad_idx:
+        gr = " or ".join(f"_has_grad({tens[i]})" for i in sorted(entry.plan.grad_idx))
+        checks.append(f"if {gr}: return MISS")
     if entry.plan.layout_idx:
         # the function reads these inputs' storage offset or layout (see _trace._FnWatch)
         lay = " and ".join(f"_plain({tens[i]})" for i in sorted(entry.plan.layout_idx))
@@ -273,6 +283,8 @@ def build_fast_path(owner: Any, entry: Any, rec: Any, pool: Any) -> Any:
         "_default_dtype": torch.get_default_dtype,
         "_any_autocast": getattr(torch._C, "_is_any_autocast_enabled", lambda: True),
         "_alias": alias_pattern,
+        "_attrs_key": attrs_key,
+        "_has_grad": has_grad,
         "_plain": plain_layout,
         "_flatten": flatten,
         "_unflatten": optree.tree_unflatten,

@@ -188,7 +188,7 @@ class OutputGroup:
                 return True
         return False
 
-    def poison(self, message: str) -> None:
+    def poison(self, message: Any) -> None:
         """Poison the objects the caller holds and give the group fresh ones.
 
         Views the caller derived from the objects cannot be reached; if any

@@ -117,13 +117,40 @@ def alias_pattern(tensors: Sequence[torch.Tensor]) -> Tuple[int, ...]:
     return tuple(g if counts[g] > 1 else -1 for g in ids)
 
 
+def has_grad(t: torch.Tensor) -> bool:
+    """Whether ``t`` has a ``.grad`` (read without the non-leaf warning)."""
+    return (t.is_leaf or t.retains_grad) and t.grad is not None
+
+
+def tensor_attrs(t: torch.Tensor) -> Optional[Dict[str, Any]]:
+    """The Python attributes of a tensor input that the trace's stand-in gets (tensors left out)."""
+    d = t.__dict__
+    if not d:
+        return None
+    return {k: v for k, v in d.items() if not isinstance(v, torch.Tensor)}
+
+
+def attrs_key(t: torch.Tensor) -> Any:
+    """Key of a tensor input's Python attributes (``()``: none)."""
+    d = t.__dict__
+    if not d:
+        return ()
+    out = []
+    for k, v in d.items():
+        try:
+            out.append((k, static_leaf_key(v)))
+        except TypeError:
+            out.append((k, ("id", id(v))))
+    return tuple(sorted(out, key=lambda kv: kv[0]))
+
+
 class Entry:
     """One signature: its trace, its state binding and its current recording."""
 
     __slots__ = (
         "key", "spec", "tpos", "consts", "statics", "guard", "plan", "rec", "first_refs",
         "calls", "cuda", "any_rg", "must_static", "alias", "n_leaves", "bwd", "const_vals", "parts",
-        "state_src", "env", "env_val", "n_user", "state_static", "glob", "orders",
+        "state_src", "env", "env_val", "n_user", "state_static", "glob", "orders", "attrs",
     )
 
     def __init__(self, key: Hashable, spec: Any, leaves: Sequence[Any], tpos: List[int], statics: Any, plan: Plan, cuda: bool):
@@ -145,6 +172,9 @@ class Entry:
         state = list(plan.state)
         tensors = [leaves[i] for i in tpos] + state
         self.guard = Guard(tensors)
+        # Python attributes of the caller's tensors (read by the trace): None when none has any
+        attrs = tuple(attrs_key(t) for t in tensors[: len(tpos)])
+        self.attrs = attrs if any(attrs) else None
         self.alias = alias_pattern(tensors) if plan.mutated else ()
         self.plan = plan
         self.rec: Optional[Recording] = None
@@ -205,6 +235,14 @@ class Entry:
             return False
         if self.env is not None and self.env() != self.env_val:
             return False
+        if self.attrs is None:
+            for i in self.tpos:
+                if leaves[i].__dict__:
+                    return False
+        elif tuple(attrs_key(leaves[i]) for i in self.tpos) != self.attrs:
+            return False
+        if self.plan.grad_idx and any(has_grad(tensors[i]) for i in self.plan.grad_idx):
+            return False  # the function read these inputs' .grad as None
         if self.plan.layout_idx and not all(plain_layout(tensors[i]) for i in self.plan.layout_idx):
             return False  # the function reads these inputs' storage offset or layout
         if self.must_static or (self.plan.mutated and self.alias):

@@ -150,6 +150,8 @@ class Plan:
     notes: List[str] = field(default_factory=list)
     # caller's inputs whose storage offset / layout the function reads: keyed on being plain
     layout_idx: Set[int] = field(default_factory=set)
+    # caller's inputs whose ``.grad`` the function reads (it was None): keyed on staying None
+    grad_idx: Set[int] = field(default_factory=set)
     # state (see _state.py): real tensors read as extra inputs after the
     # caller's, where each lives, and tensors left in Python state
     state: List[torch.Tensor] = field(default_factory=list)
@@ -425,6 +427,7 @@ class _Watch(TorchDispatchMode):
 
 
 _DATA_SET = torch._C.TensorBase.__dict__["data"]
+_GRAD_ATTR = torch._C.TensorBase.__dict__["grad"]
 _LAYOUT_READS = frozenset(
     getattr(torch._C.TensorBase, n) for n in ("storage_offset", "as_strided", "as_strided_")
     if hasattr(torch._C.TensorBase, n)
@@ -439,13 +442,17 @@ class _FnWatch(TorchFunctionMode):
     whose layout a static buffer does not keep (an offset view, a strided view).
     """
 
-    def __init__(self, watch: _Watch, storages: Dict[Any, int], n_in: int, plain: Sequence[bool]):
+    def __init__(self, watch: _Watch, storages: Dict[Any, int], n_in: int, plain: Sequence[bool],
+                 grads: Sequence[bool] = ()):
         super().__init__()
         self.watch = watch
         self.storages = storages
         self.n_in = n_in
         self.plain = plain
+        self.grads = grads
         self.layout_used: Set[int] = set()
+        self.grad_read: Set[int] = set()
+        self.inputs: Sequence[Any] = ()  # the trace's input tensors (set by the traced function)
 
     def _input(self, t: Any) -> Optional[int]:
         if not isinstance(t, FakeTensor):
@@ -455,6 +462,20 @@ class _FnWatch(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if args and getattr(func, "__self__", None) is _GRAD_ATTR and getattr(func, "__name__", "") == "__get__":
+            idx = self._input(args[0])
+            if idx is not None and args[0] is self.inputs[idx]:
+                if idx < len(self.grads) and self.grads[idx]:
+                    path = self.watch.paths[idx]
+                    self.watch._fail(
+                        f"the function reads {path}.grad, the gradient attached to input {path}.",
+                        "a recording takes tensors, not their attributes: the gradient is not an "
+                        "input of the recording, so its values (and whether there is one) would "
+                        "be frozen at the first call.",
+                        "pass the gradient as an argument of its own (e.g. f(p, p.grad)), or "
+                        "close over the tensor instead of passing it (state's .grad is read every call).",
+                    )
+                self.grad_read.add(idx)  # read as None: keyed on staying None
         if args and (func in _LAYOUT_READS or getattr(func, "__self__", None) is _DATA_SET):
             idx = self._input(args[0])
             if idx is not None:
@@ -791,6 +812,8 @@ def trace(
     cuda: bool,
     roots: Sequence[Root] = (),
     plain: Optional[Sequence[bool]] = None,
+    grads: Sequence[bool] = (),
+    attrs: Sequence[Optional[Dict[str, Any]]] = (),
 ) -> Plan:
     """Trace ``fn`` for one signature.
 
@@ -805,6 +828,9 @@ def trace(
             back as it was after the trace, and searched for escapes.
         plain: per tensor input, whether it owns its storage exactly
             (:func:`plain_layout`); ``None``: all do.
+        grads: per tensor input, whether it has a ``.grad`` (reading it is refused).
+        attrs: per tensor input, its Python attributes (``t.__dict__``) or None:
+            set on the trace's stand-in, so the function reads their values.
 
     Returns:
         The :class:`Plan` of the signature.
@@ -820,6 +846,9 @@ def trace(
             if rg:
                 t.requires_grad_(True)
             fakes.append(t)
+    for t, a in zip(fakes, attrs):
+        if a:
+            t.__dict__.update(a)
     box: Dict[str, Any] = {}
     storages: Dict[Any, int] = {}
     paths = list(in_paths)
@@ -827,7 +856,7 @@ def trace(
     snap = Snapshot(roots)
     watch = _Watch(storages, paths, desc, cuda, mode, index, len(fakes))
     watch.overlapping = {i for i, sp in enumerate(in_specs) if _overlaps(sp[0], sp[1])}
-    fnwatch = _FnWatch(watch, storages, len(fakes), plain if plain is not None else [True] * len(fakes))
+    fnwatch = _FnWatch(watch, storages, len(fakes), plain if plain is not None else [True] * len(fakes), grads)
 
     def is_ours(v: Any) -> bool:
         return isinstance(v, FakeTensor) and v.fake_mode is mode
@@ -837,6 +866,7 @@ def trace(
         for i, t in enumerate(tensors):
             storages.setdefault(StorageWeakRef(t.untyped_storage()), i)
         box["inputs"] = tensors
+        fnwatch.inputs = tensors
         args, kwargs = rebuild(tensors)
         with watch, fnwatch:
             out = fn(*args, **kwargs)
@@ -969,6 +999,7 @@ def trace(
         py_changes=list(scan.changes),
         roots=list(roots),
         layout_idx=set(fnwatch.layout_used),
+        grad_idx=set(fnwatch.grad_read),
         ran_backward=any(s.kind == "grad" for s, _ in scan.escapes) or any(
             s is not None and s.kind == "grad" for s in state_slots),
         fn=fn,

@@ -181,3 +181,76 @@ def test_numpy_nan_static_leaf_hits(device):
     for k in (np.float64("nan"), np.float64("nan"), np.float32("nan"), np.float32("nan")):
         assert torch.isnan(f(x, k)).all()
     assert f.cache_info().misses == 2 and f.cache_info().hits == 2
+
+
+# -- §2: attributes of input tensors ---------------------------------------------
+
+
+def _sgd_if_grad(p):
+    if p.grad is not None:  # GRAD-LINE
+        p.sub_(0.1 * p.grad)
+    return p * 1
+
+
+def test_reading_the_grad_of_an_input_that_has_one_is_refused_with_the_fix(device):
+    f = gt.graphify(_sgd_if_grad)
+    p = torch.ones(3, device=device)
+    p.grad = torch.full((3,), 2.0, device=device)
+    with pytest.raises(GraphifyError, match=r"(?s)reads args\[0\]\.grad.*GRAD-LINE.*Fix: pass the gradient as an argument"):
+        f(p)
+    assert torch.equal(p, torch.ones(3, device=device))  # nothing ran
+    # the function stays usable with inputs that have no gradient
+    q = torch.ones(3, device=device)
+    assert torch.equal(f(q), torch.ones(3, device=device))
+
+
+@pytest.mark.parametrize("calls_before", [1, 3])
+def test_an_input_grad_read_as_none_is_part_of_the_signature(device, calls_before):
+    f = gt.graphify(_sgd_if_grad)
+    p = torch.ones(3, device=device)
+    for _ in range(calls_before):  # recorded (and read in place) while p.grad is None
+        assert torch.equal(f(p), torch.ones(3, device=device))
+    p.grad = torch.full((3,), 2.0, device=device)
+    # eager would now update p: the recording must not replay the no-gradient branch
+    with pytest.raises(GraphifyError, match=r"reads args\[0\]\.grad"):
+        f(p)
+    assert torch.equal(p, torch.ones(3, device=device))
+
+
+def test_functions_that_never_read_grad_take_inputs_with_grads(device):
+    lin = torch.nn.Linear(3, 2).to(device)
+    lin(torch.ones(1, 3, device=device)).sum().backward()  # every parameter has a .grad
+    f = gt.graphify(lambda x, w, b: torch.nn.functional.linear(x, w, b))
+    x = torch.ones(4, 3, device=device)
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.allclose(f(x, lin.weight, lin.bias), lin(x))
+
+
+def test_python_attributes_of_inputs_are_read_and_keyed(device):
+    def fn(q):
+        return q * getattr(q, "lr_scale", 1.0)
+
+    f = gt.graphify(fn)
+    q = torch.ones(3, device=device)
+    q.lr_scale = 3.0
+    for _ in range(3):
+        assert torch.equal(f(q), fn(q))
+    q.lr_scale = 5.0
+    assert torch.equal(f(q), torch.full((3,), 5.0, device=device))
+    r = torch.ones(3, device=device)
+    for _ in range(3):
+        assert torch.equal(f(r), r)
+    r.lr_scale = 7.0  # an attribute set after the recording
+    assert torch.equal(f(r), torch.full((3,), 7.0, device=device))
+    del r.lr_scale
+    assert torch.equal(f(r), r)
+
+
+def test_unchanged_attributes_keep_hitting_the_recording(device):
+    f = gt.graphify(lambda q: q * q.scale)
+    q = torch.ones(3, device=device)
+    q.scale = 2.0
+    for _ in range(6):
+        f(q)
+    assert f.cache_info().misses == 1
