@@ -55,7 +55,7 @@ from ._signature import (
     tensor_attrs,
 )
 from ._state import env_key_fn, find_roots
-from ._trace import plain_layout, trace, tracing
+from ._trace import FOR_GRAD, plain_layout, trace, tracing
 from ._tree import flatten, leaf_paths, static_leaf_key, tensor_meta, unflatten
 
 try:
@@ -262,8 +262,12 @@ class Graphified(Generic[P, R]):
             # the signature is looked up on the tensors under torch.func's wrappers,
             # as the autograd wrapper's forward will see them
             plain = [unwrap_functorch(x)[0] if isinstance(x, torch.Tensor) else x for x in leaves]
-            with no_functorch():
-                e, _st, tensors = self._entry_for(plain, spec, statics)
+            FOR_GRAD.on = True
+            try:
+                with no_functorch():
+                    e, _st, tensors = self._entry_for(plain, spec, statics)
+            finally:
+                FOR_GRAD.on = False
             if e is None:
                 return self._fallback(args, kwargs, statics)
             self._hits -= 1  # counted again inside the autograd wrapper

@@ -105,7 +105,7 @@ def _higher_order(desc: str) -> GraphifyError:
 class _Box:
     """Per-call carrier between ``forward`` and ``backward`` (not a tensor)."""
 
-    __slots__ = ("g", "template", "spec", "tpos", "statics", "entry", "need", "part", "pre", "grad_mode")
+    __slots__ = ("g", "template", "spec", "tpos", "statics", "entry", "need", "part", "pre", "grad_mode", "rng")
 
     def __init__(self, g: Any, template: List[Any], spec: Any, tpos: List[int], statics: Any, need: Tuple[bool, ...]):
         self.g = g
@@ -118,6 +118,7 @@ class _Box:
         self.part: Any = None
         self.pre: Any = None  # inputs the forward updates in place, as they were before it
         self.grad_mode = torch.is_grad_enabled()  # the caller's (forward runs with grad off)
+        self.rng: Any = None  # generator states before a random forward (the recompute draws them again)
 
 
 def partition_for(e: Any, need: Tuple[bool, ...], owner: Any) -> Any:
@@ -188,9 +189,21 @@ class GraphFn(torch.autograd.Function):
             # still holds them at the next forward, the forward moves its
             # outputs instead of writing over them
             return (*res[:n], *[t.detach() for t in res[n:]])
+        if e.plan.hooks:
+            raise GraphifyError(
+                f"{g._desc}: the function registers a tensor hook (at {e.plan.hooks[0]}) and is "
+                "differentiated, but its backward cannot be traced from the function: "
+                + ("it updates an input in place" if e.plan.mutated else "an output is an input or a view of one")
+                + ".\nWhy: the backward is then recomputed from the recorded operations, where hooks do not exist.\n"
+                "Fix: return a copy (.clone()) of outputs that are inputs or views of them and do not update "
+                "inputs in place, or apply the hook's change to the gradient outside the function."
+            )
         if e.plan.mutated:
             # the backward recomputes the forward from the inputs as they were
             box.pre = {i: tensors[i].detach().clone() for i in e.plan.mutated}
+        if e.plan.random:
+            # ... and draws the forward's random numbers again (dropout's mask)
+            box.rng = rng_snapshot(e.plan)
         outs = g._run_flat(e, st, list(tensors))
         # autograd.Function may not return an input as-is when it also saves it
         ids = {id(t) for t in tensors}
@@ -224,34 +237,48 @@ class GraphFn(torch.autograd.Function):
         bwd = backward_for(box.entry, need, box.g)
         create_graph = torch.is_grad_enabled()
         batched = any(unwrap(t)[1] < 0 for t in list(ctx.saved_tensors) + list(grads))
-        if batched:
-            res = _eager_backward(box.entry.plan.gm, ctx.saved_tensors, grads, need)
-            return (None, *[res.pop(0) if n else None for n in need])
-        with no_functorch():
-            prims, depth = [], 0
-            for p in ctx.saved_tensors:
-                t, n = unwrap(p)
-                prims.append(t)
-                depth = max(depth, n)
-            tangents = []
-            for gr in grads:
-                t, n = unwrap(gr)
-                tangents.append(t)
-                depth = max(depth, n)
-            # torch.func runs backward with grad mode on and tangents wrapped
-            # once; plain autograd with create_graph=True has plain tangents
-            if depth > 1 or (depth == 0 and create_graph):
-                raise _higher_order(box.g._desc)
-            res = bwd._call_plain((prims, tangents), {}, ())
-        out: List[Any] = [None]
-        j = 0
-        for n in need:
-            if n:
-                out.append(res[j])
-                j += 1
-            else:
-                out.append(None)
-        return tuple(out)
+        if box.rng is not None:
+            # the recomputed forward draws what the forward drew; the generators
+            # then go on from where the forward left them, as in eager
+            now = rng_snapshot(box.entry.plan)
+            rng_restore(box.rng)
+            try:
+                return _recompute_backward(ctx, box, grads, need, bwd, create_graph, batched)
+            finally:
+                rng_restore(now)
+        return _recompute_backward(ctx, box, grads, need, bwd, create_graph, batched)
+
+
+def _recompute_backward(ctx: Any, box: _Box, grads: Sequence[Any], need: Tuple[bool, ...], bwd: Any,
+                        create_graph: bool, batched: bool) -> Tuple[Any, ...]:
+    if batched:
+        res = _eager_backward(box.entry.plan.gm, ctx.saved_tensors, grads, need)
+        return (None, *[res.pop(0) if n else None for n in need])
+    with no_functorch():
+        prims, depth = [], 0
+        for p in ctx.saved_tensors:
+            t, n = unwrap(p)
+            prims.append(t)
+            depth = max(depth, n)
+        tangents = []
+        for gr in grads:
+            t, n = unwrap(gr)
+            tangents.append(t)
+            depth = max(depth, n)
+        # torch.func runs backward with grad mode on and tangents wrapped
+        # once; plain autograd with create_graph=True has plain tangents
+        if depth > 1 or (depth == 0 and create_graph):
+            raise _higher_order(box.g._desc)
+        res = bwd._call_plain((prims, tangents), {}, ())
+    out: List[Any] = [None]
+    j = 0
+    for n in need:
+        if n:
+            out.append(res[j])
+            j += 1
+        else:
+            out.append(None)
+    return tuple(out)
 
 
 def _partitioned_backward(box: _Box, saved: Sequence[torch.Tensor], grads: Sequence[Any], need: Sequence[bool]) -> List[Any]:
@@ -298,7 +325,8 @@ def make_backward(plan: Any, need: Sequence[bool]) -> Any:
             got: Sequence[Any] = (None,) * len(wrt)
             if pairs:
                 got = torch.autograd.grad([o for o, _ in pairs], wrt, [t for _, t in pairs], allow_unused=True)
-        return [g if g is not None else torch.zeros_like(w) for g, w in zip(got, wrt)]
+        # an input the outputs do not depend on gets no gradient (None), as in eager
+        return list(got)
 
     backward.__name__ = backward.__qualname__ = f"backward_of_{getattr(gm, '_gt_name', 'fn')}"
     return backward
@@ -317,3 +345,29 @@ def call_with_autograd(g: Any, e: Any, leaves: List[Any], spec: Any, statics: An
     if box.part is not None:
         outs = outs[: box.part.n_out]
     return box.entry.plan.assemble(outs)
+
+
+def rng_snapshot(plan: Any) -> List[Tuple[Any, torch.Tensor]]:
+    """The state of every generator a random recording draws from.
+
+    The CPU's, the current CUDA device's (if the recording is on CUDA) and any
+    explicit ones.
+    """
+    snap: List[Tuple[Any, torch.Tensor]] = [(None, torch.get_rng_state())]
+    if getattr(plan, "cuda", False) and torch.cuda.is_initialized():
+        dev = torch.cuda.current_device()
+        snap.append((dev, torch.cuda.get_rng_state(dev)))
+    for gen in getattr(plan, "generators", ()) or ():
+        snap.append((gen, gen.get_state()))
+    return snap
+
+
+def rng_restore(snap: List[Tuple[Any, torch.Tensor]]) -> None:
+    """Put the generators of :func:`rng_snapshot` back in that state."""
+    for who, state in snap:
+        if who is None:
+            torch.set_rng_state(state)
+        elif isinstance(who, int):
+            torch.cuda.set_rng_state(state, who)
+        else:
+            who.set_state(state)

@@ -44,6 +44,9 @@ __all__ = ["Plan", "OutEntry", "trace", "flatten_output", "TRACE_LOCK", "tracing
 
 TRACE_LOCK = threading.RLock()
 _ACTIVE = threading.local()
+# set while a signature is looked up for torch.func.grad/vjp of a graphified
+# function: its inputs are differentiated although the traced stand-ins are not
+FOR_GRAD = threading.local()
 
 
 def tracing() -> bool:
@@ -152,6 +155,8 @@ class Plan:
     layout_idx: Set[int] = field(default_factory=set)
     # caller's inputs whose ``.grad`` the function reads (it was None): keyed on staying None
     grad_idx: Set[int] = field(default_factory=set)
+    # lines that registered tensor hooks (honoured by the joint trace, lost by a recompute)
+    hooks: List[str] = field(default_factory=list)
     # state (see _state.py): real tensors read as extra inputs after the
     # caller's, where each lives, and tensors left in Python state
     state: List[torch.Tensor] = field(default_factory=list)
@@ -428,6 +433,14 @@ class _Watch(TorchDispatchMode):
 
 _DATA_SET = torch._C.TensorBase.__dict__["data"]
 _GRAD_ATTR = torch._C.TensorBase.__dict__["grad"]
+_REGISTER_HOOK = torch.Tensor.register_hook
+
+
+class _NoHandle:
+    """Handle of a hook that the forward trace did not register."""
+
+    def remove(self) -> None:
+        return None
 _LAYOUT_READS = frozenset(
     getattr(torch._C.TensorBase, n) for n in ("storage_offset", "as_strided", "as_strided_")
     if hasattr(torch._C.TensorBase, n)
@@ -452,6 +465,8 @@ class _FnWatch(TorchFunctionMode):
         self.grads = grads
         self.layout_used: Set[int] = set()
         self.grad_read: Set[int] = set()
+        self.hooks: List[str] = []
+        self.for_grad = bool(getattr(FOR_GRAD, "on", False))
         self.inputs: Sequence[Any] = ()  # the trace's input tensors (set by the traced function)
 
     def _input(self, t: Any) -> Optional[int]:
@@ -462,6 +477,13 @@ class _FnWatch(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if func is _REGISTER_HOOK and args:
+            self.hooks.append(format_frame(user_frame(traceback.extract_stack())))
+            if self.for_grad and isinstance(args[0], torch.Tensor) and not args[0].requires_grad:
+                # under torch.func.grad the tensor requires grad in eager; the trace's
+                # stand-in does not: the hook acts in the backward, which the joint
+                # trace of the function makes (see _partition.py)
+                return _NoHandle()
         if args and getattr(func, "__self__", None) is _GRAD_ATTR and getattr(func, "__name__", "") == "__get__":
             idx = self._input(args[0])
             if idx is not None and args[0] is self.inputs[idx]:
@@ -1000,6 +1022,7 @@ def trace(
         roots=list(roots),
         layout_idx=set(fnwatch.layout_used),
         grad_idx=set(fnwatch.grad_read),
+        hooks=list(fnwatch.hooks),
         ran_backward=any(s.kind == "grad" for s, _ in scan.escapes) or any(
             s is not None and s.kind == "grad" for s in state_slots),
         fn=fn,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -86,7 +88,7 @@ def test_loss_backward_matches_eager(device, case):
         torch.testing.assert_close(got_next, want_next)  # the global RNG advanced as in eager
 
 
-@pytest.mark.parametrize("case", ["no_grad", "custom_function", "dropout"])
+@pytest.mark.parametrize("case", ["no_grad", "custom_function", "dropout", "tensor_hook"])
 def test_func_grad_of_graphify_matches_eager(device, case):
     fn = _ste_func if case == "custom_function" else CASES[case]
     x = torch.tensor([1.4, 2.6, -0.3, 0.8], device=device)
@@ -169,3 +171,68 @@ def test_random_programs_differentiate_like_eager(ops, seed):
         got, got_next = _backward_grads(g, x, seed + k)
         torch.testing.assert_close(got, want)
         torch.testing.assert_close(got_next, want_next)
+
+
+# -- the recompute backward (outputs that alias inputs, inputs updated in place) ----------
+
+
+def _alias_dropout(x):
+    return x[1:], F.dropout(x, 0.5, training=True) * 2
+
+
+def test_an_output_aliasing_an_input_keeps_the_dropout_mask_in_the_backward(device):
+    g = gt.graphify(_alias_dropout)
+    for seed in range(3):
+        grads, nexts = [], []
+        for fn in (_alias_dropout, g):
+            x = torch.ones(64, device=device, requires_grad=True)
+            torch.manual_seed(seed)
+            a, y = fn(x)
+            (a.sum() + (y * y).sum()).backward()
+            grads.append(x.grad)
+            nexts.append(torch.rand(3, device=device))
+        torch.testing.assert_close(grads[1], grads[0])
+        torch.testing.assert_close(nexts[1], nexts[0])  # the global RNG advanced as in eager
+
+
+def test_module_with_batchnorm_and_dropout_trains_like_eager(device):
+    """BatchNorm updates its running statistics in place (the recompute path) while dropout draws."""
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(),
+                              torch.nn.Dropout(0.3), torch.nn.Linear(16, 1)).to(device)
+    mod = copy.deepcopy(ref)
+    gmod = gt.graphify(mod)
+    opt_r = torch.optim.SGD(ref.parameters(), lr=0.1)
+    opt_m = torch.optim.SGD(mod.parameters(), lr=0.1)
+    x = torch.randn(32, 4, device=device)
+    y = torch.randn(32, 1, device=device)
+    for step in range(6):
+        for f, opt in ((ref, opt_r), (gmod, opt_m)):
+            torch.manual_seed(step)
+            opt.zero_grad()
+            F.mse_loss(f(x), y).backward()
+            opt.step()
+        for (n, a), b in zip(ref.state_dict().items(), mod.state_dict().values()):
+            torch.testing.assert_close(b, a, msg=f"step {step}: {n}")
+
+
+def test_an_input_the_outputs_do_not_depend_on_gets_no_gradient_on_the_recompute_path(device):
+    f = gt.graphify(lambda a, b: (a * 2, a[1:]))  # a[1:] aliases an input: the recompute path
+    a = torch.ones(3, device=device, requires_grad=True)
+    b = torch.ones(3, device=device, requires_grad=True)
+    for _ in range(2):
+        o = f(a, b)
+        (o[0].sum() + o[1].sum()).backward()
+        assert b.grad is None
+    torch.testing.assert_close(a.grad, torch.tensor([4.0, 6.0, 6.0], device=device))
+
+
+def test_a_hook_that_a_recompute_would_lose_is_refused(device):
+    def f(x):
+        y = x * 2
+        y.register_hook(lambda g: g * 10)  # HOOK-LINE
+        return x[1:], y.sum()  # x[1:] aliases the input: the backward would be recomputed
+
+    x = torch.ones(3, device=device, requires_grad=True)
+    with pytest.raises(gt.GraphifyError, match=r"(?s)registers a tensor hook.*HOOK-LINE.*Fix: return a copy"):
+        gt.graphify(f)(x)
