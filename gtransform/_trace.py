@@ -436,6 +436,21 @@ _GRAD_ATTR = torch._C.TensorBase.__dict__["grad"]
 _REGISTER_HOOK = torch.Tensor.register_hook
 
 
+class _AsIs:
+    """An output leaf that is a real tensor the function returned unchanged (see trace)."""
+
+    __slots__ = ("t",)
+
+    def __init__(self, t: torch.Tensor):
+        self.t = t
+
+
+def _returned_as_is(t: torch.Tensor, watch: Any, cuda: bool) -> Any:
+    if cuda and t.device.type == "cpu":
+        return _AsIs(t)
+    return watch._fake(t)
+
+
 class _NoHandle:
     """Handle of a hook that the forward trace did not register."""
 
@@ -893,6 +908,12 @@ def trace(
         with watch, fnwatch:
             out = fn(*args, **kwargs)
         leaves, spec = flatten_output(out, desc)
+        # a tensor the function returns as it reached it (a closed-over W,
+        # `return self.weight`) is that very tensor in eager: state read in
+        # place (so the output is the current tensor itself), or, a CPU tensor
+        # of a CUDA function, handed back as is
+        leaves = [_returned_as_is(x, watch, cuda) if isinstance(x, torch.Tensor) and not isinstance(x, FakeTensor) else x
+                  for x in leaves]
         box["spec"] = spec
         box["leaves"] = leaves
         scan = snap.scan(is_ours)
@@ -992,6 +1013,9 @@ def trace(
 
     entries: List[OutEntry] = []
     for leaf in box["leaves"]:
+        if isinstance(leaf, _AsIs):
+            entries.append(OutEntry("const", value=leaf.t))
+            continue
         if not isinstance(leaf, torch.Tensor):
             entries.append(OutEntry("const", value=leaf))
             continue

@@ -254,3 +254,34 @@ def test_unchanged_attributes_keep_hitting_the_recording(device):
     for _ in range(6):
         f(q)
     assert f.cache_info().misses == 1
+
+
+# -- §5: a tensor returned as the function reached it ------------------------------
+
+
+def test_a_closed_over_tensor_returned_as_is_is_that_tensor(device):
+    W = torch.ones(2, device=device)
+    f = gt.graphify(lambda x: (W, x + W))
+    for _ in range(3):
+        w, y = f(torch.ones(2, device=device))
+        assert w is W  # eager returns W itself: never poisoned, never a copy
+        torch.testing.assert_close(y, torch.full((2,), 2.0, device=device))
+    W.mul_(2)
+    w, y = f(torch.ones(2, device=device))
+    assert w is W
+    torch.testing.assert_close(y, torch.full((2,), 3.0, device=device))
+    g = gt.graphify(lambda x: W)  # never used in an operation
+    outs = [g(torch.ones(1, device=device)) for _ in range(3)]
+    assert all(o is W for o in outs)
+
+
+def test_a_module_attribute_returned_follows_rebinding(device):
+    lin = torch.nn.Linear(2, 2).to(device)
+    f = gt.graphify(lambda x: (lin(x), lin.weight))
+    with torch.no_grad():
+        for _ in range(3):
+            assert f(torch.ones(1, 2, device=device))[1] is lin.weight
+        lin.weight = torch.nn.Parameter(torch.zeros(2, 2, device=device))
+        y, w = f(torch.ones(1, 2, device=device))
+    assert w is lin.weight
+    torch.testing.assert_close(y, lin.bias.detach().unsqueeze(0))
