@@ -465,7 +465,7 @@ class CUDARecording(Recording):
                 extra = [(gen, gen.get_state()) for gen in self._cuda_generators()]
                 try:
                     with torch.cuda.stream(side), torch.no_grad():
-                        self.gm(*args)
+                        self.gm(*_host_seeds(self.plan.gm, args))
                 finally:
                     side.synchronize()
                     with torch.no_grad():
@@ -576,6 +576,55 @@ def _capture_stream(dev: torch.device) -> Any:
     if s is None:
         s = _STREAMS[idx] = torch.cuda.Stream(device=idx)
     return s
+
+
+# Attention backwards that read a dropout seed and offset saved by their
+# forward: on the host when no capture is under way, through the device
+# pointer while capturing. A forward replayed from a graph saved them on the
+# device, so the eager warm-up of a backward recording must see host copies
+# (it read the device pointer on the host and crashed the process).
+_SEED_OPS = {
+    "aten::_scaled_dot_product_efficient_attention_backward",
+    "aten::_efficient_attention_backward",
+    "aten::_scaled_dot_product_flash_attention_backward",
+}
+
+
+def _seed_inputs(gm: Any) -> Tuple[int, ...]:
+    """Input positions of ``gm`` that feed an attention backward's dropout seed/offset."""
+    cached = getattr(gm, "_gt_seed_inputs", None)
+    if cached is not None:
+        return cached
+    pos = {n: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
+    found = set()
+    for n in gm.graph.nodes:
+        schema = getattr(n.target, "_schema", None)
+        if n.op != "call_function" or schema is None or schema.name not in _SEED_OPS:
+            continue
+        for i, a in enumerate(schema.arguments):
+            if a.name in ("philox_seed", "philox_offset"):
+                v = n.kwargs.get(a.name, n.args[i] if i < len(n.args) else None)
+                if v in pos:
+                    found.add(pos[v])
+    res = tuple(sorted(found))
+    try:
+        gm._gt_seed_inputs = res
+    except Exception:  # pragma: no cover
+        pass
+    return res
+
+
+def _host_seeds(gm: Any, args: Sequence[Any]) -> Sequence[Any]:
+    """``args`` with device-side scalar seeds/offsets of attention backwards as host copies."""
+    idx = _seed_inputs(gm)
+    if not idx:
+        return args
+    out = list(args)
+    for i in idx:
+        t = out[i]
+        if isinstance(t, torch.Tensor) and t.is_cuda and t.dim() == 0 and t.dtype == torch.int64:
+            out[i] = t.cpu()
+    return out
 
 
 def _snapshot_generators(dev: torch.device) -> Any:
