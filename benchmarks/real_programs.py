@@ -225,6 +225,68 @@ def eval_and_hooks(dev):
     return max(d1, d2)
 
 
+def _train_like_eager(make_model, make_batch, loss_fn, steps=8):
+    """Train a copy of a model through ``gt.graphify(model)`` (train mode: BatchNorm
+    statistics, dropout) next to eager, with SGD momentum and the same seed per step;
+    returns the largest difference of any parameter or buffer after any step."""
+    import copy
+
+    torch.backends.cudnn.deterministic = True  # eager's own convolutions may differ run to run
+    torch.backends.cudnn.benchmark = False
+    torch.manual_seed(0)
+    ref = make_model().train()
+    mod = copy.deepcopy(ref)
+    g = gt.graphify(mod)
+    batch = make_batch()
+    opts = [torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9) for m in (ref, mod)]
+    worst = 0.0
+    for step in range(steps):
+        for f, opt in ((ref, opts[0]), (g, opts[1])):
+            torch.manual_seed(100 + step)
+            opt.zero_grad()
+            loss_fn(f(batch[0]), batch[1]).backward()
+            opt.step()
+        worst = max(worst, _maxdiff(list(ref.state_dict().values()), list(mod.state_dict().values())))
+    assert g.cache_info().currsize == 1, g.cache_info()
+    return worst
+
+
+@program
+def train_bn_dropout(dev):
+    """Linear-BatchNorm-ReLU-Dropout trained through graphify(model)."""
+    return _train_like_eager(
+        lambda: nn.Sequential(nn.Linear(16, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Dropout(0.2), nn.Linear(64, 1)).to(dev),
+        lambda: (torch.randn(32, 16, device=dev), torch.randn(32, 1, device=dev)),
+        F.mse_loss,
+    )
+
+
+@program
+def train_resnet18(dev):
+    """torchvision resnet18 (BatchNorm, in-place ReLU, residuals), int64 targets."""
+    import torchvision
+
+    return _train_like_eager(
+        lambda: torchvision.models.resnet18(num_classes=10).to(dev),
+        lambda: (torch.randn(8, 3, 64, 64, device=dev), torch.randint(0, 10, (8,), device=dev)),
+        F.cross_entropy,
+    )
+
+
+@program
+def train_gpt2(dev):
+    """HF GPT-2 in train mode: dropout in attention (fused SDPA) and MLP."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    return _train_like_eager(
+        lambda: GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=128, n_head=4, vocab_size=500, n_positions=64)).to(dev),
+        lambda: (torch.randint(0, 500, (2, 32), device=dev), None),
+        lambda out, _: out.logits.float().pow(2).mean(),
+    )
+
+
 REFUSALS = {"log_append", "containers_out"}  # a GraphifyError is the documented answer
 CPU_REFUSALS = {"step_adam", "step_adam_capturable", "step_adamw_capturable_foreach"}
 
