@@ -98,17 +98,22 @@ class LivenessMachine(RuleBasedStateMachine):
     """Two graphified functions (separate pools) called in any order while the
     test holds, drops, reads, clones and views their outputs."""
 
-    def __init__(self, device):
+    def __init__(self, device, shared=False):
         super().__init__()
         self.device = device
         self.eager = [step_a, step_b]
-        self.fns = [gt.graphify(step_a), gt.graphify(step_b)]
+        pool = gt.graph_pool() if shared else None
+        self.fns = [gt.graphify(step_a, pool=pool), gt.graphify(step_b, pool=pool)]
+        self.shared = shared  # one pool: any call overwrites both functions' outputs
         self.calls = [0, 0]
+        self.total = 0
         self.held = []  # _Held
         self.clones = []  # (tensor, expected)
         self.views = []  # (view derived by the user, expected)
 
     def _stale(self, h):
+        if self.shared:
+            return h.call < self.total
         return h.call < self.calls[h.fn]
 
     @rule(fn=st.integers(0, 1), seed=st.integers(0, 10_000), keep=st.sampled_from(["all", "first", "last", "none"]))
@@ -118,6 +123,7 @@ class LivenessMachine(RuleBasedStateMachine):
         expected = self.eager[fn](*[a.clone() for a in args])
         out = self.fns[fn](*args)
         self.calls[fn] += 1
+        self.total += 1
         assert_close(out, expected)
         got, exp = tensor_leaves(out), tensor_leaves(expected)
         pairs = list(zip(got, exp, strict=True))
@@ -128,7 +134,7 @@ class LivenessMachine(RuleBasedStateMachine):
         elif keep == "none":
             pairs = []
         for g, e in pairs:
-            self.held.append(_Held(g, fn, self.calls[fn], e))
+            self.held.append(_Held(g, fn, self.total if self.shared else self.calls[fn], e))
 
     @precondition(lambda self: self.held)
     @rule(i=st.integers(0, 1000), kind=st.sampled_from(READS))
@@ -192,9 +198,10 @@ class LivenessMachine(RuleBasedStateMachine):
             assert_close(v, e)
 
 
-def test_liveness_state_machine(device):
+@pytest.mark.parametrize("shared", [False, True], ids=["own-pools", "shared-pool"])
+def test_liveness_state_machine(device, shared):
     run_state_machine_as_test(
-        lambda: LivenessMachine(device),
+        lambda: LivenessMachine(device, shared),
         settings=settings(max_examples=25, stateful_step_count=20, deadline=None),
     )
 
