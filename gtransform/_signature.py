@@ -19,7 +19,7 @@ import torch
 from ._errors import RerecordWarning
 from ._liveness import PoolState
 from ._record import Recording
-from ._trace import Plan, plain_layout
+from ._trace import TENSOR_ATTR, Plan, plain_layout
 from ._tree import static_leaf_key, tensor_meta
 
 __all__ = [
@@ -123,11 +123,15 @@ def has_grad(t: torch.Tensor) -> bool:
 
 
 def tensor_attrs(t: torch.Tensor) -> Optional[Dict[str, Any]]:
-    """The Python attributes of a tensor input that the trace's stand-in gets (tensors left out)."""
+    """The Python attributes of a tensor input that the trace's stand-in gets.
+
+    Tensor-valued ones are given as :data:`TENSOR_ATTR`: the trace sets a
+    stand-in whose use is refused (see ``_trace._TensorAttr``).
+    """
     d = t.__dict__
     if not d:
         return None
-    return {k: v for k, v in d.items() if not isinstance(v, torch.Tensor)}
+    return {k: (TENSOR_ATTR if isinstance(v, torch.Tensor) else v) for k, v in d.items()}
 
 
 def attrs_key(t: torch.Tensor) -> Any:

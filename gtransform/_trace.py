@@ -540,6 +540,59 @@ class _FnWatch(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+TENSOR_ATTR = object()  # a tensor-valued attribute of an input (see _signature.tensor_attrs)
+
+
+class _TensorAttr:
+    """Stand-in for a tensor that the caller hung on a tensor argument (``p.mask = m``).
+
+    Any use of it is a GraphifyError with the fix: such a tensor is neither an
+    argument nor state the function reaches, so a recording would freeze it.
+    """
+
+    __slots__ = ("_gt_where",)
+
+    def __init__(self, watch: Any, path: str, name: str):
+        object.__setattr__(self, "_gt_where", (watch, path, name))
+
+    def _gt_fail(self) -> None:
+        watch, path, name = object.__getattribute__(self, "_gt_where")
+        watch._fail(
+            f"the function uses {path}.{name}, a tensor set as a Python attribute of input {path}.",
+            "a recording takes tensors as arguments or as state it reaches (closures, modules, "
+            "globals); a tensor hung on an argument is neither, so the recording would keep the "
+            "first call's tensor.",
+            f"pass {path}.{name} as an argument of its own (e.g. f(p, p.{name}) instead of f(p)), "
+            "or keep it on a module or in a closure that the function reads.",
+        )
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
+        for a in list(args) + list((kwargs or {}).values()):
+            if isinstance(a, _TensorAttr):
+                a._gt_fail()
+        raise TypeError("unreachable")  # pragma: no cover
+
+    def __getattr__(self, name: str) -> Any:
+        self._gt_fail()
+
+    def __repr__(self) -> str:
+        watch, path, name = object.__getattribute__(self, "_gt_where")
+        return f"<tensor attribute {path}.{name} (not traceable)>"
+
+
+def _tensor_attr_fail(self: _TensorAttr, *a: Any, **k: Any) -> Any:
+    self._gt_fail()
+
+
+for _name in ("add", "sub", "mul", "matmul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor",
+              "lt", "le", "gt", "ge", "neg", "pos", "abs", "invert", "bool", "float", "int", "index",
+              "len", "iter", "getitem", "setitem", "array", "contains"):
+    setattr(_TensorAttr, f"__{_name}__", _tensor_attr_fail)
+    if _name in ("add", "sub", "mul", "matmul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor"):
+        setattr(_TensorAttr, f"__r{_name}__", _tensor_attr_fail)
+
+
 _SEED_FNS = (
     (torch, "manual_seed"),
     (torch.random, "manual_seed"),
@@ -883,9 +936,6 @@ def trace(
             if rg:
                 t.requires_grad_(True)
             fakes.append(t)
-    for t, a in zip(fakes, attrs):
-        if a:
-            t.__dict__.update(a)
     box: Dict[str, Any] = {}
     storages: Dict[Any, int] = {}
     paths = list(in_paths)
@@ -894,6 +944,9 @@ def trace(
     watch = _Watch(storages, paths, desc, cuda, mode, index, len(fakes))
     watch.overlapping = {i for i, sp in enumerate(in_specs) if _overlaps(sp[0], sp[1])}
     fnwatch = _FnWatch(watch, storages, len(fakes), plain if plain is not None else [True] * len(fakes), grads)
+    for i, (t, a) in enumerate(zip(fakes, attrs)):
+        if a:
+            t.__dict__.update({k: (_TensorAttr(watch, paths[i], k) if v is TENSOR_ATTR else v) for k, v in a.items()})
 
     def is_ours(v: Any) -> bool:
         return isinstance(v, FakeTensor) and v.fake_mode is mode

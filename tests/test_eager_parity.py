@@ -256,6 +256,30 @@ def test_unchanged_attributes_keep_hitting_the_recording(device):
     assert f.cache_info().misses == 1
 
 
+@pytest.mark.parametrize("use", ["operand", "reflected", "method", "index", "torch_fn"])
+def test_a_tensor_attribute_of_an_input_is_refused_with_the_fix(device, use):
+    uses = {
+        "operand": lambda p: p * p.mask,  # ATTR-LINE
+        "reflected": lambda p: p.mask * p,  # ATTR-LINE
+        "method": lambda p: p + p.mask.sum(),  # ATTR-LINE
+        "index": lambda p: p + p.mask[0],  # ATTR-LINE
+        "torch_fn": lambda p: torch.where(p.mask > 0, p, 0.0),  # ATTR-LINE
+    }
+    p = torch.ones(3, device=device)
+    p.mask = torch.tensor([1.0, 0.0, 1.0], device=device)
+    with pytest.raises(gt.GraphifyError, match=r"(?s)uses args\[0\]\.mask, a tensor set as a Python attribute.*ATTR-LINE"
+                       r".*Fix: pass args\[0\]\.mask as an argument of its own"):
+        gt.graphify(uses[use])(p)
+
+
+def test_a_tensor_attribute_the_function_does_not_use_is_fine(device):
+    f = gt.graphify(lambda p: p * p.scale * (p.mask is not None))
+    p = torch.ones(3, device=device)
+    p.mask, p.scale = torch.zeros(3, device=device), 2.0
+    for _ in range(3):
+        torch.testing.assert_close(f(p), torch.full((3,), 2.0, device=device))
+
+
 # -- §5: a tensor returned as the function reached it ------------------------------
 
 
