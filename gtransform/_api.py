@@ -54,7 +54,7 @@ from ._signature import (
     sig_brief,
     tensor_attrs,
 )
-from ._state import env_key_fn, find_roots
+from ._state import change_error, env_key_fn, find_roots
 from ._trace import FOR_GRAD, plain_layout, trace, tracing
 from ._tree import flatten, leaf_paths, static_leaf_key, tensor_meta, unflatten
 
@@ -497,13 +497,24 @@ class Graphified(Generic[P, R]):
             raise
         if device is None and plan.uses_cuda and torch.cuda.is_available():
             cuda = True
-        warm = not plan.touches_state or key in st.warmed
+        model_changes = [c for c in plan.py_changes if c.model]
+        if model_changes and record:
+            # Python numbers the trace changed in modules or optimizers (self.calls += 1 in
+            # forward): undone, so that this call, run eagerly, does exactly what eager does.
+            # Changed again by a trace after an eager call, they change on every call, which a
+            # replay cannot do. (Plain dicts and objects keep trace-time changes, as in JAX:
+            # a counter of traces.)
+            for c in model_changes:
+                c.undo()
+            if key in st.warmed:
+                raise change_error(self._desc, model_changes)
+        warm = not (plan.touches_state or model_changes) or key in st.warmed
         if record and not warm:
             st.warmed.add(key)
             if log.isEnabledFor(logging.INFO):
-                log.info("%s: this signature touches state (%d state tensors, %d written back): its first "
-                         "call runs eagerly, the next one is recorded", self._desc, len(plan.state),
-                         len(plan.escape_slots))
+                log.info("%s: this signature touches state (%d state tensors, %d written back, %d Python "
+                         "values changed): its first call runs eagerly, the next one is recorded",
+                         self._desc, len(plan.state), len(plan.escape_slots), len(model_changes))
             return None
         e = Entry(key, spec, leaves, tpos, statics, plan, cuda)
         if plan.touches_state:

@@ -234,6 +234,14 @@ class Change:
     path: str
     old: Any
     new: Any
+    where: Any = None  # the dict it lives in (an object's __dict__, a param group, a dict)
+    key: Any = None
+    model: bool = False  # a module attribute or an optimizer hyperparameter (not a plain container)
+
+    def undo(self) -> None:
+        """Put the old value back, unless something else changed it since."""
+        if self.where is not None and self.where.get(self.key, _MISSING) == self.new:
+            self.where[self.key] = self.old
 
 
 @dataclass
@@ -289,19 +297,19 @@ class Snapshot:
         """What the trace left in the roots: fakes (escapes) and changed Python numbers."""
         res = ScanResult()
 
-        def attrs(path: str, obj: Any, now: Dict[str, Any], old: Dict[str, Any], skip: Set[str]) -> None:
+        def attrs(path: str, obj: Any, now: Dict[str, Any], old: Dict[str, Any], skip: Set[str], model: bool) -> None:
             for k, v in now.items():
                 if k in skip:
                     continue
                 if is_fake(v):
                     res.escapes.append((Slot("attr", obj, k, f"{path}.{k}"), v))
                 elif type(v) in _NUMBERS and k in old and type(old[k]) in _NUMBERS and old[k] != v:
-                    res.changes.append(Change(f"{path}.{k}", old[k], v))
+                    res.changes.append(Change(f"{path}.{k}", old[k], v, now, k, model))
 
         for kind, path, obj, saved in self.items:
             if kind == "module":
                 d, params, bufs, _mods, grads = saved
-                attrs(path, obj, obj.__dict__, d, {"_parameters", "_buffers", "_modules"})
+                attrs(path, obj, obj.__dict__, d, {"_parameters", "_buffers", "_modules"}, True)
                 for n, p in obj._parameters.items():
                     if p is None:
                         continue
@@ -326,7 +334,7 @@ class Snapshot:
                         if is_fake(v):
                             res.escapes.append((Slot("item", g, k, f"{path}.param_groups[{i}][{k!r}]"), v))
                         elif type(v) in _NUMBERS and type(old.get(k)) in _NUMBERS and old[k] != v:
-                            res.changes.append(Change(f"{path}.param_groups[{i}][{k!r}]", old[k], v))
+                            res.changes.append(Change(f"{path}.param_groups[{i}][{k!r}]", old[k], v, g, k, True))
             elif kind == "tensor":
                 if is_fake(obj.grad):
                     res.escapes.append((Slot("grad", obj, "grad", f"{path}.grad"), obj.grad))
@@ -344,9 +352,9 @@ class Snapshot:
                     if is_fake(v):
                         res.escapes.append((Slot("item", obj, k, f"{path}[{k!r}]"), v))
                     elif type(v) in _NUMBERS and type(saved.get(k)) in _NUMBERS and saved[k] != v:
-                        res.changes.append(Change(f"{path}[{k!r}]", saved[k], v))
+                        res.changes.append(Change(f"{path}[{k!r}]", saved[k], v, obj, k))
             elif kind == "object":
-                attrs(path, obj, vars(obj), saved, set())
+                attrs(path, obj, vars(obj), saved, set(), False)
         return res
 
     def restore(self) -> None:

@@ -521,3 +521,87 @@ def test_host_read_inside_a_library_names_both_lines(tmp_path, monkeypatch):
     msg = str(ei.value)
     assert "test_state.py" in msg and "fakeode.odeint" in msg  # the user's line
     assert "read at" in msg and "fakeode" in msg and "float(t[1] - t[0])" in msg  # the library's
+
+
+class _CallCounter(torch.nn.Module):
+    """A module that counts its calls in a Python int and uses the count."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(2, 2)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.lin(x) * self.calls
+
+
+def test_a_python_number_a_module_changes_on_every_call_is_refused(device):
+    torch.manual_seed(0)
+    m = _CallCounter().to(device)
+    ref = _CallCounter().to(device)
+    ref.load_state_dict(m.state_dict())
+    g = gt.graphify(m)
+    x = torch.ones(1, 2, device=device)
+    assert_close(g(x), ref(x))  # the first call runs eagerly: exactly eager's
+    assert m.calls == ref.calls == 1  # the trace's own increment was undone
+    with pytest.raises(gt.GraphifyError, match=r"(?s)changes Python numbers in the state it reaches \(module\.calls: 1 -> 2\)"
+                       r".*Fix: keep the value in a tensor updated in place"):
+        g(x)
+    assert m.calls == 1  # refused: nothing happened
+    assert_close(m(x), ref(x))  # the module stays usable
+
+
+def test_a_python_number_set_once_by_a_module_is_recorded(device):
+    class Lazy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(2, 2)
+            self.scale = 0.0
+
+        def forward(self, x):
+            if self.scale == 0.0:
+                self.scale = 3.0  # set on the first call only
+            return self.lin(x) * self.scale
+
+    torch.manual_seed(0)
+    m = Lazy().to(device)
+    g = gt.graphify(m)
+    x = torch.ones(1, 2, device=device)
+    for _ in range(4):
+        assert_close(g(x), m.lin(x) * 3.0)
+    assert m.scale == 3.0
+    assert g.cache_info().currsize == 1
+
+
+def test_an_optimizer_hyperparameter_changed_in_the_step_is_refused(device):
+    lin = torch.nn.Linear(2, 1).to(device)
+    opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+
+    def step(x):
+        opt.zero_grad()
+        lin(x).sum().backward()
+        opt.step()
+        opt.param_groups[0]["lr"] *= 0.5  # a decay inside the step: eager halves it every call
+
+    g = gt.graphify(step)
+    x = torch.ones(1, 2, device=device)
+    g(x)
+    assert opt.param_groups[0]["lr"] == 0.05
+    with pytest.raises(gt.GraphifyError, match=r"param_groups\[0\]\['lr'\]: 0\.05 -> 0\.025"):
+        g(x)
+    assert opt.param_groups[0]["lr"] == 0.05
+
+
+def test_a_counter_of_traces_in_a_plain_dict_counts_traces(device):
+    """As in JAX: Python side effects on plain containers happen when the function is traced."""
+    n = {"traces": 0}
+
+    def f(x):
+        n["traces"] += 1
+        return x * 2
+
+    g = gt.graphify(f)
+    for _ in range(4):
+        assert_close(g(torch.ones(2, device=device)), torch.full((2,), 2.0, device=device))
+    assert n["traces"] == 1
