@@ -205,9 +205,15 @@ class GraphFn(torch.autograd.Function):
             # ... and draws the forward's random numbers again (dropout's mask)
             box.rng = rng_snapshot(e.plan)
         outs = g._run_flat(e, st, list(tensors))
-        # autograd.Function may not return an input as-is when it also saves it
+        # autograd.Function may not return an input as-is when it also saves it; a view
+        # of an input that does not require grad in eager (x.detach()) is made from the
+        # detached input, as eager's is (else autograd hands it out requiring grad)
         ids = {id(t) for t in tensors}
-        return tuple(o.view_as(o) if id(o) in ids else o for o in outs)
+        rg = e.plan.rg_traced
+        return tuple(
+            o.detach() if rg and oe.kind == "input" and not oe.requires_grad else o.view_as(o) if id(o) in ids else o
+            for o, oe in zip(outs, e.plan.tensor_entries)
+        )
 
     @staticmethod
     def setup_context(ctx: Any, inputs: Tuple[Any, ...], output: Any) -> None:
@@ -224,7 +230,10 @@ class GraphFn(torch.autograd.Function):
         pre = box.pre or {}
         box.pre = None
         ctx.save_for_backward(*[pre.get(i, t) for i, t in enumerate(inputs[1:])])
-        nd = [o for o in output if not (o.is_floating_point() or o.is_complex())]
+        # outputs that do not require grad in eager (detached, made under no_grad, integer)
+        plan = box.entry.plan
+        nd = [o for o, oe in zip(output, plan.tensor_entries)
+              if not ((oe.requires_grad or not plan.rg_traced) and (o.is_floating_point() or o.is_complex()))]
         if nd:
             ctx.mark_non_differentiable(*nd)
 
@@ -344,6 +353,12 @@ def call_with_autograd(g: Any, e: Any, leaves: List[Any], spec: Any, statics: An
     outs = GraphFn.apply(box, *tensors)
     if box.part is not None:
         outs = outs[: box.part.n_out]
+    else:
+        ents = box.entry.plan.tensor_entries
+        if any(oe.identical for oe in ents):
+            # an input returned as it came in (return lin.weight) is that very tensor, as in
+            # eager, not the autograd.Function's view of it (gradients reach it directly)
+            outs = tuple(tensors[oe.index] if oe.identical else o for o, oe in zip(outs, ents))
     return box.entry.plan.assemble(outs)
 
 

@@ -134,6 +134,7 @@ class OutEntry:
     stride: Tuple[int, ...] = ()
     rel_offset: int = 0
     identical: bool = False
+    requires_grad: bool = False  # tensor: whether the function's output required grad while tracing
 
 
 @dataclass
@@ -157,6 +158,9 @@ class Plan:
     grad_idx: Set[int] = field(default_factory=set)
     # lines that registered tensor hooks (honoured by the joint trace, lost by a recompute)
     hooks: List[str] = field(default_factory=list)
+    # whether the outputs' requires_grad seen while tracing is eager's (inputs that
+    # require grad, traced outside torch.func: there the stand-ins do not)
+    rg_traced: bool = False
     # state (see _state.py): real tensors read as extra inputs after the
     # caller's, where each lives, and tensors left in Python state
     state: List[torch.Tensor] = field(default_factory=list)
@@ -1072,7 +1076,9 @@ def trace(
         if not isinstance(leaf, torch.Tensor):
             entries.append(OutEntry("const", value=leaf))
             continue
-        entries.append(entry(leaf, f"output {k}"))
+        ent = entry(leaf, f"output {k}")
+        ent.requires_grad = bool(leaf.requires_grad)
+        entries.append(ent)
         k += 1
     esc_entries: List[OutEntry] = []
     for slot, fake in scan.escapes:
@@ -1100,6 +1106,7 @@ def trace(
         layout_idx=set(fnwatch.layout_used),
         grad_idx=set(fnwatch.grad_read),
         hooks=list(fnwatch.hooks),
+        rg_traced=(any(sp[4] for sp in in_specs) or any(f.requires_grad for f in watch.state_fakes)) and not fnwatch.for_grad,
         ran_backward=any(s.kind == "grad" for s, _ in scan.escapes) or any(
             s is not None and s.kind == "grad" for s in state_slots),
         fn=fn,

@@ -267,3 +267,50 @@ def test_attention_with_dropout_trains_like_eager(device, dtype):
             f(x).float().square().mean().backward()
         for (n, a), b in zip(ref.named_parameters(), mod.parameters()):
             torch.testing.assert_close(b.grad, a.grad, msg=f"step {step}: {n}.grad")
+
+
+@pytest.mark.parametrize("case", ["detach", "detach_and_product", "view_and_detached_product", "input_and_detached_view"])
+def test_outputs_aliasing_inputs_require_grad_as_in_eager(device, case):
+    """The recompute path (an output is an input or a view of one) hands out detached outputs detached."""
+    fns = {
+        "detach": lambda x: x.detach(),
+        "detach_and_product": lambda x: (x.detach(), x * 2),
+        "view_and_detached_product": lambda x: (x[1:], (x * 3).detach()),
+        "input_and_detached_view": lambda x: (x, x[:1].detach()),
+    }
+    fn = fns[case]
+    g = gt.graphify(fn)
+    for _ in range(3):
+        x = torch.ones(2, device=device, requires_grad=True)
+        got, want = g(x), fn(x)
+        got = got if isinstance(got, tuple) else (got,)
+        want = want if isinstance(want, tuple) else (want,)
+        assert [t.requires_grad for t in got] == [t.requires_grad for t in want]
+        for t, w in zip(got, want):
+            torch.testing.assert_close(t.detach(), w.detach())
+
+
+def test_a_detached_input_returned_can_be_updated_in_place_as_in_eager(device):
+    g = gt.graphify(lambda x: x.detach())
+    for _ in range(3):
+        x = torch.ones(2, device=device, requires_grad=True)
+        g(x).add_(1)  # eager: allowed, and it changes x
+        torch.testing.assert_close(x.detach(), torch.full((2,), 2.0, device=device))
+
+
+def test_a_parameter_returned_as_is_under_autograd_is_that_parameter(device):
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(2, 2).to(device)
+    fn = lambda x: (lin(x), lin.weight)  # noqa: E731
+    g = gt.graphify(fn)
+    for _ in range(3):
+        x = torch.ones(1, 2, device=device)
+        y, w = g(x)
+        assert w is lin.weight  # eager returns the Parameter itself, not a view of it
+        (y.sum() + w.sum()).backward()
+        got = lin.weight.grad.clone()
+        lin.zero_grad()
+        y, w = fn(x)
+        (y.sum() + w.sum()).backward()
+        torch.testing.assert_close(got, lin.weight.grad)
+        lin.zero_grad()
