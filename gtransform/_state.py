@@ -237,6 +237,7 @@ class Change:
     where: Any = None  # the dict it lives in (an object's __dict__, a param group, a dict)
     key: Any = None
     model: bool = False  # a module attribute or an optimizer hyperparameter (not a plain container)
+    owner: Any = None  # the module whose attribute it is
 
     def undo(self) -> None:
         """Put the old value back, unless something else changed it since."""
@@ -304,7 +305,7 @@ class Snapshot:
                 if is_fake(v):
                     res.escapes.append((Slot("attr", obj, k, f"{path}.{k}"), v))
                 elif type(v) in _NUMBERS and k in old and type(old[k]) in _NUMBERS and old[k] != v:
-                    res.changes.append(Change(f"{path}.{k}", old[k], v, now, k, model))
+                    res.changes.append(Change(f"{path}.{k}", old[k], v, now, k, model, obj))
 
         for kind, path, obj, saved in self.items:
             if kind == "module":
@@ -622,8 +623,15 @@ def escape_error(desc: str, where: List[str], site: str) -> GraphifyError:
 def change_error(desc: str, changes: Sequence[Change]) -> GraphifyError:
     """The function changes Python numbers in reachable state on every call."""
     listing = "; ".join(f"{c.path}: {c.old!r} -> {c.new!r}" for c in changes[:4])
+    where = ""
+    for c in changes:
+        fwd = getattr(type(c.owner), "forward", None) if isinstance(c.owner, _Module) else None
+        code = getattr(fwd, "__code__", None)
+        if code is not None:
+            where = f"  in {type(c.owner).__name__}.forward at {code.co_filename}:{code.co_firstlineno}\n"
+            break
     return GraphifyError(
-        f"{desc}: the function changes Python numbers in the state it reaches ({listing}).\n"
+        f"{desc}: the function changes Python numbers in the state it reaches ({listing}).\n{where}"
         "Why: a recording replays tensor work only; a Python-side update would happen once, "
         "while tracing, and never again, and the value it reads would be frozen.\n"
         "Fix: keep the value in a tensor updated in place (e.g. self.register_buffer('n', "
