@@ -694,7 +694,12 @@ def _data_dependent(desc: str, exc: BaseException, cuda: bool = False) -> Graphi
     if inner is not None and (fr is None or (inner.filename, inner.lineno) != (fr.filename, fr.lineno)):
         where += f"\n  read at {format_frame(inner)}"
     hint = ""
-    if any(os.sep + os.path.join("torch", "optim") + os.sep in f.filename for f in tb):
+    optim = [f for f in tb if os.sep + os.path.join("torch", "optim") + os.sep in f.filename]
+    if optim and "lr" in (optim[-1].line or "") and "step" not in (optim[-1].line or ""):
+        hint = (f" The read is inside torch.optim ({format_frame(optim[-1])}): this optimizer reads a "
+                "tensor learning rate on the host. Pass lr as a Python float (a scheduler that changes "
+                "it then records once per value), or keep opt.step() outside the graphified function.")
+    elif optim:
         if cuda:
             hint = (" The read is inside torch.optim: construct the optimizer with capturable=True, so its "
                     "step count stays a tensor on the GPU instead of being read on the host.")

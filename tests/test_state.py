@@ -605,3 +605,19 @@ def test_a_counter_of_traces_in_a_plain_dict_counts_traces(device):
     for _ in range(4):
         assert_close(g(torch.ones(2, device=device)), torch.full((2,), 2.0, device=device))
     assert n["traces"] == 1
+
+
+def test_a_tensor_learning_rate_read_on_the_host_names_the_fix():
+    lin = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(lin.parameters(), lr=torch.tensor(0.1))
+
+    def step(x):
+        opt.zero_grad()
+        lin(x).sum().backward()
+        opt.step()
+
+    g = gt.graphify(step)
+    g(torch.ones(1, 2))  # touches state: eager
+    with pytest.raises(gt.GraphifyError, match=r"(?s)inside torch\.optim .*reads a tensor learning rate on the host"
+                       r".*Pass lr as a Python float"):
+        g(torch.ones(1, 2))
