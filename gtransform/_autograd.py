@@ -353,12 +353,10 @@ def call_with_autograd(g: Any, e: Any, leaves: List[Any], spec: Any, statics: An
     outs = GraphFn.apply(box, *tensors)
     if box.part is not None:
         outs = outs[: box.part.n_out]
-    else:
-        ents = box.entry.plan.tensor_entries
-        if any(oe.identical for oe in ents):
-            # an input returned as it came in (return lin.weight) is that very tensor, as in
-            # eager, not the autograd.Function's view of it (gradients reach it directly)
-            outs = tuple(tensors[oe.index] if oe.identical else o for o, oe in zip(outs, ents))
+    elif box.entry.plan.any_identical:
+        # an input returned as it came in (return lin.weight) is that very tensor, as in
+        # eager, not the autograd.Function's view of it (gradients reach it directly)
+        outs = tuple(tensors[oe.index] if oe.identical else o for o, oe in zip(outs, box.entry.plan.tensor_entries))
     return box.entry.plan.assemble(outs)
 
 
@@ -369,10 +367,10 @@ def rng_snapshot(plan: Any) -> List[Tuple[Any, torch.Tensor]]:
     explicit ones.
     """
     snap: List[Tuple[Any, torch.Tensor]] = [(None, torch.get_rng_state())]
-    if getattr(plan, "cuda", False) and torch.cuda.is_initialized():
+    if (plan.cuda or plan.uses_cuda) and torch.cuda.is_initialized():
         dev = torch.cuda.current_device()
         snap.append((dev, torch.cuda.get_rng_state(dev)))
-    for gen in getattr(plan, "generators", ()) or ():
+    for gen in plan.generators:
         snap.append((gen, gen.get_state()))
     return snap
 

@@ -179,6 +179,7 @@ class Plan:
 
     def __post_init__(self) -> None:
         self.tensor_entries = [e for e in self.out_entries if e.kind != "const"]
+        self.any_identical = any(e.identical for e in self.tensor_entries)  # an input returned as is
         self.n_user_in = len(self.in_paths) - len(self.state)
         self.touches_state = bool(self.state or self.escape_slots)
         self.all_const = not self.tensor_entries
