@@ -134,6 +134,14 @@ def _plain_object(v: Any) -> bool:
     return not (mod.startswith("torch") or mod.startswith("gtransform") or mod == "builtins")
 
 
+def _leaf_grad(t: torch.Tensor) -> Any:
+    """``t.grad`` where torch keeps one (a leaf, or ``retains_grad``), else None.
+
+    A non-leaf tensor's ``.grad`` is not read: reading it warns.
+    """
+    return t.grad if t.is_leaf or t.retains_grad else None
+
+
 def find_roots(fn: Any, extra: Sequence[Tuple[str, Any]] = ()) -> List[Root]:
     """Modules, optimizers, containers and plain objects that ``fn`` reaches (two levels).
 
@@ -283,7 +291,7 @@ class Snapshot:
                 if id(obj) in seen:
                     continue
                 seen.add(id(obj))
-                self.items.append(("tensor", r.name, obj, obj.grad))
+                self.items.append(("tensor", r.name, obj, _leaf_grad(obj)))
             elif isinstance(obj, list):
                 seen.add(id(obj))
                 self.items.append(("list", r.name, obj, list(obj)))
@@ -337,7 +345,7 @@ class Snapshot:
                         elif type(v) in _NUMBERS and type(old.get(k)) in _NUMBERS and old[k] != v:
                             res.changes.append(Change(f"{path}.param_groups[{i}][{k!r}]", old[k], v, g, k, True))
             elif kind == "tensor":
-                if is_fake(obj.grad):
+                if is_fake(_leaf_grad(obj)):
                     res.escapes.append((Slot("grad", obj, "grad", f"{path}.grad"), obj.grad))
             elif kind == "list":
                 old = saved
@@ -385,7 +393,7 @@ class Snapshot:
                         s.update(old)
                         state[p] = s
                 elif kind == "tensor":
-                    if obj.grad is not saved:
+                    if _leaf_grad(obj) is not saved:
                         obj.grad = saved
                 elif kind == "list":
                     if any(isinstance(v, torch.Tensor) for v in obj) or any(isinstance(v, torch.Tensor) for v in saved):
@@ -468,8 +476,9 @@ class StateIndex:
                         self._add(op.grad, Slot("grad", op, "grad", f"{pnames.get(id(op), '?')}.grad"))
             elif isinstance(obj, torch.Tensor):
                 self.names.setdefault(id(obj), r.name)
-                if obj.grad is not None:
-                    self._add(obj.grad, Slot("grad", obj, "grad", f"{r.name}.grad"))
+                g = _leaf_grad(obj)
+                if g is not None:
+                    self._add(g, Slot("grad", obj, "grad", f"{r.name}.grad"))
             elif isinstance(obj, dict):
                 for k, v in obj.items():
                     if isinstance(v, torch.Tensor):

@@ -315,7 +315,16 @@ class _Watch(TorchDispatchMode):
                     "keep that state on the GPU (module.to(device); for torch.optim optimizers pass "
                     "capturable=True so their step counts live on the GPU), or pass a Python number.",
                 )
-            f = self.mode.from_tensor(t, static_shapes=True)
+            if t.grad_fn is not None:
+                # a tensor with autograd history (``W = base * 2`` closed over, a cache an eager
+                # call in grad mode wrote into): traced as a leaf that requires grad, like a
+                # parameter; at call time it is an input of the autograd node, so gradients
+                # flow on into its history as in eager
+                made = self.mode.from_tensor(t.detach(), static_shapes=True)
+                made.requires_grad_(True)
+            else:
+                made = self.mode.from_tensor(t, static_shapes=True)
+            f = made
             self._fake_of[id(t)] = f
             self.state.append(t)
             self.state_fakes.append(f)
@@ -372,6 +381,20 @@ class _Watch(TorchDispatchMode):
                             "through the shared memory; the recording updates a copy and writes it back.",
                             f"pass {self.paths[idx]}.contiguous() or .clone() (or update a copy and "
                             "return it).",
+                        )
+                    if idx >= self.n_in and self.state[idx - self.n_in].grad_fn is not None and torch.is_grad_enabled():
+                        hist = self.state[idx - self.n_in].grad_fn
+                        self._fail(
+                            f"{func} updates {self.paths[idx]} in place, a tensor in state the function "
+                            f"reaches (not an argument) that carries autograd history "
+                            f"(grad_fn={type(hist).__name__}): an earlier call in grad mode wrote a tensor "
+                            "that requires grad into it (a KV cache updated by a decode step run outside "
+                            "torch.no_grad(), for instance).",
+                            "gtransform keeps state as plain memory between calls; it cannot grow the "
+                            "autograd graph that eager extends through that tensor on every call.",
+                            "call the function under torch.no_grad() or torch.inference_mode() (decoding, "
+                            "rollouts), or write detached values into the state "
+                            "(cache.index_copy_(2, pos, k.detach())).",
                         )
                     written.append((t, idx, (t.shape, t.stride(), t.storage_offset())))
                     self.mutated.add(idx)
@@ -982,7 +1005,7 @@ def trace(
         scan = snap.scan(is_ours)
         slots = {(id(s.obj), s.kind, s.key) for s, _ in scan.escapes}
         for k, t in enumerate(watch.state):
-            g = getattr(t, "grad", None) if t.requires_grad else None
+            g = getattr(t, "grad", None) if t.requires_grad and (t.is_leaf or t.retains_grad) else None
             if is_ours(g) and (id(t), "grad", "grad") not in slots:
                 scan.escapes.append((Slot("grad", t, "grad", f"{watch.paths[watch.n_in + k]}.grad"), g))
         box["scan"] = scan

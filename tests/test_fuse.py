@@ -52,3 +52,24 @@ def test_fused_grad_step():
     for _ in range(3):
         x = torch.randn(16, 32, device="cuda")
         assert_close(step(w, x), torch.func.grad_and_value(loss)(w, x))
+
+
+def test_fused_state_with_autograd_history_is_refused_then_exact_under_no_grad():
+    """A cache buffer that an eager call in grad mode left with autograd history: refused in
+    grad mode (the trace once compiled a placeholder without memory into the fused graph),
+    eager's numbers under no_grad."""
+    from test_state import _Dec
+
+    torch.manual_seed(0)
+    d, ref = _Dec().cuda(), _Dec().cuda()
+    ref.load_state_dict(d.state_dict())
+    f = gt.graphify(d, fuse=True)
+    xs = [torch.randn(1, 1, 8, device="cuda") for _ in range(4)]
+    pos = [torch.tensor([t], device="cuda") for t in range(4)]
+    assert_close(f(xs[0], pos[0]), ref(xs[0], pos[0]))
+    with pytest.raises(gt.GraphifyError, match="carries autograd history"):
+        f(xs[1], pos[1])
+    with torch.no_grad():
+        for t in range(1, 4):
+            assert_close(f(xs[t], pos[t]), ref(xs[t], pos[t]))
+    assert_close(d.k, ref.k)

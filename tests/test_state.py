@@ -357,6 +357,73 @@ def test_kv_cache_decoder_matches_eager(device):
     torch.testing.assert_close(outs[0], outs[1])
 
 
+class _Dec(nn.Module):
+    """A decoder step with a KV cache in buffers, updated in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.kv, self.o = nn.Linear(8, 8), nn.Linear(8, 16), nn.Linear(8, 8)
+        self.register_buffer("k", torch.zeros(1, 16, 8))
+        self.register_buffer("v", torch.zeros(1, 16, 8))
+
+    def forward(self, x, pos):
+        k, v = self.kv(x).chunk(2, -1)
+        self.k.index_copy_(1, pos, k)
+        self.v.index_copy_(1, pos, v)
+        return self.o((self.q(x) @ self.k.transpose(1, 2)).softmax(-1) @ self.v)
+
+
+def test_kv_cache_with_autograd_history_is_refused_in_grad_mode_and_exact_under_no_grad(device, recwarn):
+    """A decode step run outside no_grad writes tensors that require grad into the cache: the
+    buffers then carry autograd history (grad_fn) that eager grows from call to call. That
+    cannot be recorded: a clear error, not a trace that reads a placeholder (which crashed
+    fuse=True) or a silently plain cache. Under no_grad the history plays no part: eager's
+    numbers, on the same (already touched) buffers."""
+    torch.manual_seed(0)
+    d, ref = _Dec().to(device), _Dec().to(device)
+    ref.load_state_dict(d.state_dict())
+    f = gt.graphify(d)
+    xs = [torch.randn(1, 1, 8, device=device) for _ in range(6)]
+    pos = [torch.tensor([t], device=device) for t in range(6)]
+    assert_close(f(xs[0], pos[0]), ref(xs[0], pos[0]))  # first call: eager
+    assert d.k.grad_fn is not None
+    with pytest.raises(gt.GraphifyError, match="carries autograd history") as ei:
+        f(xs[1], pos[1])
+    msg = str(ei.value)
+    assert "torch.no_grad()" in msg and ".k" in msg and "IndexCopyBackward" in msg
+    with torch.no_grad():
+        for t in range(1, 6):
+            got = f(xs[t], pos[t])
+            want = ref(xs[t], pos[t])
+            assert not got.requires_grad
+            assert_close(got, want)
+    assert_close(d.k, ref.k)
+    assert_close(d.v, ref.v)
+    assert f.cache_info().misses >= 1 and f.cache_info().hits >= 3
+    assert not [(w.filename, w.lineno, str(w.message)[:80]) for w in recwarn if "not a leaf Tensor" in str(w.message)]
+
+
+def test_closed_over_tensor_with_autograd_history_passes_gradients_on(device):
+    """W = base * 2 closed over: read-only state with a grad_fn is an input of the autograd
+    node (like a parameter), and the gradient flows on into base, every call, as in eager."""
+    base = torch.randn(3, 3, device=device, requires_grad=True)
+    W = base * 2
+    f = lambda x: (x @ W).tanh().sum()  # noqa: E731
+    g = gt.graphify(f)
+    for _ in range(4):
+        x = torch.randn(2, 3, device=device)
+        got = g(x)
+        assert got.requires_grad
+        (gb,) = torch.autograd.grad(got, base, retain_graph=True)
+        (want,) = torch.autograd.grad(f(x), base, retain_graph=True)
+        assert_close(got, f(x))
+        assert_close(gb, want)
+    assert g.cache_info().hits >= 2
+    with torch.no_grad():
+        x = torch.randn(2, 3, device=device)
+        assert_close(g(x), f(x))
+
+
 def test_inputs_are_real_before_any_kernel_runs(device):
     """Embedding, gather, index_select, cross_entropy targets: never uninitialised memory."""
     if device == "cuda":
