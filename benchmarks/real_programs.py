@@ -182,6 +182,36 @@ def llama_static_cache(dev):
 
 
 @program
+def llama_cache_after_grad_mode_call(dev):
+    """A decode step called once outside no_grad (its StaticCache's tensors then carry
+    autograd history), then decoding under no_grad: eager's logits on every step."""
+    from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
+
+    cfg = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).to(dev).eval()
+
+    def run(graph):
+        cache = StaticCache(config=cfg, max_cache_len=32)
+
+        def step(tok, pos):
+            return model(input_ids=tok, past_key_values=cache, position_ids=pos.view(1, 1), use_cache=True).logits
+
+        f = gt.graphify(step) if graph else step
+        tok = torch.tensor([[1]], device=dev)
+        outs = [f(tok, torch.tensor([0], device=dev)).detach().clone()]  # grad mode: the first call
+        with torch.no_grad():
+            for t in range(1, 10):
+                lg = f(tok, torch.tensor([t], device=dev))
+                outs.append(lg.clone())
+                tok = lg[:, -1:].argmax(-1)
+        return outs
+
+    return _maxdiff(run(False), run(True))
+
+
+@program
 def log_append(dev):
     log = []
 
