@@ -172,6 +172,9 @@ def build_fast_path(owner: Any, entry: Any, rec: Any, pool: Any) -> Any:
         else:
             flat.append(f"{name} = {g.const(slot.obj, 'S')}[{g.const(slot.key, 'S')}]")
 
+    for t in entry.grad_none:  # a .grad that must not be there (see Entry.grad_none)
+        flat.append(f"if {g.const(t, 'S')}.grad is not None: return MISS")
+
     checks: List[str] = []
     tens = [leaves[i] for i in entry.tpos] + state_names
     if entry.env is not None:

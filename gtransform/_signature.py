@@ -154,7 +154,7 @@ class Entry:
     __slots__ = (
         "key", "spec", "tpos", "consts", "statics", "guard", "plan", "rec", "first_refs",
         "calls", "cuda", "any_rg", "must_static", "alias", "n_leaves", "bwd", "const_vals", "parts",
-        "state_src", "env", "env_val", "n_user", "state_static", "glob", "orders", "attrs",
+        "state_src", "env", "env_val", "n_user", "state_static", "glob", "orders", "attrs", "grad_none",
     )
 
     def __init__(self, key: Hashable, spec: Any, leaves: Sequence[Any], tpos: List[int], statics: Any, plan: Plan, cuda: bool):
@@ -187,6 +187,11 @@ class Entry:
         self.cuda = cuda
         self.env: Any = None
         self.env_val: Any = None
+        # tensors whose .grad the function's backward creates (written back after each call)
+        # and that had none when traced: eager accumulates into a .grad that is there (one
+        # the last call left, unless something set it to None in between), so a .grad being
+        # there at call time is another signature
+        self.grad_none = [s.obj for s in plan.escape_slots if s.kind == "grad" and s.get() is None]
         # state read in place (a .grad that is replaced every step is copied instead)
         self.state_static = {self.n_user + k for k, s in enumerate(plan.state_slots) if s is None or s.kind != "grad"}
         rg = [t.requires_grad for t in tensors]
@@ -227,6 +232,9 @@ class Entry:
         """Whether a call with these leaves (and state) replays this signature."""
         if len(leaves) != self.n_leaves or statics != self.statics:
             return False
+        for t in self.grad_none:
+            if t.grad is not None:
+                return False
         for i, k in self.consts:
             try:
                 if static_leaf_key(leaves[i]) != k:

@@ -424,6 +424,38 @@ def test_closed_over_tensor_with_autograd_history_passes_gradients_on(device):
         assert_close(g(x), f(x))
 
 
+def test_grad_accumulation_with_zero_grad_between_some_calls_matches_eager(device):
+    """backward() inside, no zero_grad inside: eager accumulates into .grad; the caller
+    sets it to None now and then. A recording traced while .grad was None creates it; when
+    a .grad is there again (the one the last call left) it must accumulate, not replace."""
+    x, y = torch.randn(8, 4, device=device), torch.randn(8, 2, device=device)
+    plan = ["call", "call", "none", "call", "call", "call", "zero", "call", "call", "none", "call", "call"]
+    got = []
+    for graph in (False, True):
+        torch.manual_seed(0)
+        m = nn.Linear(4, 2).to(device)
+
+        def step(x, y, m=m):
+            ((m(x) - y) ** 2).mean().backward()
+            return m.weight.grad
+
+        f = gt.graphify(step) if graph else step
+        seen = []
+        for what in plan:
+            if what == "none":
+                m.zero_grad(set_to_none=True)
+            elif what == "zero":
+                m.zero_grad(set_to_none=False)
+            else:
+                out = f(x, y)
+                seen.append((out.clone(), m.weight.grad.clone(), m.bias.grad.clone()))
+        got.append(seen)
+    for (a, b, c), (d, e, g) in zip(*got):
+        assert_close(d, a)
+        assert_close(e, b)
+        assert_close(g, c)
+
+
 def test_inputs_are_real_before_any_kernel_runs(device):
     """Embedding, gather, index_select, cross_entropy targets: never uninitialised memory."""
     if device == "cuda":
