@@ -456,6 +456,45 @@ def test_grad_accumulation_with_zero_grad_between_some_calls_matches_eager(devic
         assert_close(g, c)
 
 
+def test_forward_that_updates_a_parameter_in_place_keeps_outputs_differentiable_or_refuses(device):
+    """Embedding(max_norm=...) renormalises its weight in place (under no_grad) in forward.
+    Such a call once ran as a plain call (like an optimizer step), and its output came back
+    without requires_grad: the weight silently got no gradient. In grad mode it is now a
+    clear error; under no_grad, eager's numbers; an update that returns nothing (an EMA of
+    parameters) stays a plain call."""
+    torch.manual_seed(0)
+    m, ref = nn.Embedding(10, 4, max_norm=1.0).to(device), nn.Embedding(10, 4, max_norm=1.0).to(device)
+    ref.load_state_dict(m.state_dict())
+    f = gt.graphify(m)
+    i = torch.tensor([[1, 2, 3], [3, 4, 1]], device=device)
+    out = f(i)  # first call: eager
+    assert out.requires_grad
+    with pytest.raises(gt.GraphifyError, match="updates its inputs in place") as ei:
+        f(i)
+    assert "torch.no_grad()" in str(ei.value)
+    ref(i)
+    with torch.no_grad():
+        for _ in range(3):
+            assert_close(f(i), ref(i))
+    assert_close(m.weight, ref.weight)
+
+    src, ema, ref_ema = nn.Linear(3, 2).to(device), nn.Linear(3, 2).to(device), nn.Linear(3, 2).to(device)
+    ref_ema.load_state_dict(ema.state_dict())
+
+    def update(e=ema):
+        with torch.no_grad():
+            for pe, ps in zip(e.parameters(), src.parameters()):
+                pe.mul_(0.9).add_(ps, alpha=0.1)
+
+    u = gt.graphify(update)
+    for _ in range(4):
+        u()
+        update(ref_ema)
+    assert_close(ema.weight, ref_ema.weight)
+    assert_close(ema.bias, ref_ema.bias)
+    assert u.cache_info().hits >= 2
+
+
 def test_inputs_are_real_before_any_kernel_runs(device):
     """Embedding, gather, index_select, cross_entropy targets: never uninitialised memory."""
     if device == "cuda":
