@@ -22,7 +22,7 @@ overwritten activations.
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -139,7 +139,9 @@ def build_partition(plan: Any, metas: Sequence[Any], need: Sequence[bool], owner
     gm.graph.lint()
     gm.recompile()
     # the partitioner wants a functional graph (dropout's bernoulli_ and div_ are in place):
-    # functionalize it, as AOTAutograd does
+    # functionalize it, as AOTAutograd does. Views stay views (as in AOTAutograd): a view
+    # turned into a copy loses eager's strides, which random fills follow (see
+    # _random_ops_in_place)
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.func import functionalize
 
@@ -149,7 +151,7 @@ def build_partition(plan: Any, metas: Sequence[Any], need: Sequence[bool], owner
     with fmode:
         ins = [torch.empty_strided(shape, stride, dtype=dtype, device=device) for shape, stride, dtype, device in specs]
         with TRACE_LOCK:
-            gm = make_fx(functionalize(gm, remove="mutations_and_views"), tracing_mode="real")(*ins)
+            gm = make_fx(functionalize(gm, remove="mutations"), tracing_mode="real")(*ins)
     phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for k, n in enumerate(phs):
         n.target = n.name = f"primals_{k + 1}" if k < n_user + n_state else f"tangents_{k - n_user - n_state + 1}"
@@ -176,6 +178,7 @@ def build_partition(plan: Any, metas: Sequence[Any], need: Sequence[bool], owner
     gm.graph.lint()
     gm.recompile()
     fw_gm, bw_gm = default_partition(gm, None, num_fwd_outputs=n_out)
+    _random_ops_in_place(fw_gm)
     # a random op the backward does not use (the forward saved its result) must not draw
     # again: the backward graph is functional, so whatever no output needs goes
     bw_gm.graph.eliminate_dead_code(is_impure_node=lambda n: n.op in ("placeholder", "output"))
@@ -189,6 +192,47 @@ def build_partition(plan: Any, metas: Sequence[Any], need: Sequence[bool], owner
     part = Partition(fw, bw, n_out, n_fw - n_out, box["diff"], bw_gm, box["none"])
     part.tan_idx = tan_idx
     return part
+
+
+def _functional_random() -> Dict[Any, Any]:
+    aten = torch.ops.aten
+    pairs = [("bernoulli", "p", "bernoulli_", "float"), ("uniform", "default", "uniform_", "default"),
+             ("normal_functional", "default", "normal_", "default"), ("exponential", "default", "exponential_", "default"),
+             ("random", "default", "random_", "default"), ("random", "from", "random_", "from"), ("random", "to", "random_", "to")]
+    out = {}
+    for f, fo, i, io in pairs:
+        try:
+            out[getattr(getattr(aten, f), fo)] = getattr(getattr(aten, i), io)
+        except AttributeError:
+            pass
+    return out
+
+
+def _random_ops_in_place(gm: torch.fx.GraphModule) -> None:
+    """Random fills back in place, on a tensor laid out like eager's.
+
+    Functionalization turns dropout's ``empty_like(x).bernoulli_(p)`` into ``bernoulli(empty_like(x), p)``,
+    whose result is contiguous whatever ``x``'s strides: the same random stream then lands on
+    other elements than in eager when ``x`` is transposed (a mask that differs from eager's).
+    ``bernoulli_(empty_like(a), p)`` fills memory in eager's order. (These ops overwrite every
+    element: ``a``'s values play no part.)
+    """
+    table = _functional_random()
+    changed = False
+    for n in list(gm.graph.nodes):
+        inplace = table.get(n.target) if n.op == "call_function" else None
+        if inplace is None or not n.args or not isinstance(n.args[0], torch.fx.Node):
+            continue
+        with gm.graph.inserting_before(n):
+            fresh = gm.graph.call_function(torch.ops.aten.empty_like.default, (n.args[0],))
+            filled = gm.graph.call_function(inplace, (fresh, *n.args[1:]), dict(n.kwargs))
+        filled.meta.update(n.meta)
+        n.replace_all_uses_with(filled)
+        gm.graph.erase_node(n)
+        changed = True
+    if changed:
+        gm.graph.lint()
+        gm.recompile()
 
 
 def _output_metas(plan: Any) -> List[Any]:

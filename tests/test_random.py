@@ -144,3 +144,40 @@ def test_explicit_generator_draws_fresh_numbers_like_eager(device):
         want = x + torch.randn(x.shape, generator=g2, device=device)
         assert torch.equal(got, want)
         got = f(x, g1).clone()
+
+
+def test_dropout_mask_of_a_transposed_activation_under_autograd_is_eagers(device):
+    """Under autograd the forward is a functionalized, partitioned graph, where dropout's
+    empty_like(x).bernoulli_(p) had become bernoulli(x, p): contiguous whatever x's strides,
+    so the same random stream landed on other elements than in eager when x was a transpose
+    (nn.MultiheadAttention with batch_first, a TransformerEncoderLayer in train mode)."""
+    import torch.nn as nn
+
+    x = torch.randn(2, 5, 8, device=device)
+    w = torch.randn(8, 8, device=device, requires_grad=True)
+
+    def f(x):
+        return torch.nn.functional.dropout((x @ w).transpose(0, 1), 0.5, True)
+
+    g = gt.graphify(f)
+    for i in range(3):
+        torch.manual_seed(i)
+        want = f(x)
+        want_next = torch.rand(3, device=device)
+        torch.manual_seed(i)
+        got = g(x)
+        got_next = torch.rand(3, device=device)
+        assert torch.equal(got, want)
+        assert torch.equal(got_next, want_next)
+        (gw,) = torch.autograd.grad(got.pow(2).sum(), w)
+        (ew,) = torch.autograd.grad(want.pow(2).sum(), w)
+        assert_close(gw, ew)
+
+    torch.manual_seed(1)
+    layer = nn.TransformerEncoderLayer(8, 2, 16, batch_first=True).to(device)
+    gl = gt.graphify(layer)
+    for i in range(3):
+        torch.manual_seed(i)
+        want = layer(x)
+        torch.manual_seed(i)
+        assert_close(gl(x), want)
