@@ -113,8 +113,18 @@ def build_partition(plan: Any, metas: Sequence[Any], need: Sequence[bool], owner
             pairs = [(o, t) for o, t, d in zip(outs, tans, diff) if d]
             grads: Sequence[Any] = [None] * len(wrt)
             if pairs and wrt:
-                with watch:
-                    grads = torch.autograd.grad([o for o, _ in pairs], wrt, [t for _, t in pairs], allow_unused=True)
+                # hooks the caller registered on state (p.register_hook(...)) run where eager
+                # runs them, when the recording's gradient reaches the parameter: not in here,
+                # or the recorded backward would apply them a second time
+                muted = [(h, dict(h)) for h in (getattr(t, "_backward_hooks", None) for t in plan.state) if h]
+                for h, _ in muted:
+                    h.clear()
+                try:
+                    with watch:
+                        grads = torch.autograd.grad([o for o, _ in pairs], wrt, [t for _, t in pairs], allow_unused=True)
+                finally:
+                    for h, items in muted:
+                        h.update(items)
         box["diff"] = diff
         box["none"] = [g is None for g in grads]
         return tuple(detached) + tuple(g for g in grads if g is not None)

@@ -839,6 +839,20 @@ def flatten_output(out: Any, desc: str) -> Tuple[List[Any], Any]:
     return leaves, spec
 
 
+def _backward_hooked_modules(roots: Sequence[Root]) -> List[str]:
+    """Names of the modules the function reaches that have backward hooks ("(global)" for global ones)."""
+    mm = torch.nn.modules.module
+    if getattr(mm, "_global_backward_hooks", None) or getattr(mm, "_global_backward_pre_hooks", None):
+        return ["(global: register_module_full_backward_hook)"]
+    out: List[str] = []
+    for r in roots:
+        if isinstance(r.obj, torch.nn.Module):
+            for name, m in r.obj.named_modules():
+                if m._backward_hooks or getattr(m, "_backward_pre_hooks", None):
+                    out.append(f"{r.name}.{name} ({type(m).__name__})" if name else f"{r.name} ({type(m).__name__})")
+    return out
+
+
 def _lift_state(gm: torch.fx.GraphModule, fakes: Sequence[FakeTensor]) -> None:
     """Turn the graph's constants that are state into trailing placeholders (in ``fakes`` order)."""
     graph = gm.graph
@@ -1071,6 +1085,19 @@ def trace(
     if scan.appended:
         made = next((x for x in scan.sites if x), "")
         raise escape_error(desc, scan.appended, f"\n  made at {made}" if made else "")
+    if torch.is_grad_enabled() and not fnwatch.for_grad and (
+            any(sp[4] for sp in in_specs) or any(f.requires_grad for f in watch.state_fakes)):
+        hooked = _backward_hooked_modules(roots)
+        if hooked:
+            raise GraphifyError(
+                f"{desc}: the function uses module {hooked[0]}, which has backward hooks "
+                "(register_full_backward_hook / register_full_backward_pre_hook), in grad mode.\n"
+                "Why: eager calls those Python hooks in every backward; a recording's backward is "
+                "replayed without Python, so they would run once, while tracing, or never.\n"
+                "Fix: remove the hooks while the model runs graphified (handle.remove()), call it "
+                "under torch.no_grad() if no gradient is needed, or hook the parameters instead "
+                "(p.register_hook(...) runs when the gradient reaches p)."
+            )
     _lift_state(gm, watch.state_fakes)
     _drop_profiler_nodes(gm)
     gm.recompile()

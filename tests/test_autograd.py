@@ -429,3 +429,41 @@ def test_inplace_input_update_under_autograd_is_right_or_refused(device, same):
         assert_close(buf_g, buf_e)
         assert_close(wg.grad, we.grad)
         assert_close(loss.detach(), with_running_stat(w0, before, x))
+
+
+def test_parameter_hooks_run_once_and_module_backward_hooks_are_refused(device):
+    """p.register_hook(...) on a parameter runs where eager runs it, when the recording's
+    gradient reaches p (it was also traced into the recorded backward: applied twice).
+    A module's full backward hook is Python that eager calls in every backward: refused
+    in grad mode, with the fix; fine under no_grad."""
+    import torch.nn as nn
+
+    torch.manual_seed(0)
+    m, ref = nn.Linear(3, 2).to(device), nn.Linear(3, 2).to(device)
+    ref.load_state_dict(m.state_dict())
+    for mod in (m, ref):
+        mod.weight.register_hook(lambda g: g * 10)
+    f = gt.graphify(m)
+    for _ in range(3):
+        x = torch.randn(4, 3, device=device)
+        f(x).pow(2).sum().backward()
+        ref(x).pow(2).sum().backward()
+        assert_close(m.weight.grad, ref.weight.grad)
+        assert_close(m.bias.grad, ref.bias.grad)
+    assert f.cache_info().hits >= 1
+
+    h = nn.Linear(3, 2).to(device)
+    calls = []
+    handle = h.register_full_backward_hook(lambda mod, gi, go: calls.append(1))
+    g = gt.graphify(h)
+    x = torch.randn(4, 3, device=device)
+    with pytest.raises(gt.GraphifyError, match="backward hooks") as ei:
+        g(x)
+    assert "handle.remove()" in str(ei.value) and "(Linear)" in str(ei.value)
+    with torch.no_grad():
+        for _ in range(2):
+            assert_close(g(x), h(x))
+    handle.remove()
+    for _ in range(2):
+        g(x).sum().backward()
+    assert calls == []
