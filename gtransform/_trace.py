@@ -719,10 +719,19 @@ def _data_dependent(desc: str, exc: BaseException, cuda: bool = False) -> Graphi
         where += f"\n  read at {format_frame(inner)}"
     hint = ""
     optim = [f for f in tb if os.sep + os.path.join("torch", "optim") + os.sep in f.filename]
+    dist = [f for f in tb if os.sep + os.path.join("torch", "distributions") + os.sep in f.filename]
     if optim and "lr" in (optim[-1].line or "") and "step" not in (optim[-1].line or ""):
         hint = (f" The read is inside torch.optim ({format_frame(optim[-1])}): this optimizer reads a "
                 "tensor learning rate on the host. Pass lr as a Python float (a scheduler that changes "
                 "it then records once per value), or keep opt.step() outside the graphified function.")
+    elif dist and not optim:
+        at = dist[-1].filename[dist[-1].filename.rfind(os.sep + "torch" + os.sep) + 1:]
+        hint = (f" The read is inside torch.distributions ({at}:{dist[-1].lineno}, argument validation): a distribution "
+                "checks its arguments on the host (validate_args, on by default). Pass "
+                "validate_args=False to it (e.g. Categorical(logits=x, validate_args=False)), or call "
+                "torch.distributions.Distribution.set_default_validate_args(False) once. The checks "
+                "then do not run: where eager would raise on invalid parameters (NaN logits, a "
+                "negative scale), the recording computes with them.")
     elif optim:
         if cuda:
             hint = (" The read is inside torch.optim: construct the optimizer with capturable=True, so its "

@@ -367,3 +367,21 @@ def test_output_that_is_a_dtype_view_of_an_input_is_right_or_refused(device, cas
         assert torch.equal(out, want)
         assert out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()  # the caller's bytes
         assert_close(twice, x * 2)
+
+
+def test_distribution_argument_validation_names_validate_args():
+    """torch.distributions checks its arguments on the host by default (validate_args): the
+    error says so and how to turn it off; with validate_args=False the sample follows eager."""
+    from torch.distributions import Categorical
+
+    f = gt.graphify(lambda logits: Categorical(logits=logits).sample())
+    with pytest.raises(gt.GraphifyError, match="validate_args=False") as ei:
+        f(torch.randn(4, 3))
+    assert "torch/distributions/" in str(ei.value).replace("\\", "/")
+    g = gt.graphify(lambda logits: Categorical(logits=logits, validate_args=False).sample())
+    logits = torch.randn(4, 3)
+    for i in range(3):
+        torch.manual_seed(i)
+        got = g(logits)
+        torch.manual_seed(i)
+        assert torch.equal(got, Categorical(logits=logits).sample())
