@@ -154,14 +154,21 @@ def data_assign_and_rebind(dev):
     return 0.0
 
 
-@program
-def llama_static_cache(dev):
-    from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
+def _tiny_llama(dev):
+    """A 2-layer HF Llama (random init) and its config, in eval mode."""
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).to(dev).eval()
+    return cfg, LlamaForCausalLM(cfg).to(dev).eval()
+
+
+@program
+def llama_static_cache(dev):
+    from transformers import StaticCache
+
+    cfg, model = _tiny_llama(dev)
 
     def run(graph):
         cache = StaticCache(config=cfg, max_cache_len=32)
@@ -185,12 +192,9 @@ def llama_static_cache(dev):
 def llama_cache_after_grad_mode_call(dev):
     """A decode step called once outside no_grad (its StaticCache's tensors then carry
     autograd history), then decoding under no_grad: eager's logits on every step."""
-    from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
+    from transformers import StaticCache
 
-    cfg = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).to(dev).eval()
+    cfg, model = _tiny_llama(dev)
 
     def run(graph):
         cache = StaticCache(config=cfg, max_cache_len=32)

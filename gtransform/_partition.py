@@ -22,6 +22,7 @@ overwritten activations.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
@@ -204,7 +205,9 @@ def build_partition(plan: Any, metas: Sequence[Any], need: Sequence[bool], owner
     return part
 
 
+@functools.cache
 def _functional_random() -> Dict[Any, Any]:
+    """Functional random ops (what functionalization makes of an in-place fill) -> the in-place op."""
     aten = torch.ops.aten
     pairs = [("bernoulli", "p", "bernoulli_", "float"), ("uniform", "default", "uniform_", "default"),
              ("normal_functional", "default", "normal_", "default"), ("exponential", "default", "exponential_", "default"),

@@ -203,14 +203,14 @@ class Entry:
         # (an update of a parameter whose .grad the function reads: an optimizer step; an
         # update of one whose .grad it does not read, such as Embedding(max_norm=...)'s
         # renorm under no_grad in a forward, leaves the call differentiable, as in eager)
-        graded = {id(s.obj) for s in plan.state_slots if s is not None and s.kind == "grad"}
-        graded.update(id(s.obj) for s in plan.escape_slots if s.kind == "grad")
         # (and a call none of whose outputs needs grad, e.g. an EMA update that returns
         # nothing, stays a plain call)
-        updates_params = bool(plan.escape_slots) or any(
-            rg[i] and id(tensors[i]) in graded for i in plan.mutated if i >= self.n_user) or (
-            any(rg[i] for i in plan.mutated if i >= self.n_user)
-            and not any(e.requires_grad for e in plan.tensor_entries))
+        updated = [tensors[i] for i in plan.mutated if i >= self.n_user and rg[i]]
+        updates_params = bool(plan.escape_slots)
+        if updated and not updates_params:
+            graded = {id(s.obj) for s in plan.state_slots if s is not None and s.kind == "grad"}
+            updates_params = any(id(t) in graded for t in updated) or not any(
+                e.requires_grad for e in plan.tensor_entries)
         self.any_rg = user_rg or (state_rg and not updates_params)
         must = set()
         if plan.mutated and self.alias:

@@ -134,7 +134,7 @@ def _plain_object(v: Any) -> bool:
     return not (mod.startswith("torch") or mod.startswith("gtransform") or mod == "builtins")
 
 
-def _leaf_grad(t: torch.Tensor) -> Any:
+def leaf_grad(t: torch.Tensor) -> Any:
     """``t.grad`` where torch keeps one (a leaf, or ``retains_grad``), else None.
 
     A non-leaf tensor's ``.grad`` is not read: reading it warns.
@@ -291,7 +291,7 @@ class Snapshot:
                 if id(obj) in seen:
                     continue
                 seen.add(id(obj))
-                self.items.append(("tensor", r.name, obj, _leaf_grad(obj)))
+                self.items.append(("tensor", r.name, obj, leaf_grad(obj)))
             elif isinstance(obj, list):
                 seen.add(id(obj))
                 self.items.append(("list", r.name, obj, list(obj)))
@@ -345,7 +345,7 @@ class Snapshot:
                         elif type(v) in _NUMBERS and type(old.get(k)) in _NUMBERS and old[k] != v:
                             res.changes.append(Change(f"{path}.param_groups[{i}][{k!r}]", old[k], v, g, k, True))
             elif kind == "tensor":
-                if is_fake(_leaf_grad(obj)):
+                if is_fake(leaf_grad(obj)):
                     res.escapes.append((Slot("grad", obj, "grad", f"{path}.grad"), obj.grad))
             elif kind == "list":
                 old = saved
@@ -393,7 +393,7 @@ class Snapshot:
                         s.update(old)
                         state[p] = s
                 elif kind == "tensor":
-                    if _leaf_grad(obj) is not saved:
+                    if leaf_grad(obj) is not saved:
                         obj.grad = saved
                 elif kind == "list":
                     if any(isinstance(v, torch.Tensor) for v in obj) or any(isinstance(v, torch.Tensor) for v in saved):
@@ -476,7 +476,7 @@ class StateIndex:
                         self._add(op.grad, Slot("grad", op, "grad", f"{pnames.get(id(op), '?')}.grad"))
             elif isinstance(obj, torch.Tensor):
                 self.names.setdefault(id(obj), r.name)
-                g = _leaf_grad(obj)
+                g = leaf_grad(obj)
                 if g is not None:
                     self._add(g, Slot("grad", obj, "grad", f"{r.name}.grad"))
             elif isinstance(obj, dict):

@@ -32,7 +32,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._errors import GraphifyError, format_frame, innermost_frame, is_library_file, user_frame, user_frame_from_exc
-from ._state import Root, Slot, Snapshot, StateIndex, escape_error
+from ._state import Root, Slot, Snapshot, StateIndex, escape_error, leaf_grad
 from ._tree import NAMESPACE, flatten, leaf_paths, unflatten
 
 try:  # torch >= 2.1
@@ -315,16 +315,14 @@ class _Watch(TorchDispatchMode):
                     "keep that state on the GPU (module.to(device); for torch.optim optimizers pass "
                     "capturable=True so their step counts live on the GPU), or pass a Python number.",
                 )
-            if t.grad_fn is not None:
-                # a tensor with autograd history (``W = base * 2`` closed over, a cache an eager
-                # call in grad mode wrote into): traced as a leaf that requires grad, like a
-                # parameter; at call time it is an input of the autograd node, so gradients
-                # flow on into its history as in eager
-                made = self.mode.from_tensor(t.detach(), static_shapes=True)
-                made.requires_grad_(True)
-            else:
-                made = self.mode.from_tensor(t, static_shapes=True)
-            f = made
+            # a tensor with autograd history (``W = base * 2`` closed over, a cache an eager
+            # call in grad mode wrote into) is traced as a leaf that requires grad, like a
+            # parameter: at call time it is an input of the autograd node, so gradients flow
+            # on into its history as in eager
+            history = t.grad_fn is not None
+            f = self.mode.from_tensor(t.detach() if history else t, static_shapes=True)
+            if history:
+                f.requires_grad_(True)
             self._fake_of[id(t)] = f
             self.state.append(t)
             self.state_fakes.append(f)
@@ -382,8 +380,8 @@ class _Watch(TorchDispatchMode):
                             f"pass {self.paths[idx]}.contiguous() or .clone() (or update a copy and "
                             "return it).",
                         )
-                    if idx >= self.n_in and self.state[idx - self.n_in].grad_fn is not None and torch.is_grad_enabled():
-                        hist = self.state[idx - self.n_in].grad_fn
+                    hist = self.state[idx - self.n_in].grad_fn if idx >= self.n_in else None
+                    if hist is not None and torch.is_grad_enabled():
                         self._fail(
                             f"{func} updates {self.paths[idx]} in place, a tensor in state the function "
                             f"reaches (not an argument) that carries autograd history "
@@ -1028,7 +1026,7 @@ def trace(
         scan = snap.scan(is_ours)
         slots = {(id(s.obj), s.kind, s.key) for s, _ in scan.escapes}
         for k, t in enumerate(watch.state):
-            g = getattr(t, "grad", None) if t.requires_grad and (t.is_leaf or t.retains_grad) else None
+            g = leaf_grad(t) if t.requires_grad else None
             if is_ours(g) and (id(t), "grad", "grad") not in slots:
                 scan.escapes.append((Slot("grad", t, "grad", f"{watch.paths[watch.n_in + k]}.grad"), g))
         box["scan"] = scan

@@ -326,37 +326,6 @@ def test_torch_pytree_registered_output():
     assert_close(out["b"], torch.full((2,), 2.0))
 
 
-def test_kv_cache_decoder_matches_eager(device):
-    class Dec(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.q, self.kv, self.o = nn.Linear(8, 8), nn.Linear(8, 16), nn.Linear(8, 8)
-            self.register_buffer("k", torch.zeros(1, 16, 8))
-            self.register_buffer("v", torch.zeros(1, 16, 8))
-
-        def forward(self, x, pos):
-            k, v = self.kv(x).chunk(2, -1)
-            self.k.index_copy_(1, pos, k)
-            self.v.index_copy_(1, pos, v)
-            mask = (torch.arange(16, device=x.device) <= pos).view(1, 1, 16)
-            att = (self.q(x) @ self.k.transpose(1, 2)).masked_fill(~mask, -1e9).softmax(-1)
-            return self.o(att @ self.v)
-
-    outs = []
-    for graph in (False, True):
-        torch.manual_seed(0)
-        d = Dec().to(device)
-        f = gt.graphify(d) if graph else d
-        x = torch.randn(1, 1, 8, device=device)
-        steps = []
-        with torch.no_grad():
-            for t in range(12):
-                x = f(x, torch.tensor([t], device=device)).clone()
-                steps.append(x)
-        outs.append(torch.cat(steps))
-    torch.testing.assert_close(outs[0], outs[1])
-
-
 class _Dec(nn.Module):
     """A decoder step with a KV cache in buffers, updated in place."""
 
@@ -370,7 +339,25 @@ class _Dec(nn.Module):
         k, v = self.kv(x).chunk(2, -1)
         self.k.index_copy_(1, pos, k)
         self.v.index_copy_(1, pos, v)
-        return self.o((self.q(x) @ self.k.transpose(1, 2)).softmax(-1) @ self.v)
+        mask = (torch.arange(16, device=x.device) <= pos).view(1, 1, 16)
+        att = (self.q(x) @ self.k.transpose(1, 2)).masked_fill(~mask, -1e9).softmax(-1)
+        return self.o(att @ self.v)
+
+
+def test_kv_cache_decoder_matches_eager(device):
+    outs = []
+    for graph in (False, True):
+        torch.manual_seed(0)
+        d = _Dec().to(device)
+        f = gt.graphify(d) if graph else d
+        x = torch.randn(1, 1, 8, device=device)
+        steps = []
+        with torch.no_grad():
+            for t in range(12):
+                x = f(x, torch.tensor([t], device=device)).clone()
+                steps.append(x)
+        outs.append(torch.cat(steps))
+    torch.testing.assert_close(outs[0], outs[1])
 
 
 def test_kv_cache_with_autograd_history_is_refused_in_grad_mode_and_exact_under_no_grad(device, recwarn):
