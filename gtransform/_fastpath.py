@@ -213,7 +213,10 @@ def build_fast_path(owner: Any, entry: Any, rec: Any, pool: Any) -> Any:
 
     call: List[str] = []
     if rec.copy_idx:
-        call.append(f"_copy(BUFS, [{', '.join(tens[i] for i in rec.copy_idx)}])")
+        if rec.copy_base:
+            call.append("_copy(BUFS, REC.copy_sources([" + ", ".join(tens) + "]))")
+        else:
+            call.append(f"_copy(BUFS, [{', '.join(tens[i] for i in rec.copy_idx)}])")
     call.append("POOL.begin_call(DESC)")
     call.append("if REC.must_retire: REC._maybe_retire()")
     if esc:

@@ -42,11 +42,44 @@ def is_non_overlapping_and_dense(t: torch.Tensor) -> bool:
     return True
 
 
-def _buffer_like(t: torch.Tensor) -> torch.Tensor:
-    """A static buffer with ``t``'s size, dtype, device and (dense) strides."""
+def _buffer_like(t: torch.Tensor) -> Tuple[torch.Tensor, Optional[Tuple[int, ...]]]:
+    """A static buffer with ``t``'s size, dtype, device and strides.
+
+    The graph was traced for those strides, and kernels may depend on them: SDPA's
+    attention bias is padded to an aligned row stride, sliced back and expanded over the
+    batch (stride 0), and memory-efficient attention's backward checks that row stride.
+
+    Returns:
+        The buffer, and for an input with broadcast (stride-0) dimensions the size of
+        the part a copy writes: those dimensions narrowed to 1 (a copy cannot write into
+        memory that several elements share, and strides are part of the signature, so
+        every later input repeats its values along them too). Only other self-overlapping
+        layouts (a hand-made ``as_strided``) get a contiguous buffer.
+    """
     if is_non_overlapping_and_dense(t):
-        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
-    return torch.empty(t.shape, dtype=t.dtype, device=t.device)
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device), None
+    shape, stride = tuple(t.shape), t.stride()
+    base = tuple(1 if st == 0 else n for n, st in zip(shape, stride))
+    if t.numel() > 0 and _non_overlapping(base, stride):
+        extent = 1 + sum((n - 1) * st for n, st in zip(base, stride))
+        buf = torch.empty(extent, dtype=t.dtype, device=t.device).as_strided(shape, stride)
+        return buf, (base if base != shape else None)
+    return torch.empty(t.shape, dtype=t.dtype, device=t.device), None
+
+
+def _non_overlapping(shape: Sequence[int], stride: Sequence[int]) -> bool:
+    """Whether no two elements of a tensor of this size and strides share memory (sufficient test)."""
+    reach = 0  # the furthest offset the dimensions with smaller strides reach
+    for n, st in sorted(((n, st) for n, st in zip(shape, stride) if n > 1), key=lambda p: p[1]):
+        if st <= reach:
+            return False
+        reach += (n - 1) * st
+    return True
+
+
+def narrowed(t: torch.Tensor, base: Tuple[int, ...]) -> torch.Tensor:
+    """``t`` with its broadcast dimensions narrowed to 1 (see _buffer_like)."""
+    return t.as_strided(base, t.stride(), t.storage_offset())
 
 
 class Recording:
@@ -73,16 +106,23 @@ class Recording:
         self.static_ptrs = [tensors[i].data_ptr() for i in st]
         sset = set(st)
         self.copy_idx = tuple(i for i in range(n) if i not in sset)
-        self.bufs = [_buffer_like(tensors[i]) for i in self.copy_idx]
+        made = [_buffer_like(tensors[i]) for i in self.copy_idx]
+        full = [b for b, _ in made]
+        # the copy-in's destinations and, per copied input, the size its source is
+        # narrowed to (None: copied whole; see _buffer_like)
+        self.copy_base: List[Optional[Tuple[int, ...]]] = [base for _, base in made]
+        self.bufs = [b if base is None else narrowed(b, base) for b, base in made]
+        if not any(self.copy_base):
+            self.copy_base = []
         if self.bufs:
             # warm-up and capture see the call's real inputs: no kernel ever reads
             # uninitialised memory (an embedding index, a cross_entropy target)
-            _foreach_copy(self.bufs, [tensors[i] for i in self.copy_idx])
+            _foreach_copy(self.bufs, self.copy_sources(tensors))
         args: List[Any] = list(tensors)
-        for i, b in zip(self.copy_idx, self.bufs):
+        for i, b in zip(self.copy_idx, full):
             args[i] = b
         self.gm_args = args
-        cb = [(i, b) for i, b in zip(self.copy_idx, self.bufs) if i in plan.mutated]
+        cb = [(i, b) for i, b in zip(self.copy_idx, full) if i in plan.mutated]
         self.cb_idx = tuple(i for i, _ in cb)
         self.cb_bufs = [b for _, b in cb]
         self.groups: List[OutputGroup] = []
@@ -102,6 +142,12 @@ class Recording:
         # tensors left in Python state (p.grad...): written back after each replay
         self.escapes: Optional[EscapeWriter] = EscapeWriter(plan.escape_slots, desc) if plan.escape_slots else None
         self.last_outs: Sequence[torch.Tensor] = ()
+
+    def copy_sources(self, tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        """What the copy-in reads: the copied inputs, broadcast ones narrowed."""
+        if not self.copy_base:
+            return [tensors[i] for i in self.copy_idx]
+        return [tensors[i] if base is None else narrowed(tensors[i], base) for i, base in zip(self.copy_idx, self.copy_base)]
 
     # -- recording ---------------------------------------------------------
     def _bind_outputs(self, outs: Sequence[torch.Tensor]) -> None:
@@ -248,7 +294,7 @@ class Recording:
             The tensor outputs in the traced graph's order.
         """
         if self.copy_idx:
-            _foreach_copy(self.bufs, [tensors[i] for i in self.copy_idx])
+            _foreach_copy(self.bufs, self.copy_sources(tensors))
         self.pool.begin_call(self.desc)
         if self.must_retire:
             self._maybe_retire()

@@ -428,3 +428,46 @@ def test_inference_mode_and_back(device):
     with torch.inference_mode():
         x = torch.randn(3, 4, device=device)
         assert_close(f(x), m(x))
+
+
+_SEEN_STRIDES: list = []
+
+
+@torch.library.custom_op("gt_test::stride_probe", mutates_args=())
+def _stride_probe(x: torch.Tensor) -> torch.Tensor:
+    _SEEN_STRIDES.append(x.stride())
+    return x * 2
+
+
+@_stride_probe.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def test_static_buffers_keep_the_strides_of_non_dense_inputs(device):
+    """Kernels see the strides the graph was traced for. Memory-efficient attention's bias
+    is padded to an aligned row stride, sliced back and expanded over the batch (stride 0);
+    its backward rejects another row stride. Copied inputs of such layouts keep their
+    strides, and broadcast ones are still copied whole (every value of every call)."""
+    from gtransform._record import _buffer_like
+
+    def bias(seed):
+        g = torch.Generator().manual_seed(seed)
+        return torch.randn(1, 3, 10, 16, generator=g).to(device)[..., :10].expand(4, 3, 10, 10)
+
+    layouts = [torch.randn(4, 12, device=device)[:, :10], torch.randn(2, 3, 16, 16, device=device)[..., :10, :10],
+               torch.randn(4, 6, device=device).t(), torch.randn(5, device=device)[::2], bias(0),
+               torch.randn(3, device=device).expand(4, 3)]
+    for t in layouts:
+        buf, _ = _buffer_like(t)
+        assert buf.stride() == t.stride(), t.stride()
+    # only a layout whose own elements overlap (not by broadcasting) gets a contiguous buffer
+    assert _buffer_like(torch.arange(6.0, device=device).unfold(0, 3, 1))[0].is_contiguous()
+
+    f = gt.graphify(lambda b, x: torch.ops.gt_test.stride_probe(b) + x.sum(-1, keepdim=True))
+    for seed in range(4):
+        b, x = bias(seed), torch.randn(10, 12, device=device)[:, :10]
+        _SEEN_STRIDES.clear()
+        torch.testing.assert_close(f(b, x), b * 2 + x.sum(-1, keepdim=True))
+        assert all(s == b.stride() for s in _SEEN_STRIDES)
+    assert f.cache_info().misses == 1
