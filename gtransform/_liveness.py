@@ -26,16 +26,14 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 import torch.utils.dlpack as _dlpack
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from ._errors import OverwrittenOutputError
 from ._log import log
 
-__all__ = ["OutputGroup", "StaleOutput", "PoolState", "poison_tensor", "live_pins"]
+__all__ = ["OutputGroup", "StaleOutput", "PoolState", "Pin", "poison_tensor", "live_pins"]
 
 _getrefcount = sys.getrefcount
 _use_count = torch._C._storage_Use_Count
-_expired = torch.UntypedStorage._expired  # what StorageWeakRef.expired calls
 
 # Reads that stay legal on a stale output: metadata, no data.
 _PROPS = ("shape", "dtype", "device", "ndim", "is_cuda", "layout", "requires_grad", "is_leaf", "grad_fn")
@@ -123,17 +121,13 @@ class OutputGroup:
         members: ``(size, stride, storage_offset, dtype)`` of each output.
     """
 
-    __slots__ = ("base", "members", "device", "storage", "cdata", "objs", "limit", "pins", "owner", "spare", "need_fresh")
+    __slots__ = ("base", "members", "device", "storage", "cdata", "objs", "limit", "owner", "spare", "need_fresh")
 
     def __init__(self, storage: torch.UntypedStorage, members: Sequence[Tuple[Any, Any, int, torch.dtype]], owner: Any = None):
         self.device = storage.device
         with _normal_tensors():
             self.base = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage)
         self.members = list(members)
-        # alias storages the caller derived views from, each with the number
-        # of references to it that are ours (our storage object + one per
-        # output object): alive while its use count is higher
-        self.pins: List[Tuple[StorageWeakRef, int]] = []
         # earlier generations of objects, poisoned, kept to be revived once
         # the caller has dropped them (the usual `y = f(x)` loop holds the
         # previous output during the next call)
@@ -157,7 +151,12 @@ class OutputGroup:
         self.need_fresh = False
         spare = self.spare
         for i, (st0, cd0, objs0) in enumerate(spare):
-            if _use_count(cd0) == 1 + len(objs0) and all(_getrefcount(o) <= 3 for o in objs0):
+            if _use_count(cd0) != 1 + len(objs0):
+                continue
+            for o in objs0:
+                if _getrefcount(o) > 3:  # the list, the loop variable and the argument
+                    break
+            else:
                 for o in objs0:
                     if type(o) is StaleOutput:
                         o.__class__ = torch.Tensor  # type: ignore[assignment]
@@ -178,39 +177,38 @@ class OutputGroup:
         # our storage object + one TensorImpl per member object
         self.limit = 1 + len(objs)
 
-    def held(self) -> bool:
-        """Whether the caller still holds an object of this group or a view of it."""
-        if _use_count(self.cdata) > self.limit:
-            return True
-        for o in self.objs:
+    def poison(self, message: Any) -> Any:
+        """If the caller holds an object of the group, or a view of one, poison them.
+
+        The next objects are then made by ``fresh``. Views the caller derived
+        from the objects cannot be reached. If any are alive, the returned
+        :data:`Pin` says so: the owner must move its outputs to new memory
+        before it next writes them (see ``Recording._retire``), so those views
+        keep the values of their own call.
+
+        Returns:
+            False if nothing was held (nothing done), a :data:`Pin` if views are
+            alive, else None.
+        """
+        storage, cdata, objs = self.storage, self.cdata, self.objs
+        pin = (cdata, self.limit, storage, objs) if _use_count(cdata) > self.limit else None
+        held = pin is not None
+        for o in objs:
             # the list, the loop variable and getrefcount's argument
             if _getrefcount(o) > 3:
-                return True
-        return False
-
-    def poison(self, message: Any) -> None:
-        """Poison the objects the caller holds and give the group fresh ones.
-
-        Views the caller derived from the objects cannot be reached; if any
-        are alive the group is *pinned*: its owner must move its outputs to
-        new memory before it next writes them (see ``Recording.retire``), so
-        those views keep the values of their own call.
-        """
-        if _use_count(self.cdata) > self.limit:
-            self.pins.append((StorageWeakRef(self.storage), self.limit))
-            owner = self.owner() if self.owner is not None else None
-            if owner is not None:
-                owner.must_retire = True
-        for o in self.objs:
-            if _getrefcount(o) > 3:
                 poison_tensor(o, message)
-        self.spare.append((self.storage, self.cdata, self.objs))
-        if len(self.spare) > 2:
-            del self.spare[0]
+                held = True
+        if not held:
+            return False
+        spare = self.spare
+        spare.append((storage, cdata, objs))
+        if len(spare) > 2:
+            del spare[0]
         # the caller (PoolState.begin_call) makes the next objects, unless the
         # owner moves to another generation before its next replay and makes
         # them there (see Recording._retire)
         self.need_fresh = True
+        return pin
 
     def adopt(self, old: OutputGroup) -> None:
         """Keep handing out ``old``'s tensor objects, now over this group's memory.
@@ -231,14 +229,6 @@ class OutputGroup:
         old.objs = []
         old.limit = 1
 
-    def rebase(self, storage: torch.UntypedStorage) -> None:
-        """Point the group at new memory (after its owner re-recorded)."""
-        with _normal_tensors():
-            self.base = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage)
-        self.pins = []
-        self.spare = []
-        self.fresh()
-
     def detach(self) -> None:
         """The recording goes away.
 
@@ -251,13 +241,16 @@ class OutputGroup:
         self.owner = None
 
 
-def live_pins(pins: List[Tuple[StorageWeakRef, int]]) -> List[Tuple[StorageWeakRef, int]]:
-    """The pins (alias storages that had views) that the caller still uses.
+# An alias storage the caller derived views from: ``(cdata, ours, storage, objects)``.
+# It keeps the storage object and the output objects alive, so the storage's use
+# count stays exactly ``ours`` (our storage object + one per output object) once
+# the views are gone; higher means some view is alive.
+Pin = Tuple[int, int, torch.UntypedStorage, List[torch.Tensor]]
 
-    Each pin comes with the number of references to its storage that are ours
-    (see ``OutputGroup.pins``).
-    """
-    return [(p, n) for p, n in pins if not _expired(p.cdata) and _use_count(p.cdata) > n]
+
+def live_pins(pins: List[Pin]) -> List[Pin]:
+    """The pins whose views the caller still holds."""
+    return [p for p in pins if _use_count(p[0]) > p[1]]
 
 
 class Handout:
@@ -315,12 +308,21 @@ class PoolState:
                 if h.held():
                     msg = _overwrite_message(self.last_desc, desc, self.calls)
                     n = 0
+                    pins = None
                     for g in h.groups:
-                        if g.held():
-                            g.poison(msg)
+                        pin = g.poison(msg)
+                        if pin is not False:
                             n += 1
+                            if pin is not None:
+                                if pins is None:
+                                    pins = [pin]
+                                else:
+                                    pins.append(pin)
                     owner = h.groups[0].owner
                     owner = owner() if owner is not None else None
+                    if pins is not None and owner is not None:
+                        owner.pins += pins
+                        owner.must_retire = True
                     if owner is None or not owner.must_retire:
                         for g in h.groups:
                             if g.need_fresh:

@@ -22,7 +22,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from . import _distributed
 from ._errors import GraphifyError, OverwrittenOutputError, RerecordWarning
-from ._liveness import Handout, OutputGroup, PoolState, StaleOutput, live_pins
+from ._liveness import Handout, OutputGroup, Pin, PoolState, StaleOutput, live_pins
 from ._state import EscapeWriter
 from ._trace import Plan
 
@@ -131,6 +131,9 @@ class Recording:
         self.group_keys: List[int] = []  # a gm output index of each group
         self.replays = 0
         self.must_retire = False
+        # views of the active generation's outputs that were found alive (see
+        # PoolState.begin_call), for _retire
+        self.pins: List[Pin] = []
         # Output memory generations (see _retire): the active one is written by
         # the replays; the others keep the values of views the caller holds.
         self.ring: List[_Slot] = []
@@ -224,17 +227,14 @@ class Recording:
         # found alive by this call's poison (PoolState.begin_call), or by an
         # earlier call of another function of the pool: checked again below
         # before anything costly
-        pins = []
-        for g in groups:
-            if g.pins:
-                pins += g.pins
-                g.pins = []
-        cur.pins = pins
+        cur.pins = self.pins
+        self.pins = []
         n = len(ring)
         j = self.active
         for _ in range(n - 1):
             j = j + 1 if j + 1 < n else 0
-            if not ring[j].pinned():
+            slot = ring[j]
+            if not (slot.pins and slot.pinned()):
                 self._use_slot(j)
                 return
         if not cur.pinned():  # the views went (e.g. before this call, after another's)
@@ -596,7 +596,7 @@ class _Slot:
         self.pool_id = pool_id  # CUDA; None: the function's pool
         self.groups: List[OutputGroup] = []
         self.handout: Any = None
-        self.pins: List[Tuple[StorageWeakRef, int]] = []  # with the references that are ours
+        self.pins: List[Pin] = []  # views the caller derived from its outputs
         self.stores: Any = None  # CPU: (storage, output index) of each group, made once
 
     def pinned(self) -> bool:
