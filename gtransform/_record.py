@@ -13,6 +13,7 @@ of in-place updates, the output pool and liveness) but how a replay happens:
 from __future__ import annotations
 
 import gc
+import operator
 import threading
 import warnings
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -160,6 +161,8 @@ class Recording:
             if e.kind != "pool":
                 continue
             t = outs[e.index]
+            if t is None:
+                raise GraphifyError(self._undefined_output(e.index))
             by_store.setdefault(StorageWeakRef(t.untyped_storage()), []).append(e.index)
         for ks in by_store.values():
             members: List[Tuple[Any, Any, int, torch.dtype]] = []
@@ -175,6 +178,22 @@ class Recording:
             self.groups.append(g)
             self.group_keys.append(ks[0])
         self.handout.refresh()
+
+    def _undefined_output(self, index: int) -> str:
+        """The message for a graph output that ran as an undefined tensor but traced as one."""
+        out = [n for n in self.plan.gm.graph.nodes if n.op == "output"][0]
+        node = list(out.args[0])[index]
+        while getattr(node, "target", None) is operator.getitem and node.args:
+            node = node.args[0]
+        op = getattr(node, "target", node)
+        return (
+            f"{self.desc}: operation {op} returned no tensor (an undefined one) when run, where "
+            "tracing it made a tensor, so the recording has nothing to hand out or save.\n"
+            "Why: some kernels decide at run time whether to make an output (e.g. from the "
+            "grad mode); a recording replays without grad mode.\n"
+            "Fix: call the function under torch.no_grad() if no gradient is needed, or compute "
+            "that part outside the graphified function; please report the operation to gtransform."
+        )
 
     # -- replay ------------------------------------------------------------
     def statics_ok(self, tensors: Sequence[torch.Tensor]) -> bool:

@@ -919,6 +919,47 @@ def _lift_state(gm: torch.fx.GraphModule, fakes: Sequence[FakeTensor]) -> None:
             delattr(gm, name)
 
 
+@functools.cache
+def _rnn_layer_in_grad_mode() -> Any:
+    """``aten.mkldnn_rnn_layer`` run with grad mode on: an op of its own for the trace.
+
+    The CPU's oneDNN LSTM/GRU kernel makes the workspace its backward needs only when
+    grad mode is on (its ``train`` argument is not enough), and recorded forwards
+    replay without grad mode: the saved workspace would be missing. The op detaches
+    its inputs, so no autograd graph is built.
+    """
+    aten_op = torch.ops.aten.mkldnn_rnn_layer.default
+
+    @torch.library.custom_op("gtransform::mkldnn_rnn_layer_in_grad_mode", mutates_args=())
+    def rnn_layer(input: torch.Tensor, weight0: torch.Tensor, weight1: torch.Tensor, weight2: torch.Tensor,
+                  weight3: torch.Tensor, hx_: torch.Tensor, cx_: torch.Tensor, reverse: bool, batch_sizes: List[int],
+                  mode: int, hidden_size: int, num_layers: int, has_biases: bool, bidirectional: bool,
+                  batch_first: bool, train: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        args = [a.detach() if isinstance(a, torch.Tensor) else a for a in
+                (input, weight0, weight1, weight2, weight3, hx_, cx_, reverse, batch_sizes, mode, hidden_size,
+                 num_layers, has_biases, bidirectional, batch_first, train)]
+        with torch.enable_grad():
+            out = aten_op(*args)
+        return tuple(o if o is not None else torch.empty(0, dtype=torch.uint8, device=input.device) for o in out)  # type: ignore[return-value]
+
+    @rnn_layer.register_fake
+    def _(*args: Any) -> Any:
+        return aten_op(*args)
+
+    return torch.ops.gtransform.mkldnn_rnn_layer_in_grad_mode.default
+
+
+def _kernels_in_grad_mode(gm: torch.fx.GraphModule) -> None:
+    """Forward ops whose saved outputs exist only with grad mode on run with it (see above)."""
+    changed = False
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target is torch.ops.aten.mkldnn_rnn_layer.default:
+            n.target = _rnn_layer_in_grad_mode()
+            changed = True
+    if changed:
+        gm.recompile()
+
+
 def _drop_profiler_nodes(gm: torch.fx.GraphModule) -> None:
     """Remove record_function markers (torch.optim's): host work with no effect on the numbers."""
     graph = gm.graph
@@ -1137,6 +1178,7 @@ def trace(
             )
     _lift_state(gm, watch.state_fakes)
     _drop_profiler_nodes(gm)
+    _kernels_in_grad_mode(gm)
     gm.recompile()
     if cuda:
         _constants_to_device(gm, next((t.device for t in fakes), None))

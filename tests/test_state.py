@@ -746,3 +746,44 @@ def test_a_tensor_learning_rate_read_on_the_host_names_the_fix():
     with pytest.raises(gt.GraphifyError, match=r"(?s)inside torch\.optim .*reads a tensor learning rate on the host"
                        r".*Pass lr as a Python float"):
         g(torch.ones(1, 2))
+
+
+@pytest.mark.parametrize("kind", ["LSTM", "GRU"])
+@pytest.mark.parametrize("how", ["step", "module"])
+def test_recurrent_layers_train_as_in_eager(device, kind, how):
+    """The CPU's oneDNN LSTM makes the workspace its backward needs only with grad mode on,
+    and recordings replay without it: a whole training step, and a graphified module whose
+    backward runs later, still give eager's losses, gradients and parameters."""
+    import copy
+
+    torch.manual_seed(0)
+    mk = getattr(nn, kind)
+    m = mk(4, 8, batch_first=True, num_layers=2, bidirectional=True).to(device)
+    ref = copy.deepcopy(m)
+    if how == "step":
+        opts = [torch.optim.SGD(mod.parameters(), lr=0.1, momentum=0.9) for mod in (m, ref)]
+
+        def step(mod, opt, x):
+            opt.zero_grad()
+            loss = mod(x)[0].pow(2).mean()
+            loss.backward()
+            opt.step()
+            return loss
+
+        g = gt.graphify(step)
+        for _ in range(4):
+            x = torch.randn(3, 5, 4, device=device)
+            assert_close(g(m, opts[0], x), step(ref, opts[1], x))
+        assert g.cache_info().hits >= 2
+    else:
+        g = gt.graphify(m)
+        for _ in range(3):
+            x = torch.randn(3, 5, 4, device=device)
+            got, want = g(x), ref(x)
+            assert_close(got, want)
+            (got[0].sum() + got[1][0].sum() if kind == "LSTM" else got[0].sum() + got[1].sum()).backward()
+            (want[0].sum() + want[1][0].sum() if kind == "LSTM" else want[0].sum() + want[1].sum()).backward()
+        for p, q in zip(m.parameters(), ref.parameters()):
+            assert_close(p.grad, q.grad)
+    for p, q in zip(m.parameters(), ref.parameters()):
+        assert_close(p, q)
