@@ -116,6 +116,29 @@ def _only_grad_transforms() -> bool:
         return False
 
 
+@functools.cache
+def _opaque_to_dynamo() -> None:
+    """Make torch.compile call graphified functions instead of tracing into them.
+
+    Inside ``torch.compile`` a call of a graphified function is then a graph break
+    that runs it as it is (record once, replay): dynamo cannot trace gtransform's
+    own machinery (weak references, a CUDA graph's replay). Tracing imports dynamo
+    anyway, so this costs nothing the first call would not.
+    """
+    try:
+        from torch._dynamo import trace_rules
+        from torch._dynamo.eval_frame import set_code_exec_strategy
+        from torch._dynamo.types import FrameAction, FrameExecStrategy
+
+        # a call from compiled code is a graph break, not inlined ...
+        trace_rules.add(__name__.rsplit(".", 1)[0])
+        # ... and dynamo leaves the call and everything it runs alone (the generated
+        # fast path, the traced graph's code): no wrapper, so no per-call cost
+        set_code_exec_strategy(Graphified.__call__.__code__, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
+    except Exception:  # pragma: no cover - a torch without these
+        pass
+
+
 class Graphified(Generic[P, R]):
     """A function that records itself into a graph per input signature.
 
@@ -155,6 +178,7 @@ class Graphified(Generic[P, R]):
         if not isinstance(fuse, bool):
             raise TypeError(f"graphify(fn, fuse=...): expected a bool, got {fuse!r}")
         self._fuse = fuse
+        _opaque_to_dynamo()
         if pool is not None and not isinstance(pool, GraphPool):
             raise TypeError(f"graphify(fn, pool=...): expected gt.graph_pool(), got {type(pool).__name__}")
         self._fn = fn
