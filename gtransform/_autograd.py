@@ -16,7 +16,7 @@ inputs. On CUDA both passes replay from graphs either way.
 
 from __future__ import annotations
 
-from typing import Any, List, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -83,11 +83,11 @@ def _eager_backward(gm: Any, prims: Sequence[torch.Tensor], grads: Sequence[torc
         full = list(prims)
         for i, t in zip(diff, d):
             full[i] = t
-        outs = gm(*full)
+        outs = _run_graph(gm, full)
         return tuple(o for o in outs if o.is_floating_point() or o.is_complex())
 
     vjp_fn = torch.func.vjp(f, *[prims[i] for i in diff])[1]
-    outs = gm(*prims)
+    outs = _run_graph(gm, prims)
     tangents = tuple(g for o, g in zip(outs, grads) if o.is_floating_point() or o.is_complex())
     return list(vjp_fn(tangents))
 
@@ -313,6 +313,27 @@ def _partitioned_backward(box: _Box, saved: Sequence[torch.Tensor], grads: Seque
     return [None if not n or next(flags) else next(it) for n in need]
 
 
+class _NoGradRegions(torch.fx.Interpreter):
+    """Runs a traced graph with its ``torch.no_grad()`` blocks (see _trace._tagging_no_grad)."""
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        if n.meta.get("gt_no_grad"):
+            with torch.no_grad():
+                return super().run_node(n)
+        return super().run_node(n)
+
+
+def _has_no_grad_nodes(gm: Any) -> bool:
+    return any(n.meta.get("gt_no_grad") for n in gm.graph.nodes)
+
+
+def _run_graph(gm: Any, args: Sequence[Any], no_grad_nodes: Optional[bool] = None) -> Any:
+    """Run a traced graph eagerly, as differentiable code, its no_grad blocks included."""
+    if no_grad_nodes is None:
+        no_grad_nodes = _has_no_grad_nodes(gm)
+    return _NoGradRegions(gm).run(*args) if no_grad_nodes else gm(*args)
+
+
 def make_backward(plan: Any, need: Sequence[bool]) -> Any:
     """The backward of ``plan``'s graph as a plain function.
 
@@ -321,6 +342,7 @@ def make_backward(plan: Any, need: Sequence[bool]) -> Any:
     gm = plan.gm
     diff = [i for i, n in enumerate(need) if n]
     mutated = set(plan.mutated)
+    no_grad_nodes = _has_no_grad_nodes(gm)
 
     def backward(primals: List[torch.Tensor], tangents: List[torch.Tensor]) -> List[torch.Tensor]:
         with torch.enable_grad():
@@ -328,7 +350,7 @@ def make_backward(plan: Any, need: Sequence[bool]) -> Any:
             # cloned: recomputing the forward must not update them a second time
             ps = [p.detach().requires_grad_(True) if i in diff else
                   (p.detach().clone() if i in mutated else p.detach()) for i, p in enumerate(primals)]
-            outs = gm(*ps)
+            outs = _run_graph(gm, ps, no_grad_nodes)
             pairs = [(o, t) for o, t in zip(outs, tangents) if o.requires_grad]
             wrt = [ps[i] for i in diff]
             got: Sequence[Any] = (None,) * len(wrt)

@@ -593,7 +593,33 @@ class _FnWatch(TorchFunctionMode):
                         "graphified function.",
                     )
                 self.layout_used.add(idx)
+        if not torch.is_grad_enabled():
+            return _tagging_no_grad(func, args, kwargs)
         return func(*args, **kwargs)
+
+
+def _tagging_no_grad(func: Any, args: Sequence[Any], kwargs: Dict[str, Any]) -> Any:
+    """Run ``func`` and mark the graph nodes it adds as made under ``torch.no_grad()``.
+
+    A graph has no grad mode of its own. The recorded backward that recomputes the
+    forward (see _autograd.make_backward) runs these nodes without grad again, so a
+    ``no_grad`` block of the function (a detached statistic, spectral norm's power
+    iteration writing its buffers with ``out=``) stays out of the gradients as in eager.
+    """
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+    mode = get_proxy_mode()
+    graph = getattr(getattr(mode, "tracer", None), "graph", None)
+    if graph is None:
+        return func(*args, **kwargs)
+    root = graph._root
+    last = root._prev
+    out = func(*args, **kwargs)
+    n = last._next
+    while n is not root:
+        n.meta["gt_no_grad"] = True
+        n = n._next
+    return out
 
 
 TENSOR_ATTR = object()  # a tensor-valued attribute of an input (see _signature.tensor_attrs)

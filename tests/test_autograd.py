@@ -467,3 +467,45 @@ def test_parameter_hooks_run_once_and_module_backward_hooks_are_refused(device):
     for _ in range(2):
         g(x).sum().backward()
     assert calls == []
+
+
+class _ScaledByDetachedMax(torch.nn.Module):
+    """Updates a buffer (so the backward recomputes the forward) and divides by a
+    statistic computed under no_grad (so it must not carry gradient)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        self.calls.add_(1)
+        with torch.no_grad():
+            scale = self.lin(x).abs().max()
+        return self.lin(x) / scale
+
+
+@pytest.mark.parametrize("make, width", [
+    (lambda: _ScaledByDetachedMax(), 4),
+    (lambda: torch.nn.Sequential(torch.nn.utils.parametrizations.spectral_norm(torch.nn.Linear(6, 6)),
+                                 torch.nn.Tanh(), torch.nn.Linear(6, 4)), 6),
+], ids=["detached-statistic", "spectral-norm"])
+def test_no_grad_blocks_stay_out_of_the_gradients_when_the_backward_recomputes(device, make, width):
+    """A forward that updates state in place is differentiated by recomputing its graph in
+    the backward recording; a graph has no grad mode of its own, so its torch.no_grad()
+    blocks are marked while tracing and honoured there (eager's gradients, not the
+    gradients through the detached part, and spectral norm's out= power iteration runs)."""
+    torch.manual_seed(0)
+    m = make().to(device)
+    ref = copy.deepcopy(m)
+    g = gt.graphify(m)
+    for _ in range(4):
+        x = torch.randn(5, width, device=device)
+        m.zero_grad()
+        ref.zero_grad()
+        g(x).pow(2).sum().backward()
+        ref(x).pow(2).sum().backward()
+        for p, q in zip(m.parameters(), ref.parameters()):
+            assert_close(p.grad, q.grad)
+    for a, b in zip(m.state_dict().values(), ref.state_dict().values()):
+        assert_close(a, b)
