@@ -198,6 +198,16 @@ class GraphFn(torch.autograd.Function):
                 "Fix: return a copy (.clone()) of outputs that are inputs or views of them and do not update "
                 "inputs in place, or apply the hook's change to the gradient outside the function."
             )
+        if e.plan.custom_grad:
+            raise GraphifyError(
+                f"{g._desc}: the function uses the custom autograd function {e.plan.custom_grad[0]} and is "
+                "differentiated, but its backward cannot be traced from the function: "
+                + ("it updates an input or state in place" if e.plan.mutated else "an output is an input or a view of one")
+                + ".\nWhy: the backward is then recomputed from the recorded operations, which hold "
+                f"{e.plan.custom_grad[0]}.forward's operations, not its backward: the gradients would differ from eager's.\n"
+                "Fix: do not update inputs or buffers in place in a function you differentiate (return the new "
+                "values), return a copy (.clone()) of outputs that are inputs, or call it under torch.no_grad()."
+            )
         if e.plan.mutated:
             # the backward recomputes the forward from the inputs as they were
             box.pre = {i: tensors[i].detach().clone() for i in e.plan.mutated}

@@ -159,6 +159,9 @@ class Plan:
     grad_idx: Set[int] = field(default_factory=set)
     # lines that registered tensor hooks (honoured by the joint trace, lost by a recompute)
     hooks: List[str] = field(default_factory=list)
+    # custom torch.autograd.Functions the outputs depend on (likewise: their backward is
+    # in the joint trace, not in a recompute of the recorded operations)
+    custom_grad: List[str] = field(default_factory=list)
     # whether the outputs' requires_grad seen while tracing is eager's (inputs that
     # require grad, traced outside torch.func: there the stand-ins do not)
     rg_traced: bool = False
@@ -596,6 +599,25 @@ class _FnWatch(TorchFunctionMode):
         if not torch.is_grad_enabled():
             return _tagging_no_grad(func, args, kwargs)
         return func(*args, **kwargs)
+
+
+def _custom_functions(outs: Sequence[torch.Tensor]) -> List[str]:
+    """Names of the custom autograd functions (``torch.autograd.Function``) in the outputs' autograd graph."""
+    seen: Set[Any] = set()
+    names: List[str] = []
+    todo = [o.grad_fn for o in outs if o.grad_fn is not None]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if isinstance(node, torch.autograd.function.BackwardCFunction):
+            cls = getattr(node, "_forward_cls", None)
+            name = getattr(cls, "__qualname__", type(node).__name__)
+            if name not in names:
+                names.append(name)
+        todo.extend(f for f, _ in node.next_functions)
+    return names
 
 
 def _tagging_no_grad(func: Any, args: Sequence[Any], kwargs: Dict[str, Any]) -> Any:
@@ -1120,6 +1142,7 @@ def trace(
                   for x in leaves]
         box["spec"] = spec
         box["leaves"] = leaves
+        box["custom_grad"] = _custom_functions([x for x in leaves if isinstance(x, torch.Tensor)])
         scan = snap.scan(is_ours)
         slots = {(id(s.obj), s.kind, s.key) for s, _ in scan.escapes}
         for k, t in enumerate(watch.state):
@@ -1267,6 +1290,7 @@ def trace(
         layout_idx=set(fnwatch.layout_used),
         grad_idx=set(fnwatch.grad_read),
         hooks=list(fnwatch.hooks),
+        custom_grad=box.get("custom_grad", []),
         rg_traced=(any(sp[4] for sp in in_specs) or any(f.requires_grad for f in watch.state_fakes)) and not fnwatch.for_grad,
         ran_backward=any(s.kind == "grad" for s, _ in scan.escapes) or any(
             s is not None and s.kind == "grad" for s in state_slots),

@@ -509,3 +509,55 @@ def test_no_grad_blocks_stay_out_of_the_gradients_when_the_backward_recomputes(d
             assert_close(p.grad, q.grad)
     for a, b in zip(m.state_dict().values(), ref.state_dict().values()):
         assert_close(a, b)
+
+
+class _RoundSTE(torch.autograd.Function):
+    """Rounds; passes the gradient straight through (its backward is not round's)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.round()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+class _Quantized(torch.nn.Module):
+    def __init__(self, count_calls):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.count_calls = count_calls
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        if self.count_calls:
+            self.calls.add_(1)
+        return _RoundSTE.apply(self.lin(x) * 3)
+
+
+def test_custom_autograd_function_backward_is_eagers_or_refused(device):
+    """A custom autograd.Function's backward is kept where the backward is traced from the
+    function (eager's straight-through gradients); where it would be recomputed from the
+    recorded operations (the forward updates a buffer) it is refused, never replaced by
+    the derivative of its forward (round: zero) without a word."""
+    torch.manual_seed(0)
+    m = _Quantized(count_calls=False).to(device)
+    ref = copy.deepcopy(m)
+    g = gt.graphify(m)
+    for _ in range(3):
+        x = torch.randn(5, 4, device=device)
+        m.zero_grad()
+        ref.zero_grad()
+        g(x).pow(2).sum().backward()
+        ref(x).pow(2).sum().backward()
+        for p, q in zip(m.parameters(), ref.parameters()):
+            assert_close(p.grad, q.grad)
+    m = _Quantized(count_calls=True).to(device)
+    g = gt.graphify(m)
+    with pytest.raises(gt.GraphifyError, match="custom autograd function _RoundSTE") as err:
+        for _ in range(3):
+            g(torch.randn(5, 4, device=device)).sum().backward()
+    assert "Fix:" in str(err.value) and "torch.no_grad()" in str(err.value)
+    with torch.no_grad():
+        assert_close(g(x), m(x))
