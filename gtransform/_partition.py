@@ -71,7 +71,15 @@ def build_partition(plan: Any, metas: Sequence[Any], need: Sequence[bool], owner
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from ._state import StateIndex
-    from ._trace import TRACE_LOCK, _drop_profiler_nodes, _lift_state, _TraceMode, _Watch, flatten_output
+    from ._trace import (
+        TRACE_LOCK,
+        _drop_profiler_nodes,
+        _lift_state,
+        _rnn_weights_as_they_are,
+        _TraceMode,
+        _Watch,
+        flatten_output,
+    )
 
     if plan.fn is None or plan.escape_slots or plan.mutated:
         return None
@@ -133,7 +141,7 @@ def build_partition(plan: Any, metas: Sequence[Any], need: Sequence[bool], owner
     if len(tangents) != n_out:
         return None
     try:
-        with TRACE_LOCK, mode:
+        with TRACE_LOCK, _rnn_weights_as_they_are(), mode:
             gm = make_fx(joint, tracing_mode="real", _allow_non_fake_inputs=True)(*fakes, *tangents)
     finally:
         mode.closed = owner._desc

@@ -601,11 +601,37 @@ class _FnWatch(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+class _rnn_weights_as_they_are:
+    """While tracing, recurrent modules do not re-pack their weights (``flatten_parameters``).
+
+    A module's parameters are stand-ins during a trace, so ``nn.LSTM`` sees its weights
+    changed and, on CUDA, packs them into one cuDNN buffer by swapping their storages
+    (``_cudnn_rnn_flatten_weight``): not an operation a graph can hold. Unpacked weights
+    are what cuDNN copies into its buffer inside the recorded op. Traces hold TRACE_LOCK;
+    another thread's eager LSTM meanwhile just skips the packing (slower, same numbers).
+    """
+
+    def __enter__(self) -> None:
+        from torch.nn.modules.rnn import RNNBase
+
+        self.orig = RNNBase.__dict__["flatten_parameters"]
+        RNNBase.flatten_parameters = _no_flatten  # type: ignore[method-assign]
+
+    def __exit__(self, *exc: Any) -> None:
+        from torch.nn.modules.rnn import RNNBase
+
+        RNNBase.flatten_parameters = self.orig  # type: ignore[method-assign]
+
+
+def _no_flatten(self: Any) -> None:
+    return None
+
+
 def _custom_functions(outs: Sequence[torch.Tensor]) -> List[str]:
     """Names of the custom autograd functions (``torch.autograd.Function``) in the outputs' autograd graph."""
     seen: Set[Any] = set()
     names: List[str] = []
-    todo = [o.grad_fn for o in outs if o.grad_fn is not None]
+    todo: List[Any] = [o.grad_fn for o in outs if o.grad_fn is not None]
     while todo:
         node = todo.pop()
         if node is None or node in seen:
@@ -1155,7 +1181,7 @@ def trace(
     try:
         try:
             # fx tracing keeps global state (its patcher): one trace at a time
-            with TRACE_LOCK, _compiling(), _no_seeding(desc), mode:
+            with TRACE_LOCK, _compiling(), _no_seeding(desc), _rnn_weights_as_they_are(), mode:
                 _ACTIVE.depth = _ACTIVE.__dict__.get("depth", 0) + 1
                 try:
                     gm = make_fx(flat_fn, tracing_mode="real", _allow_non_fake_inputs=True)(*fakes)
