@@ -39,7 +39,9 @@ What this module does for a recording with collectives:
    at interpreter exit, the device is synchronised and every recording with
    collectives is closed and its CUDA graphs destroyed. A function whose
    recordings were released raises a ``GraphifyError`` when called again
-   until its cache is cleared.
+   until its cache is cleared. Process groups are held weakly, so that
+   ``destroy_process_group`` frees a gloo group and joins its worker threads
+   while the interpreter is alive (see ``_import_group_defaults``).
 
 The timeout of the recording-time agreement is the process group's store
 timeout (``init_process_group(timeout=...)``), or ``GTRANSFORM_COLLECTIVE_TIMEOUT``
@@ -50,6 +52,7 @@ from __future__ import annotations
 
 import atexit
 import hashlib
+import importlib
 import json
 import operator
 import os
@@ -142,16 +145,34 @@ def _reduce_name(obj: Any) -> Optional[str]:
     return _REDUCE_NAMES.get(code)
 
 
-class _Info:
-    """What the recording layer needs to know about a plan's collectives."""
+def _weak(obj: Any) -> Callable[[], Any]:
+    """A weak reference to ``obj`` (a strong one if it cannot be referenced weakly)."""
+    try:
+        return weakref.ref(obj)
+    except TypeError:  # pragma: no cover - every ProcessGroup of torch takes weak references
+        return lambda: obj
 
-    __slots__ = ("groups", "ranks", "ops", "rewritten")
+
+class _Info:
+    """What the recording layer needs to know about a plan's collectives.
+
+    The process groups are held weakly, so that a recording (or a function's
+    cache of plans) does not keep a group alive after ``destroy_process_group``:
+    see :func:`_import_group_defaults`.
+    """
+
+    __slots__ = ("_groups", "ranks", "ops", "rewritten")
 
     def __init__(self, groups: List[Any], ranks: Tuple[int, ...], ops: List[str]):
-        self.groups = groups  # ProcessGroup objects the graph uses
+        self._groups = [_weak(g) for g in groups]  # the ProcessGroup objects the graph uses
         self.ranks = ranks  # global ranks taking part (sorted)
         self.ops = ops  # readable summary of the collectives, for agreement
         self.rewritten = False
+
+    @property
+    def groups(self) -> List[Any]:
+        """The graph's process groups that still exist."""
+        return [g for g in (ref() for ref in self._groups) if g is not None]
 
 
 def _analyse(gm: torch.fx.GraphModule) -> Optional[_Info]:
@@ -845,12 +866,44 @@ def _renew_keeper(pool: Any, dev: Any) -> None:
 _HOOKED = False
 
 
+def _import_group_defaults() -> None:
+    """Import ``torch.distributed.nn.functional`` while no process group exists.
+
+    ``destroy_process_group`` must free a gloo group: gloo joins its worker
+    threads only in the group's destructor, and a group that lives on until
+    interpreter exit is freed (if at all) during finalisation. A worker thread
+    that is still releasing a collective then (the one that failed on this rank
+    after a lockstep abort, moments before the process exits) takes the GIL to
+    drop the Python objects of its tensors; Python ends that thread with
+    ``pthread_exit`` and the unwinding through torch's ``noexcept`` destructor
+    calls ``std::terminate``: the process dies with SIGABRT ("terminate called
+    without an active exception") after a clean shutdown. Freed by
+    ``destroy_process_group``, the group's destructor joins its workers with the
+    GIL released, while the interpreter is alive.
+
+    This module holds groups weakly (:class:`_Info`). The functions of
+    ``torch.distributed.nn.functional`` take ``group=group.WORLD`` as a default
+    argument, evaluated when the module is first imported; torch imports it
+    lazily (through ``torch._dynamo``, which tracing and the functional
+    collectives load), after ``init_process_group``, and its defaults would then
+    keep the first default group alive until exit. Imported before any group
+    exists (at ``import gtransform``), those defaults are ``None``.
+    """
+    if "torch.distributed.nn.functional" in sys.modules or _dist.is_initialized():  # type: ignore[union-attr]
+        return  # too late: importing it now would keep the current group alive
+    try:
+        importlib.import_module("torch.distributed.nn.functional")
+    except Exception:  # pragma: no cover - a build without it
+        pass
+
+
 def _install_hooks() -> None:
     """Wrap ``destroy_process_group`` and register the exit hook (once)."""
     global _HOOKED
     if _HOOKED or not _AVAILABLE:
         return
     _HOOKED = True
+    _import_group_defaults()
     import torch.distributed.distributed_c10d as c10d
 
     orig = c10d.destroy_process_group
