@@ -372,11 +372,18 @@ def test_output_that_is_a_dtype_view_of_an_input_is_right_or_refused(device, cas
 def test_distribution_argument_validation_names_validate_args():
     """torch.distributions checks its arguments on the host by default (validate_args): the
     error says so and how to turn it off; with validate_args=False the sample follows eager."""
-    from torch.distributions import Categorical
+    from torch.distributions import Categorical, Distribution
 
-    f = gt.graphify(lambda logits: Categorical(logits=logits).sample())
-    with pytest.raises(gt.GraphifyError, match="validate_args=False") as ei:
-        f(torch.randn(4, 3))
+    # torch's default; torch.compile turns it off for the whole process once it has run
+    # (an earlier test may have compiled something)
+    was = Distribution._validate_args
+    Distribution.set_default_validate_args(True)
+    try:
+        f = gt.graphify(lambda logits: Categorical(logits=logits).sample())
+        with pytest.raises(gt.GraphifyError, match="validate_args=False") as ei:
+            f(torch.randn(4, 3))
+    finally:
+        Distribution.set_default_validate_args(was)
     assert "torch/distributions/" in str(ei.value).replace("\\", "/")
     g = gt.graphify(lambda logits: Categorical(logits=logits, validate_args=False).sample())
     logits = torch.randn(4, 3)
