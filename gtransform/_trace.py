@@ -980,12 +980,25 @@ def _lift_state(gm: torch.fx.GraphModule, fakes: Sequence[FakeTensor]) -> None:
                 ph = graph.placeholder(f"state_{k}")
         anchor = ph
         new_ph.append(ph)
+    by_storage = {StorageWeakRef(f.untyped_storage()): k for k, f in enumerate(fakes)}
     names = set()
     for n in list(graph.nodes):
         if n.op == "get_attr":
-            found = index.get(id(getattr(gm, n.target, None)))
+            const = getattr(gm, n.target, None)
+            found = index.get(id(const))
             if found is not None:
                 n.replace_all_uses_with(new_ph[found])
+                graph.erase_node(n)
+                names.add(n.target)
+            elif isinstance(const, FakeTensor) and (found := by_storage.get(StorageWeakRef(const.untyped_storage()))) is not None:
+                # another tensor object over state's memory, made where the trace could not
+                # see it (torch 2.14's AccumulateGrad adds into an alias of .grad): that
+                # view of the state input
+                with graph.inserting_before(n):
+                    view = graph.call_function(torch.ops.aten.as_strided.default, (
+                        new_ph[found], list(const.shape), list(const.stride()), const.storage_offset()))
+                view.meta["val"] = const
+                n.replace_all_uses_with(view)
                 graph.erase_node(n)
                 names.add(n.target)
     for name in names:
