@@ -561,3 +561,89 @@ def test_custom_autograd_function_backward_is_eagers_or_refused(device):
     assert "Fix:" in str(err.value) and "torch.no_grad()" in str(err.value)
     with torch.no_grad():
         assert_close(g(x), m(x))
+
+
+_RECOMPUTE_FEATURES = ["state_update", "no_grad_statistic", "detach", "dropout", "buffer_in_path",
+                       "inplace_activation", "batch_norm", "where", "enable_grad_inside_no_grad", "return_input"]
+
+
+class _Features(torch.nn.Module):
+    """A forward made of the constructs that autograd treats specially, picked by name."""
+
+    def __init__(self, features):
+        super().__init__()
+        self.features = features
+        self.lin, self.lin2, self.bn = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)
+        self.register_buffer("ema", torch.zeros(4))
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        f = self.features
+        h = self.lin(x)
+        if "state_update" in f:
+            with torch.no_grad():
+                self.ema.mul_(0.9).add_(h.mean(0), alpha=0.1)
+            h = h + self.ema
+        if "no_grad_statistic" in f:
+            with torch.no_grad():
+                scale = h.abs().amax() + 1
+            h = h / scale
+        if "detach" in f:
+            h = h + h.detach().pow(2).mean()
+        if "dropout" in f:
+            h = F.dropout(h, 0.3, True)
+        if "buffer_in_path" in f:
+            self.calls.add_(1)
+            h = h * (1 + 0.1 * self.calls)
+        if "inplace_activation" in f:
+            h = h * 1.0
+            h.relu_()
+        if "batch_norm" in f:
+            h = self.bn(h)
+        if "where" in f:
+            h = torch.where(h > 0, h, 0.1 * h)
+        if "enable_grad_inside_no_grad" in f:
+            with torch.no_grad(), torch.enable_grad():
+                h = h * 2
+        out = self.lin2(torch.tanh(h))
+        return (out, x) if "return_input" in f else out
+
+
+@given(features=st.sets(st.sampled_from(_RECOMPUTE_FEATURES), min_size=1), x_requires_grad=st.booleans())
+@settings(max_examples=25, deadline=None)
+def test_autograd_special_constructs_give_eagers_gradients(features, x_requires_grad):
+    """graphify(module) then backward, for any mix of in-place state updates (which make the
+    backward recompute the recorded forward), no_grad blocks, detach, dropout, in-place
+    activations, BatchNorm and returned inputs: eager's losses, gradients and state on
+    three calls in a row, or a GraphifyError, never other numbers."""
+    torch.manual_seed(0)
+    m = _Features(features)
+    ref = copy.deepcopy(m)
+    g = gt.graphify(m)
+
+    def loss(out):
+        return out[0].pow(2).sum() + out[1].sum() if isinstance(out, tuple) else out.pow(2).sum()
+
+    for i in range(3):
+        x = torch.randn(5, 4)
+        xa, xb = x.clone().requires_grad_(x_requires_grad), x.clone().requires_grad_(x_requires_grad)
+        m.zero_grad()
+        ref.zero_grad()
+        torch.manual_seed(10 + i)
+        la = loss(g(xa))
+        torch.manual_seed(10 + i)
+        lb = loss(ref(xb))
+        try:
+            la.backward()
+        except gt.GraphifyError:
+            return
+        lb.backward()
+        assert_close(la, lb)
+        for p, q in zip(m.parameters(), ref.parameters()):
+            assert (p.grad is None) == (q.grad is None)
+            if q.grad is not None:
+                assert_close(p.grad, q.grad)
+        if x_requires_grad:
+            assert_close(xa.grad, xb.grad)
+        for a, b in zip(m.state_dict().values(), ref.state_dict().values()):
+            assert_close(a, b)
