@@ -493,6 +493,11 @@ class _Watch(TorchDispatchMode):
 _DATA_SET = torch._C.TensorBase.__dict__["data"]
 _GRAD_ATTR = torch._C.TensorBase.__dict__["grad"]
 _REGISTER_HOOK = torch.Tensor.register_hook
+# calls whose result leaves the autograd graph: make_fx may record them as plain aliases
+# (torch 2.14 records x.detach() as aten.alias), which a graph run under autograd would
+# differentiate through; their nodes are marked like no_grad blocks (_tagging_no_grad)
+_DETACHES = frozenset([torch._C.TensorBase.detach, torch.Tensor.detach, torch.detach,
+                       torch._C.TensorBase.detach_, _DATA_SET.__get__])
 
 
 class _AsIs:
@@ -596,7 +601,7 @@ class _FnWatch(TorchFunctionMode):
                         "graphified function.",
                     )
                 self.layout_used.add(idx)
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() or func in _DETACHES:
             return _tagging_no_grad(func, args, kwargs)
         return func(*args, **kwargs)
 
@@ -647,7 +652,7 @@ def _custom_functions(outs: Sequence[torch.Tensor]) -> List[str]:
 
 
 def _tagging_no_grad(func: Any, args: Sequence[Any], kwargs: Dict[str, Any]) -> Any:
-    """Run ``func`` and mark the graph nodes it adds as made under ``torch.no_grad()``.
+    """Run ``func`` and mark the graph nodes it adds as made under ``torch.no_grad()`` (or detached).
 
     A graph has no grad mode of its own. The recorded backward that recomputes the
     forward (see _autograd.make_backward) runs these nodes without grad again, so a
