@@ -190,24 +190,17 @@ class GraphFn(torch.autograd.Function):
             # outputs instead of writing over them
             return (*res[:n], *[t.detach() for t in res[n:]])
         if e.plan.hooks:
-            raise GraphifyError(
-                f"{g._desc}: the function registers a tensor hook (at {e.plan.hooks[0]}) and is "
-                "differentiated, but its backward cannot be traced from the function: "
-                + ("it updates an input in place" if e.plan.mutated else "an output is an input or a view of one")
-                + ".\nWhy: the backward is then recomputed from the recorded operations, where hooks do not exist.\n"
-                "Fix: return a copy (.clone()) of outputs that are inputs or views of them and do not update "
-                "inputs in place, or apply the hook's change to the gradient outside the function."
-            )
+            raise _recompute_refusal(
+                g._desc, e.plan, f"registers a tensor hook (at {e.plan.hooks[0]})", "hooks do not exist there",
+                "return a copy (.clone()) of outputs that are inputs or views of them and do not update "
+                "inputs in place, or apply the hook's change to the gradient outside the function.")
         if e.plan.custom_grad:
-            raise GraphifyError(
-                f"{g._desc}: the function uses the custom autograd function {e.plan.custom_grad[0]} and is "
-                "differentiated, but its backward cannot be traced from the function: "
-                + ("it updates an input or state in place" if e.plan.mutated else "an output is an input or a view of one")
-                + ".\nWhy: the backward is then recomputed from the recorded operations, which hold "
-                f"{e.plan.custom_grad[0]}.forward's operations, not its backward: the gradients would differ from eager's.\n"
-                "Fix: do not update inputs or buffers in place in a function you differentiate (return the new "
-                "values), return a copy (.clone()) of outputs that are inputs, or call it under torch.no_grad()."
-            )
+            name = e.plan.custom_grad[0]
+            raise _recompute_refusal(
+                g._desc, e.plan, f"uses the custom autograd function {name}",
+                f"they hold {name}.forward's operations, not its backward: the gradients would differ from eager's",
+                "do not update inputs or buffers in place in a function you differentiate (return the new "
+                "values), return a copy (.clone()) of outputs that are inputs, or call it under torch.no_grad().")
         if e.plan.mutated:
             # the backward recomputes the forward from the inputs as they were
             box.pre = {i: tensors[i].detach().clone() for i in e.plan.mutated}
@@ -331,6 +324,16 @@ class _NoGradRegions(torch.fx.Interpreter):
             with torch.no_grad():
                 return super().run_node(n)
         return super().run_node(n)
+
+
+def _recompute_refusal(desc: str, plan: Any, what: str, why: str, fix: str) -> GraphifyError:
+    """The error for something only the joint trace keeps, on the recompute path."""
+    how = "it updates an input or state in place" if plan.mutated else "an output is an input or a view of one"
+    return GraphifyError(
+        f"{desc}: the function {what} and is differentiated, but its backward cannot be traced "
+        f"from the function: {how}.\nWhy: the backward is then recomputed from the recorded "
+        f"operations; {why}.\nFix: {fix}"
+    )
 
 
 def _has_no_grad_nodes(gm: Any) -> bool:

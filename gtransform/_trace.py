@@ -27,7 +27,7 @@ from torch._subclasses.fake_tensor import (
     FakeTensorMode,
     UnsupportedOperatorException,
 )
-from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -496,8 +496,7 @@ _REGISTER_HOOK = torch.Tensor.register_hook
 # calls whose result leaves the autograd graph: make_fx may record them as plain aliases
 # (torch 2.14 records x.detach() as aten.alias), which a graph run under autograd would
 # differentiate through; their nodes are marked like no_grad blocks (_tagging_no_grad)
-_DETACHES = frozenset([torch._C.TensorBase.detach, torch.Tensor.detach, torch.detach,
-                       torch._C.TensorBase.detach_, _DATA_SET.__get__])
+_DETACHES = frozenset([torch.Tensor.detach, torch.detach, torch.Tensor.detach_, _DATA_SET.__get__])
 
 
 class _AsIs:
@@ -659,8 +658,6 @@ def _tagging_no_grad(func: Any, args: Sequence[Any], kwargs: Dict[str, Any]) -> 
     ``no_grad`` block of the function (a detached statistic, spectral norm's power
     iteration writing its buffers with ``out=``) stays out of the gradients as in eager.
     """
-    from torch.fx.experimental.proxy_tensor import get_proxy_mode
-
     mode = get_proxy_mode()
     graph = getattr(getattr(mode, "tracer", None), "graph", None)
     if graph is None:

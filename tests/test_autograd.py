@@ -469,6 +469,19 @@ def test_parameter_hooks_run_once_and_module_backward_hooks_are_refused(device):
     assert calls == []
 
 
+def _assert_grads_as_eager(g, m, ref, shape, calls, device):
+    """``calls`` backwards of a squared loss through ``g = graphify(m)`` and through ``ref``, an
+    eager copy of ``m``: the parameters' gradients agree after each."""
+    for _ in range(calls):
+        x = torch.randn(*shape, device=device)
+        m.zero_grad()
+        ref.zero_grad()
+        g(x).pow(2).sum().backward()
+        ref(x).pow(2).sum().backward()
+        for p, q in zip(m.parameters(), ref.parameters()):
+            assert_close(p.grad, q.grad)
+
+
 class _ScaledByDetachedMax(torch.nn.Module):
     """Updates a buffer (so the backward recomputes the forward) and divides by a
     statistic computed under no_grad (so it must not carry gradient)."""
@@ -499,14 +512,7 @@ def test_no_grad_blocks_stay_out_of_the_gradients_when_the_backward_recomputes(d
     m = make().to(device)
     ref = copy.deepcopy(m)
     g = gt.graphify(m)
-    for _ in range(4):
-        x = torch.randn(5, width, device=device)
-        m.zero_grad()
-        ref.zero_grad()
-        g(x).pow(2).sum().backward()
-        ref(x).pow(2).sum().backward()
-        for p, q in zip(m.parameters(), ref.parameters()):
-            assert_close(p.grad, q.grad)
+    _assert_grads_as_eager(g, m, ref, (5, width), calls=4, device=device)
     for a, b in zip(m.state_dict().values(), ref.state_dict().values()):
         assert_close(a, b)
 
@@ -545,20 +551,14 @@ def test_custom_autograd_function_backward_is_eagers_or_refused(device):
     m = _Quantized(count_calls=False).to(device)
     ref = copy.deepcopy(m)
     g = gt.graphify(m)
-    for _ in range(3):
-        x = torch.randn(5, 4, device=device)
-        m.zero_grad()
-        ref.zero_grad()
-        g(x).pow(2).sum().backward()
-        ref(x).pow(2).sum().backward()
-        for p, q in zip(m.parameters(), ref.parameters()):
-            assert_close(p.grad, q.grad)
+    _assert_grads_as_eager(g, m, ref, (5, 4), calls=3, device=device)
     m = _Quantized(count_calls=True).to(device)
     g = gt.graphify(m)
     with pytest.raises(gt.GraphifyError, match="custom autograd function _RoundSTE") as err:
         for _ in range(3):
             g(torch.randn(5, 4, device=device)).sum().backward()
     assert "Fix:" in str(err.value) and "torch.no_grad()" in str(err.value)
+    x = torch.randn(5, 4, device=device)
     with torch.no_grad():
         assert_close(g(x), m(x))
 
