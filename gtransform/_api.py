@@ -55,8 +55,9 @@ from ._signature import (
     tensor_attrs,
 )
 from ._state import change_error, env_key_fn, find_roots
-from ._trace import FOR_GRAD, plain_layout, trace, tracing
+from ._trace import plain_layout, trace, tracing
 from ._tree import flatten, leaf_paths, static_leaf_key, tensor_meta, unflatten
+from ._watch import FOR_GRAD
 
 try:
     from typing import ParamSpec

@@ -317,7 +317,7 @@ def _partitioned_backward(box: _Box, saved: Sequence[torch.Tensor], grads: Seque
 
 
 class _NoGradRegions(torch.fx.Interpreter):
-    """Runs a traced graph with its ``torch.no_grad()`` blocks (see _trace._tagging_no_grad)."""
+    """Runs a traced graph with its ``torch.no_grad()`` blocks (see _watch._tagging_no_grad)."""
 
     def run_node(self, n: torch.fx.Node) -> Any:
         if n.meta.get("gt_no_grad"):

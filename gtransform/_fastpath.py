@@ -201,7 +201,7 @@ def build_fast_path(owner: Any, entry: Any, rec: Any, pool: Any) -> Any:
         gr = " or ".join(f"_has_grad({tens[i]})" for i in sorted(entry.plan.grad_idx))
         checks.append(f"if {gr}: return MISS")
     if entry.plan.layout_idx:
-        # the function reads these inputs' storage offset or layout (see _trace._FnWatch)
+        # the function reads these inputs' storage offset or layout (see _watch._FnWatch)
         lay = " and ".join(f"_plain({tens[i]})" for i in sorted(entry.plan.layout_idx))
         checks.append(f"if not ({lay}): return MISS")
     if rec.static_idx:

@@ -70,16 +70,10 @@ def build_partition(plan: Any, metas: Sequence[Any], need: Sequence[bool], owner
     from torch._functorch.partitioners import default_partition
     from torch.fx.experimental.proxy_tensor import make_fx
 
+    from ._rewrite import _drop_profiler_nodes, _lift_state
     from ._state import StateIndex
-    from ._trace import (
-        TRACE_LOCK,
-        _drop_profiler_nodes,
-        _lift_state,
-        _rnn_weights_as_they_are,
-        _TraceMode,
-        _Watch,
-        flatten_output,
-    )
+    from ._trace import TRACE_LOCK, _TraceMode, flatten_output
+    from ._watch import _rnn_weights_as_they_are, _Watch
 
     if plan.fn is None or plan.escape_slots or plan.mutated:
         return None

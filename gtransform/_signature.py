@@ -19,8 +19,9 @@ import torch
 from ._errors import RerecordWarning
 from ._liveness import PoolState
 from ._record import Recording
-from ._trace import TENSOR_ATTR, Plan, plain_layout
+from ._trace import Plan, plain_layout
 from ._tree import static_leaf_key, tensor_meta
+from ._watch import TENSOR_ATTR
 
 __all__ = [
     "Guard", "Entry", "ThreadState", "alias_pattern", "global_key", "dict_orders", "diff_leaves", "sig_brief",
@@ -126,7 +127,7 @@ def tensor_attrs(t: torch.Tensor) -> Optional[Dict[str, Any]]:
     """The Python attributes of a tensor input that the trace's stand-in gets.
 
     Tensor-valued ones are given as :data:`TENSOR_ATTR`: the trace sets a
-    stand-in whose use is refused (see ``_trace._TensorAttr``).
+    stand-in whose use is refused (see ``_watch._TensorAttr``).
     """
     d = t.__dict__
     if not d:

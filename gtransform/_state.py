@@ -4,7 +4,7 @@ Module parameters and buffers, optimizer state, caches, closed-over tensors.
 The rule (DESIGN semantics 10):
 
 * The trace never touches state: every real tensor an operation meets while
-  tracing is swapped for a fake (see ``_trace``), and becomes an input of the
+  tracing is swapped for a fake (see ``_watch``), and becomes an input of the
   recorded graph. Each call resolves the state again (``StateBinding``) and
   hands it to the recording like an argument, so reads see current values,
   in-place updates happen once per call, and a state tensor that was replaced

@@ -1,0 +1,48 @@
+"""A traced graph compiled by TorchInductor, for ``graphify(fn, fuse=True)``.
+
+:meth:`_trace.Plan.fused` makes one per signature; inductor itself is imported
+on its first call only, so tracing and recording never load it unless asked.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+
+class _Inductor:
+    """A traced graph compiled by TorchInductor on its first call (that call's tensors are the examples).
+
+    Straight to inductor's ``compile_fx``, as dynamo's inductor backend does: the
+    graph is already an aten graph of flat tensors, so ``torch.compile`` would only
+    trace its generated code again with dynamo and build guards nobody checks (the
+    signature is gtransform's): 1-2 s of the benchmark's resnet18, GPT-2 and Llama
+    first calls on an H100 (benchmarks/NOTES.md). Like dynamo, it hands inductor
+    fake inputs of static shapes inside a tracing context with a shape environment:
+    without one, inductor's persistent cache is bypassed; with real inputs there,
+    sizes become symbolic (resnet18 took 19 s instead of 10). Inductor compiles a
+    copy of the graph: its passes rewrite the graph they are given.
+    """
+
+    __slots__ = ("gm", "fn")
+
+    def __init__(self, gm: torch.fx.GraphModule):
+        self.gm = gm
+        self.fn: Any = None
+
+    def __call__(self, *args: Any) -> Any:
+        fn = self.fn
+        if fn is None:
+            from torch._guards import TracingContext, tracing
+            from torch._inductor.compile_fx import compile_fx
+            from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+            gm = torch.fx.GraphModule(self.gm, copy.deepcopy(self.gm.graph))
+            fake = FakeTensorMode(shape_env=ShapeEnv(), static_shapes=True, allow_non_fake_inputs=True)
+            examples = [fake.from_tensor(a, static_shapes=True) if isinstance(a, torch.Tensor) else a for a in args]
+            with tracing(TracingContext(fake)), torch._inductor.config.patch({"fallback_random": True, "triton.cudagraphs": False}):
+                fn = self.fn = compile_fx(gm, examples)
+        return fn(*args)

@@ -1,0 +1,125 @@
+"""Passes over the traced fx graph, run once the trace is made.
+
+``make_fx`` returns a graph that holds state as constants and carries host-only
+markers; these passes rewrite it in place into one that can be recorded and
+replayed: state becomes trailing inputs (:func:`_lift_state`), profiler markers
+go (:func:`_drop_profiler_nodes`), kernels whose saved outputs need grad mode
+keep it (:func:`_kernels_in_grad_mode`), and a CUDA function's constants move to
+the device (:func:`_constants_to_device`). ``_trace.trace`` and ``_partition``
+run them; watching the function while it is traced is ``_watch``'s.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, List, Optional, Sequence, Tuple
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.multiprocessing.reductions import StorageWeakRef
+
+
+def _constants_to_device(gm: torch.fx.GraphModule, device: Optional[torch.device]) -> None:
+    """Move tensor constants made inside a CUDA function to the device once.
+
+    Constants such as ``torch.tensor(5.)`` or the ``5.`` of ``x[0] = 5.`` are
+    then copied on the device instead of from pageable host memory.
+    """
+    if device is None:
+        return
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            val = getattr(gm, node.target, None)
+            if isinstance(val, torch.Tensor) and val.device.type == "cpu":
+                setattr(gm, node.target, val.to(device))
+
+
+def _lift_state(gm: torch.fx.GraphModule, fakes: Sequence[FakeTensor]) -> None:
+    """Turn the graph's constants that are state into trailing placeholders (in ``fakes`` order)."""
+    graph = gm.graph
+    index = {id(f): k for k, f in enumerate(fakes)}
+    phs = [n for n in graph.nodes if n.op == "placeholder"]
+    anchor = phs[-1] if phs else None
+    new_ph = []
+    for k in range(len(fakes)):
+        if anchor is None:
+            with graph.inserting_before(next(iter(graph.nodes))):
+                ph = graph.placeholder(f"state_{k}")
+        else:
+            with graph.inserting_after(anchor):
+                ph = graph.placeholder(f"state_{k}")
+        anchor = ph
+        new_ph.append(ph)
+    by_storage = {StorageWeakRef(f.untyped_storage()): k for k, f in enumerate(fakes)}
+    names = set()
+    for n in list(graph.nodes):
+        if n.op == "get_attr":
+            const = getattr(gm, n.target, None)
+            found = index.get(id(const))
+            if found is not None:
+                n.replace_all_uses_with(new_ph[found])
+                graph.erase_node(n)
+                names.add(n.target)
+            elif isinstance(const, FakeTensor) and (found := by_storage.get(StorageWeakRef(const.untyped_storage()))) is not None:
+                # another tensor object over state's memory, made where the trace could not
+                # see it (torch 2.14's AccumulateGrad adds into an alias of .grad): that
+                # view of the state input
+                with graph.inserting_before(n):
+                    view = graph.call_function(torch.ops.aten.as_strided.default, (
+                        new_ph[found], list(const.shape), list(const.stride()), const.storage_offset()))
+                view.meta["val"] = const
+                n.replace_all_uses_with(view)
+                graph.erase_node(n)
+                names.add(n.target)
+    for name in names:
+        if hasattr(gm, name):
+            delattr(gm, name)
+
+
+@functools.cache
+def _rnn_layer_in_grad_mode() -> Any:
+    """``aten.mkldnn_rnn_layer`` run with grad mode on: an op of its own for the trace.
+
+    The CPU's oneDNN LSTM/GRU kernel makes the workspace its backward needs only when
+    grad mode is on (its ``train`` argument is not enough), and recorded forwards
+    replay without grad mode: the saved workspace would be missing. The op detaches
+    its inputs, so no autograd graph is built.
+    """
+    aten_op = torch.ops.aten.mkldnn_rnn_layer.default
+
+    @torch.library.custom_op("gtransform::mkldnn_rnn_layer_in_grad_mode", mutates_args=())
+    def rnn_layer(input: torch.Tensor, weight0: torch.Tensor, weight1: torch.Tensor, weight2: torch.Tensor,
+                  weight3: torch.Tensor, hx_: torch.Tensor, cx_: torch.Tensor, reverse: bool, batch_sizes: List[int],
+                  mode: int, hidden_size: int, num_layers: int, has_biases: bool, bidirectional: bool,
+                  batch_first: bool, train: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        args = [a.detach() if isinstance(a, torch.Tensor) else a for a in
+                (input, weight0, weight1, weight2, weight3, hx_, cx_, reverse, batch_sizes, mode, hidden_size,
+                 num_layers, has_biases, bidirectional, batch_first, train)]
+        with torch.enable_grad():
+            out = aten_op(*args)
+        return tuple(o if o is not None else torch.empty(0, dtype=torch.uint8, device=input.device) for o in out)  # type: ignore[return-value]
+
+    @rnn_layer.register_fake
+    def _(*args: Any) -> Any:
+        return aten_op(*args)
+
+    return torch.ops.gtransform.mkldnn_rnn_layer_in_grad_mode.default
+
+
+def _kernels_in_grad_mode(gm: torch.fx.GraphModule) -> None:
+    """Forward ops whose saved outputs exist only with grad mode on run with it (see above)."""
+    changed = False
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target is torch.ops.aten.mkldnn_rnn_layer.default:
+            n.target = _rnn_layer_in_grad_mode()
+            changed = True
+    if changed:
+        gm.recompile()
+
+
+def _drop_profiler_nodes(gm: torch.fx.GraphModule) -> None:
+    """Remove record_function markers (torch.optim's): host work with no effect on the numbers."""
+    graph = gm.graph
+    for n in reversed(list(graph.nodes)):
+        if n.op == "call_function" and getattr(n.target, "namespace", None) == "profiler" and not n.users:
+            graph.erase_node(n)

@@ -1,0 +1,593 @@
+"""What the user's function runs under while it is traced.
+
+The modes that police the function turn what a recording cannot hold into a
+GraphifyError that names the user's line: :class:`_Watch` sees every aten
+operation (in-place writes and resizes of inputs, host/device copies, state
+reached without being an argument, which it swaps for fakes), :class:`_FnWatch`
+the Python-level tensor calls dispatch cannot see (``.data =``, layout reads,
+``.grad``, hooks, ``no_grad`` blocks), :class:`_TensorAttr` stands in for
+tensors hung on arguments, and :class:`_no_seeding` refuses reseeding. Beside
+them, :class:`_compiling` and :class:`_rnn_weights_as_they_are` steer library
+code onto its traceable path. ``_trace.trace`` and the joint trace of
+``_partition`` enter them; what is done with the traced graph afterwards is
+``_rewrite``'s.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import threading
+import traceback
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.fx.experimental.proxy_tensor import get_proxy_mode
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ._errors import GraphifyError, format_frame, is_library_file, user_frame
+from ._state import StateIndex
+
+__all__ = ["FOR_GRAD", "TENSOR_ATTR"]
+
+# set while a signature is looked up for torch.func.grad/vjp of a graphified
+# function: its inputs are differentiated although the traced stand-ins are not
+FOR_GRAD = threading.local()
+
+
+_aten = torch.ops.aten
+_RESIZES = {_aten.resize_.default, _aten.resize_as_.default}
+_SETS = {getattr(_aten.set_, o) for o in _aten.set_.overloads()}
+_COPIES = {_aten._to_copy.default, _aten.copy_.default, _aten.copy.default}
+# fresh constants made from Python data inside the function (torch.tensor(3.0), x[0] = 5.)
+_LIFTS = {_aten.lift_fresh.default, _aten.lift_fresh_copy.default}
+# ops that update arguments in place without saying so in their schema:
+# batch norm's running statistics (in training mode, the bool at index 5)
+_HIDDEN_WRITES: Dict[Any, Tuple[int, ...]] = {}
+for _name in ("native_batch_norm", "cudnn_batch_norm", "miopen_batch_norm"):
+    _op = getattr(_aten, _name, None)
+    if _op is not None and hasattr(_op, "default"):
+        _HIDDEN_WRITES[_op.default] = (3, 4)
+_SEEDED: Any
+try:
+    _SEEDED = torch.Tag.nondeterministic_seeded
+except AttributeError:  # pragma: no cover
+    _SEEDED = None
+
+
+def _tensors_in(v: Any) -> List[torch.Tensor]:
+    if isinstance(v, torch.Tensor):
+        return [v]
+    if isinstance(v, (list, tuple)):
+        return [t for t in v if isinstance(t, torch.Tensor)]
+    return []
+
+
+_LIB_CACHE: Dict[str, bool] = {}
+
+
+def _site() -> str:
+    """``file:line`` of the innermost user frame (cheap: no source lines)."""
+    f: Any = sys._getframe(2)
+    while f is not None:
+        fn = f.f_code.co_filename
+        lib = _LIB_CACHE.get(fn)
+        if lib is None:
+            lib = _LIB_CACHE[fn] = is_library_file(fn)
+        if not lib:
+            return f"{fn}:{f.f_lineno}"
+        f = f.f_back
+    return ""
+
+
+class _Watch(TorchDispatchMode):
+    """Watches every aten op of the trace (runs above make_fx's proxy mode).
+
+    Real tensors that reach an operation are *state* (the function reached them
+    without taking them as arguments): each is swapped for a fake of its own,
+    so the trace never reads or writes real memory, and later becomes an input
+    of the graph.
+    """
+
+    def __init__(self, inputs: Dict[Any, int], paths: List[str], desc: str, cuda: bool, mode: FakeTensorMode, index: StateIndex, n_in: int):
+        super().__init__()
+        self.inputs = inputs
+        self.paths = paths
+        self.desc = desc
+        self.cuda = cuda
+        self.mode = mode
+        self.index = index
+        self.n_in = n_in
+        self.mutated: Set[int] = set()
+        self.uses_cuda = False
+        self.random = False
+        self.ops = 0
+        self.lifted: Set[int] = set()  # ids of constants made inside the function
+        self.generators: List[torch.Generator] = []  # explicit generators used by random ops
+        self.state: List[torch.Tensor] = []
+        self.state_fakes: List[FakeTensor] = []
+        self._fake_of: Dict[int, FakeTensor] = {}
+        self.overlapping: Set[int] = set()  # caller's inputs whose elements share memory
+
+    def _fail(self, what: str, why: str, fix: str) -> None:
+        fr = user_frame(traceback.extract_stack())
+        raise GraphifyError(
+            f"{self.desc}: {what}\n  at {format_frame(fr)}\n"
+            f"Why: {why}\nFix: {fix}"
+        )
+
+    def _fake(self, t: torch.Tensor) -> FakeTensor:
+        f = self._fake_of.get(id(t))
+        if f is None:
+            k = len(self.state)
+            name = self.index.name_of(t, k)
+            if self.cuda and t.device.type == "cpu":
+                self._fail(
+                    f"the function reads the CPU tensor {name} (state it reaches without taking it "
+                    "as an argument) inside a CUDA function.",
+                    "a CUDA graph reads a CPU tensor once, at recording time; its value would be frozen.",
+                    "keep that state on the GPU (module.to(device); for torch.optim optimizers pass "
+                    "capturable=True so their step counts live on the GPU), or pass a Python number.",
+                )
+            # a tensor with autograd history (``W = base * 2`` closed over, a cache an eager
+            # call in grad mode wrote into) is traced as a leaf that requires grad, like a
+            # parameter: at call time it is an input of the autograd node, so gradients flow
+            # on into its history as in eager
+            history = t.grad_fn is not None
+            f = self.mode.from_tensor(t.detach() if history else t, static_shapes=True)
+            if history:
+                f.requires_grad_(True)
+            self._fake_of[id(t)] = f
+            self.state.append(t)
+            self.state_fakes.append(f)
+            self.inputs.setdefault(StorageWeakRef(f.untyped_storage()), self.n_in + k)
+            self.paths.append(name)
+        return f
+
+    def _swap(self, v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            return v if isinstance(v, FakeTensor) else self._fake(v)
+        if isinstance(v, (list, tuple)) and any(isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor) for t in v):
+            return type(v)(self._swap(t) for t in v) if isinstance(v, list) else tuple(self._swap(t) for t in v)
+        return v
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        self.ops += 1
+        if func not in _LIFTS:
+            args = [self._swap(a) for a in args]
+            if kwargs:
+                kwargs = {k: self._swap(v) for k, v in kwargs.items()}
+        schema = func._schema
+        hidden = _HIDDEN_WRITES.get(func)
+        if hidden is not None and len(args) > 5 and args[5]:
+            for i in hidden:
+                for t in _tensors_in(args[i]):
+                    idx = self.inputs.get(StorageWeakRef(t.untyped_storage()))
+                    if idx is not None:
+                        self.mutated.add(idx)
+        written: List[Tuple[torch.Tensor, int, Any]] = []
+        if schema.is_mutable:
+            for i, a in enumerate(schema.arguments):
+                ai = a.alias_info
+                if ai is None or not ai.is_write:
+                    continue
+                v = args[i] if (i < len(args) and not a.kwarg_only) else kwargs.get(a.name)
+                for t in _tensors_in(v):
+                    idx = self.inputs.get(StorageWeakRef(t.untyped_storage()))
+                    if idx is None:
+                        continue
+                    if func in _RESIZES or func in _SETS:
+                        self._fail(
+                            f"{func} changes the size or storage of input {self.paths[idx]} in place.",
+                            "a recording replays fixed memory; an input's storage cannot be resized "
+                            "or replaced inside it.",
+                            "return the new tensor instead of resizing the input, or do the resize "
+                            "outside the graphified function.",
+                        )
+                    if idx in self.overlapping:
+                        self._fail(
+                            f"{func} updates input {self.paths[idx]} in place, and that input overlaps "
+                            "itself (its elements share memory).",
+                            "eager updates such a tensor element by element in an order-dependent way "
+                            "through the shared memory; the recording updates a copy and writes it back.",
+                            f"pass {self.paths[idx]}.contiguous() or .clone() (or update a copy and "
+                            "return it).",
+                        )
+                    hist = self.state[idx - self.n_in].grad_fn if idx >= self.n_in else None
+                    if hist is not None and torch.is_grad_enabled():
+                        self._fail(
+                            f"{func} updates {self.paths[idx]} in place, a tensor in state the function "
+                            f"reaches (not an argument) that carries autograd history "
+                            f"(grad_fn={type(hist).__name__}): an earlier call in grad mode wrote a tensor "
+                            "that requires grad into it (a KV cache updated by a decode step run outside "
+                            "torch.no_grad(), for instance).",
+                            "gtransform keeps state as plain memory between calls; it cannot grow the "
+                            "autograd graph that eager extends through that tensor on every call.",
+                            "call the function under torch.no_grad() or torch.inference_mode() (decoding, "
+                            "rollouts), or write detached values into the state "
+                            "(cache.index_copy_(2, pos, k.detach())).",
+                        )
+                    written.append((t, idx, (t.shape, t.stride(), t.storage_offset())))
+                    self.mutated.add(idx)
+        if _SEEDED is not None and _SEEDED in func.tags:
+            self.random = True
+        gen = kwargs.get("generator")
+        if isinstance(gen, torch.Generator) and all(gen is not g for g in self.generators):
+            self.generators.append(gen)
+        out = func(*args, **kwargs)
+        for t, idx, meta in written:
+            if (t.shape, t.stride(), t.storage_offset()) != meta:
+                self._fail(
+                    f"{func} changes the shape or strides of input {self.paths[idx]} in place "
+                    f"({list(meta[0])} -> {list(t.shape)}).",
+                    "eager changes the caller's tensor object itself; a recording only writes "
+                    "values back into the caller's tensor, whose shape it cannot change.",
+                    "use the out-of-place op and return its result (e.g. y = x.t() instead of "
+                    "x.t_()), or change the tensor outside the graphified function.",
+                )
+        if func in _LIFTS:
+            self.lifted.update(id(t) for t in _tensors_in(out))
+        site = None
+        for t in _tensors_in(out):
+            if isinstance(t, FakeTensor) and "_gt_site" not in t.__dict__:
+                if site is None:
+                    site = _site()
+                t.__dict__["_gt_site"] = site
+        if self.cuda or self.uses_cuda:
+            self._check_devices(func, args, kwargs, out)
+        else:
+            for t in _tensors_in(out):
+                if t.device.type == "cuda":
+                    self.uses_cuda = True
+        return out
+
+    def _check_devices(self, func: Any, args: Sequence[Any], kwargs: Dict[str, Any], out: Any) -> None:
+        self.uses_cuda = True
+        ins = [t for v in list(args) + list(kwargs.values()) for t in _tensors_in(v)]
+        outs = _tensors_in(out)
+        if func in _LIFTS:
+            return  # constants are moved to the device when recorded
+        if func in _COPIES:
+            devs = {t.device.type for t in ins + outs if id(t) not in self.lifted}
+            if "cpu" in devs and "cuda" in devs:
+                self._fail(
+                    f"{func} copies between the host and the GPU inside a CUDA function.",
+                    "a CUDA graph cannot contain a synchronising host<->device copy; its value "
+                    "would be read once, at recording time.",
+                    "create tensors directly on the inputs' device (device=x.device), pass them "
+                    "as inputs, or move the copy out of the graphified function.",
+                )
+        for t in outs:
+            if id(t) in self.lifted:
+                continue
+            if t.device.type == "cpu" and (t.dim() > 0 or (_SEEDED is not None and _SEEDED in func.tags)):
+                self._fail(
+                    f"{func} makes a CPU tensor of shape {tuple(t.shape)} inside a CUDA function.",
+                    "CPU work is not recorded by CUDA graph capture: it would run once, at "
+                    "recording time, and its result would be frozen.",
+                    "create the tensor on the GPU (device=x.device), or move this work out of "
+                    "the graphified function.",
+                )
+
+
+_DATA_SET = torch._C.TensorBase.__dict__["data"]
+_GRAD_ATTR = torch._C.TensorBase.__dict__["grad"]
+_REGISTER_HOOK = torch.Tensor.register_hook
+# calls whose result leaves the autograd graph: make_fx may record them as plain aliases
+# (torch 2.14 records x.detach() as aten.alias), which a graph run under autograd would
+# differentiate through; their nodes are marked like no_grad blocks (_tagging_no_grad)
+_DETACHES = frozenset([torch.Tensor.detach, torch.detach, torch.Tensor.detach_, _DATA_SET.__get__])
+
+
+class _AsIs:
+    """An output leaf that is a real tensor the function returned unchanged (see _trace.trace)."""
+
+    __slots__ = ("t",)
+
+    def __init__(self, t: torch.Tensor):
+        self.t = t
+
+
+def _returned_as_is(t: torch.Tensor, watch: Any, cuda: bool) -> Any:
+    if cuda and t.device.type == "cpu":
+        return _AsIs(t)
+    return watch._fake(t)
+
+
+class _NoHandle:
+    """Handle of a hook that the forward trace did not register."""
+
+    def remove(self) -> None:
+        return None
+_LAYOUT_READS = frozenset(
+    getattr(torch._C.TensorBase, n) for n in ("storage_offset", "as_strided", "as_strided_")
+    if hasattr(torch._C.TensorBase, n)
+)
+
+
+class _FnWatch(TorchFunctionMode):
+    """Watches the Python-level tensor calls of the trace that dispatch cannot see.
+
+    ``x.data = ...`` on an input (eager swaps the caller's tensor's data; a
+    recording cannot), and ``storage_offset()`` / ``as_strided`` on an input
+    whose layout a static buffer does not keep (an offset view, a strided view).
+    """
+
+    def __init__(self, watch: _Watch, storages: Dict[Any, int], n_in: int, plain: Sequence[bool],
+                 grads: Sequence[bool] = ()):
+        super().__init__()
+        self.watch = watch
+        self.storages = storages
+        self.n_in = n_in
+        self.plain = plain
+        self.grads = grads
+        self.layout_used: Set[int] = set()
+        self.grad_read: Set[int] = set()
+        self.hooks: List[str] = []
+        self.for_grad = bool(getattr(FOR_GRAD, "on", False))
+        self.inputs: Sequence[Any] = ()  # the trace's input tensors (set by the traced function)
+
+    def _input(self, t: Any) -> Optional[int]:
+        if not isinstance(t, FakeTensor):
+            return None
+        idx = self.storages.get(StorageWeakRef(t.untyped_storage()))
+        return idx if idx is not None and idx < self.n_in else None
+
+    def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is _REGISTER_HOOK and args:
+            self.hooks.append(format_frame(user_frame(traceback.extract_stack())))
+            if self.for_grad and isinstance(args[0], torch.Tensor) and not args[0].requires_grad:
+                # under torch.func.grad the tensor requires grad in eager; the trace's
+                # stand-in does not: the hook acts in the backward, which the joint
+                # trace of the function makes (see _partition.py)
+                return _NoHandle()
+        if args and getattr(func, "__self__", None) is _GRAD_ATTR and getattr(func, "__name__", "") == "__get__":
+            idx = self._input(args[0])
+            if idx is not None and args[0] is self.inputs[idx]:
+                if idx < len(self.grads) and self.grads[idx]:
+                    path = self.watch.paths[idx]
+                    self.watch._fail(
+                        f"the function reads {path}.grad, the gradient attached to input {path}.",
+                        "a recording takes tensors, not their attributes: the gradient is not an "
+                        "input of the recording, so its values (and whether there is one) would "
+                        "be frozen at the first call.",
+                        "pass the gradient as an argument of its own (e.g. f(p, p.grad)), or "
+                        "close over the tensor instead of passing it (state's .grad is read every call).",
+                    )
+                self.grad_read.add(idx)  # read as None: keyed on staying None
+        if args and (func in _LAYOUT_READS or getattr(func, "__self__", None) is _DATA_SET):
+            idx = self._input(args[0])
+            if idx is not None:
+                w = self.watch
+                path = w.paths[idx]
+                if func not in _LAYOUT_READS:
+                    w._fail(
+                        f"`{path}.data = ...` replaces the data of input {path}.",
+                        "eager swaps the caller's tensor's storage; a recording reads and writes fixed "
+                        "memory and cannot replace the caller's storage.",
+                        f"update it in place instead (e.g. {path}.clamp_(-0.5, 0.5), or "
+                        f"{path}.copy_(new_value)), or return the new tensor.",
+                    )
+                name = getattr(func, "__name__", str(func))
+                if not self.plain[idx]:
+                    w._fail(
+                        f"{name}() reads the memory layout of input {path}, which is a view into "
+                        "a larger storage, or not dense.",
+                        "an input copied into a static buffer gets a dense buffer of its own, "
+                        "so its storage offset and the memory around it differ from the caller's.",
+                        f"pass {path}.contiguous() (or .clone()), or call {name} outside the "
+                        "graphified function.",
+                    )
+                self.layout_used.add(idx)
+        if not torch.is_grad_enabled() or func in _DETACHES:
+            return _tagging_no_grad(func, args, kwargs)
+        return func(*args, **kwargs)
+
+
+class _rnn_weights_as_they_are:
+    """While tracing, recurrent modules do not re-pack their weights (``flatten_parameters``).
+
+    A module's parameters are stand-ins during a trace, so ``nn.LSTM`` sees its weights
+    changed and, on CUDA, packs them into one cuDNN buffer by swapping their storages
+    (``_cudnn_rnn_flatten_weight``): not an operation a graph can hold. Unpacked weights
+    are what cuDNN copies into its buffer inside the recorded op. Traces hold _trace.TRACE_LOCK;
+    another thread's eager LSTM meanwhile just skips the packing (slower, same numbers).
+    """
+
+    def __enter__(self) -> None:
+        from torch.nn.modules.rnn import RNNBase
+
+        self.orig = RNNBase.__dict__["flatten_parameters"]
+        RNNBase.flatten_parameters = _no_flatten  # type: ignore[method-assign]
+
+    def __exit__(self, *exc: Any) -> None:
+        from torch.nn.modules.rnn import RNNBase
+
+        RNNBase.flatten_parameters = self.orig  # type: ignore[method-assign]
+
+
+def _no_flatten(self: Any) -> None:
+    return None
+
+
+def _tagging_no_grad(func: Any, args: Sequence[Any], kwargs: Dict[str, Any]) -> Any:
+    """Run ``func`` and mark the graph nodes it adds as made under ``torch.no_grad()`` (or detached).
+
+    A graph has no grad mode of its own. The recorded backward that recomputes the
+    forward (see _autograd.make_backward) runs these nodes without grad again, so a
+    ``no_grad`` block of the function (a detached statistic, spectral norm's power
+    iteration writing its buffers with ``out=``) stays out of the gradients as in eager.
+    """
+    mode = get_proxy_mode()
+    graph = getattr(getattr(mode, "tracer", None), "graph", None)
+    if graph is None:
+        return func(*args, **kwargs)
+    root = graph._root
+    last = root._prev
+    out = func(*args, **kwargs)
+    n = last._next
+    while n is not root:
+        n.meta["gt_no_grad"] = True
+        n = n._next
+    return out
+
+
+TENSOR_ATTR = object()  # a tensor-valued attribute of an input (see _signature.tensor_attrs)
+
+
+class _TensorAttr:
+    """Stand-in for a tensor that the caller hung on a tensor argument (``p.mask = m``).
+
+    Any use of it is a GraphifyError with the fix: such a tensor is neither an
+    argument nor state the function reaches, so a recording would freeze it.
+    """
+
+    __slots__ = ("_gt_where",)
+
+    def __init__(self, watch: Any, path: str, name: str):
+        object.__setattr__(self, "_gt_where", (watch, path, name))
+
+    def _gt_fail(self) -> None:
+        watch, path, name = object.__getattribute__(self, "_gt_where")
+        watch._fail(
+            f"the function uses {path}.{name}, a tensor set as a Python attribute of input {path}.",
+            "a recording takes tensors as arguments or as state it reaches (closures, modules, "
+            "globals); a tensor hung on an argument is neither, so the recording would keep the "
+            "first call's tensor.",
+            f"pass {path}.{name} as an argument of its own (e.g. f(p, p.{name}) instead of f(p)), "
+            "or keep it on a module or in a closure that the function reads.",
+        )
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
+        for a in list(args) + list((kwargs or {}).values()):
+            if isinstance(a, _TensorAttr):
+                a._gt_fail()
+        raise TypeError("unreachable")  # pragma: no cover
+
+    def __getattr__(self, name: str) -> Any:
+        self._gt_fail()
+
+    def __repr__(self) -> str:
+        watch, path, name = object.__getattribute__(self, "_gt_where")
+        return f"<tensor attribute {path}.{name} (not traceable)>"
+
+
+def _tensor_attr_fail(self: _TensorAttr, *a: Any, **k: Any) -> Any:
+    self._gt_fail()
+
+
+for _name in ("add", "sub", "mul", "matmul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor",
+              "lt", "le", "gt", "ge", "neg", "pos", "abs", "invert", "bool", "float", "int", "index",
+              "len", "iter", "getitem", "setitem", "array", "contains"):
+    setattr(_TensorAttr, f"__{_name}__", _tensor_attr_fail)
+    if _name in ("add", "sub", "mul", "matmul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor"):
+        setattr(_TensorAttr, f"__r{_name}__", _tensor_attr_fail)
+
+
+_SEED_FNS = (
+    (torch, "manual_seed"),
+    (torch.random, "manual_seed"),
+    (torch, "seed"),
+    (torch.random, "seed"),
+    (torch.cuda, "manual_seed"),
+    (torch.cuda, "manual_seed_all"),
+    (torch.cuda, "seed"),
+    (torch.cuda, "seed_all"),
+)
+_SEED_MSG = (
+    "Why: a recording draws fresh random numbers on every replay from the generator's "
+    "current state; seeding inside the function happens once, while tracing, so eager "
+    "would draw the same numbers on every call and the recording different ones.\n"
+    "Fix: seed outside the function (torch.manual_seed before the call), or use a "
+    "torch.Generator passed as an argument (generator=g in the random ops)."
+)
+
+
+class _no_seeding:
+    """Seeding a default generator inside the traced function is a GraphifyError.
+
+    ``torch.manual_seed`` and its relatives are wrapped while this thread
+    traces (other threads pass through).
+    """
+
+    def __init__(self, desc: str):
+        self.desc = desc
+        self.saved: List[Tuple[Any, str, Any]] = []
+        self.thread = threading.get_ident()
+
+    def _wrap(self, orig: Any, name: str) -> Any:
+        desc, thread = self.desc, self.thread
+
+        @functools.wraps(orig)
+        def seeding(*a: Any, **k: Any) -> Any:
+            if threading.get_ident() != thread:
+                return orig(*a, **k)
+            fr = user_frame(traceback.extract_stack())
+            raise GraphifyError(
+                f"{desc}: torch.{name}() seeds a default random generator inside the function.\n"
+                f"  at {format_frame(fr)}\n{_SEED_MSG}"
+            )
+
+        return seeding
+
+    @staticmethod
+    def _generators() -> List[Any]:
+        gens = [torch.default_generator]
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            gens += list(torch.cuda.default_generators)
+        return gens
+
+    def __enter__(self) -> _no_seeding:
+        # a reseed changes a generator's initial seed; drawing numbers (in any thread) does not
+        gens = self._generators()
+        self.seeds = [g.initial_seed() for g in gens]
+        self.states = [g.get_state() for g in gens]
+        for mod, name in _SEED_FNS:
+            orig = getattr(mod, name, None)
+            if orig is not None:
+                self.saved.append((mod, name, orig))
+                setattr(mod, name, self._wrap(orig, f"{mod.__name__[len('torch.'):] + '.' if mod is not torch else ''}{name}"))
+        return self
+
+    def __exit__(self, typ: Any, exc: Any, tb: Any) -> None:
+        # (the generators' state is not compared: other threads may draw meanwhile)
+        for mod, name, orig in reversed(self.saved):
+            setattr(mod, name, orig)
+        self.saved = []
+        gens = self._generators()
+        if len(gens) == len(self.seeds) and any(g.initial_seed() != s for g, s in zip(gens, self.seeds)):
+            for g, st in zip(gens, self.states):
+                g.set_state(st)
+            if typ is None:
+                raise GraphifyError(
+                    f"{self.desc}: the function reseeds a default random generator directly "
+                    "(e.g. torch.default_generator.manual_seed(...)) while tracing.\n"
+                    f"{_SEED_MSG}"
+                )
+
+
+class _compiling:
+    """``torch.compiler.is_compiling()`` is true while tracing, as under torch.export.
+
+    Library code then takes its traceable path: torch.optim keeps step counts and
+    tensor learning rates as tensors instead of reading them with ``.item()``.
+    """
+
+    def __enter__(self) -> None:
+        import torch.compiler as tc
+
+        self.old = getattr(tc, "_is_compiling_flag", None)
+        if self.old is not None:
+            tc._is_compiling_flag = True
+
+    def __exit__(self, *exc: Any) -> None:
+        import torch.compiler as tc
+
+        if self.old is not None:
+            tc._is_compiling_flag = self.old
