@@ -132,6 +132,7 @@ def partition_for(e: Any, need: Tuple[bool, ...], owner: Any) -> Any:
                 part = build_partition(e.plan, e.guard.metas, need, owner)
         except Exception as exc:  # the recompute path is always available
             log.info("%s: partitioning failed (%s); the backward recomputes the forward", owner._desc, exc)
+            e.plan.joint_error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
             part = None
     e.parts[need] = part
     return part
@@ -328,7 +329,12 @@ class _NoGradRegions(torch.fx.Interpreter):
 
 def _recompute_refusal(desc: str, plan: Any, what: str, why: str, fix: str) -> GraphifyError:
     """The error for something only the joint trace keeps, on the recompute path."""
-    how = "it updates an input or state in place" if plan.mutated else "an output is an input or a view of one"
+    if plan.mutated:
+        how = "it updates an input or state in place"
+    elif plan.joint_error:
+        how = f"the joint trace of its forward and backward failed ({plan.joint_error})"
+    else:
+        how = "an output is an input or a view of one"
     return GraphifyError(
         f"{desc}: the function {what} and is differentiated, but its backward cannot be traced "
         f"from the function: {how}.\nWhy: the backward is then recomputed from the recorded "

@@ -73,7 +73,7 @@ def build_partition(plan: Any, metas: Sequence[Any], need: Sequence[bool], owner
     from ._rewrite import _drop_profiler_nodes, _lift_state
     from ._state import StateIndex
     from ._trace import TRACE_LOCK, _TraceMode, flatten_output
-    from ._watch import _rnn_weights_as_they_are, _Watch
+    from ._watch import _rnn_weights_as_they_are, _RnnScope, _Watch
 
     if plan.fn is None or plan.escape_slots or plan.mutated:
         return None
@@ -105,7 +105,7 @@ def build_partition(plan: Any, metas: Sequence[Any], need: Sequence[bool], owner
             storages.setdefault(StorageWeakRef(f.untyped_storage()), n_user + k)
         args, kwargs = plan.rebuild(user)
         with torch.enable_grad():
-            with watch:
+            with watch, _RnnScope(watch):
                 out = plan.fn(*args, **kwargs)
             leaves, _ = flatten_output(out, owner._desc)
             outs = [x for x in leaves if isinstance(x, torch.Tensor)]

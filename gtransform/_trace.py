@@ -170,6 +170,8 @@ class Plan:
     fn: Any = None
     rebuild: Any = None
     cuda: bool = False
+    # why the joint trace failed, if it did (named by the recompute path's refusals)
+    joint_error: Optional[str] = None
 
     def __post_init__(self) -> None:
         self.tensor_entries = [e for e in self.out_entries if e.kind != "const"]
@@ -242,7 +244,11 @@ def _custom_functions(outs: Sequence[torch.Tensor]) -> List[str]:
         if isinstance(node, torch.autograd.function.BackwardCFunction):
             cls = getattr(node, "_forward_cls", None)
             name = getattr(cls, "__qualname__", type(node).__name__)
-            if name not in names:
+            # a custom op's registered autograd (torch.library) is not one: the op is a node
+            # of the graph, and running that node under autograd runs its backward
+            if name.startswith("GeneratedBackwardFor_"):
+                pass
+            elif name not in names:
                 names.append(name)
         todo.extend(f for f, _ in node.next_functions)
     return names

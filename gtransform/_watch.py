@@ -28,6 +28,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from . import _cudnn_rnn
 from ._errors import GraphifyError, format_frame, is_library_file, user_frame
 from ._state import StateIndex
 
@@ -161,6 +162,8 @@ class _Watch(TorchDispatchMode):
             args = [self._swap(a) for a in args]
             if kwargs:
                 kwargs = {k: self._swap(v) for k, v in kwargs.items()}
+        if func in _SETS and len(args) > 1 and isinstance(args[1], (torch.UntypedStorage, torch.TypedStorage)):
+            return self._set_storage(func, args)
         schema = func._schema
         hidden = _HIDDEN_WRITES.get(func)
         if hidden is not None and len(args) > 5 and args[5]:
@@ -244,6 +247,20 @@ class _Watch(TorchDispatchMode):
                 if t.device.type == "cuda":
                     self.uses_cuda = True
         return out
+
+    def _set_storage(self, func: Any, args: Sequence[Any]) -> Any:
+        """``t.set_(storage)``: a graph has no node that holds a storage object.
+
+        (cuDNN's recurrent layers do this inside eager's composite; their calls are routed
+        around it while tracing, see ``_cudnn_rnn``.)
+        """
+        self._fail(
+            f"{func} points a tensor at another tensor's storage object.",
+            "a recording is a graph of tensor operations; a storage object is not a tensor, so "
+            "the graph cannot hold it.",
+            "use a view of the tensor instead (t.view(...), t.as_strided(...), t.set_(other_tensor)), "
+            "or do this outside the graphified function.",
+        )
 
     def _check_devices(self, func: Any, args: Sequence[Any], kwargs: Dict[str, Any], out: Any) -> None:
         self.uses_cuda = True
@@ -384,8 +401,32 @@ class _FnWatch(TorchFunctionMode):
                         "graphified function.",
                     )
                 self.layout_used.add(idx)
+        if func in _cudnn_rnn.FUNCS and not kwargs and _cudnn_rnn.applies(func, args):
+            fail = self.watch._fail
+            return self._call(lambda *a: _cudnn_rnn.call(func, a, fail), args, kwargs)
+        return self._call(func, args, kwargs)
+
+    @staticmethod
+    def _call(func: Any, args: Sequence[Any], kwargs: Dict[str, Any]) -> Any:
         if not torch.is_grad_enabled() or func in _DETACHES:
             return _tagging_no_grad(func, args, kwargs)
+        return func(*args, **kwargs)
+
+
+class _RnnScope(TorchFunctionMode):
+    """Routes cuDNN recurrent layers as :class:`_FnWatch` does (see ``_cudnn_rnn``).
+
+    For traces that run without a :class:`_FnWatch` (the joint trace of ``_partition``).
+    """
+
+    def __init__(self, watch: _Watch):
+        super().__init__()
+        self.watch = watch
+
+    def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func in _cudnn_rnn.FUNCS and not kwargs and _cudnn_rnn.applies(func, args):
+            return _cudnn_rnn.call(func, args, self.watch._fail)
         return func(*args, **kwargs)
 
 

@@ -563,6 +563,39 @@ def test_custom_autograd_function_backward_is_eagers_or_refused(device):
         assert_close(g(x), m(x))
 
 
+@torch.library.custom_op("gtransform_tests::round_ste", mutates_args=())
+def _round_ste_op(x: torch.Tensor) -> torch.Tensor:
+    return x.round()
+
+
+_round_ste_op.register_fake(lambda x: torch.empty_like(x))
+_round_ste_op.register_autograd(lambda ctx, grad: grad * 3.0)
+
+
+class _CountedCustomOp(torch.nn.Module):
+    """Updates a buffer (the backward recomputes the forward) around a custom op whose
+    gradient is registered with torch.library."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        self.calls.add_(1)
+        return _round_ste_op(self.lin(x) * 3) * self.calls
+
+
+def test_custom_op_with_registered_gradient_keeps_it_on_the_recompute_path(device):
+    """Unlike an autograd.Function, a torch.library custom op is a node of the recording that
+    carries its own backward: running that node under autograd gives eager's gradients."""
+    torch.manual_seed(0)
+    m = _CountedCustomOp().to(device)
+    ref = copy.deepcopy(m)
+    _assert_grads_as_eager(gt.graphify(m), m, ref, (5, 4), calls=3, device=device)
+    assert_close(m.calls, ref.calls)
+
+
 _RECOMPUTE_FEATURES = ["state_update", "no_grad_statistic", "detach", "dropout", "buffer_in_path",
                        "inplace_activation", "batch_norm", "where", "enable_grad_inside_no_grad", "return_input"]
 

@@ -138,6 +138,17 @@ def test_resize_of_an_input_is_graphify_error(device):
     assert_close(x, torch.ones(3, device=device))
 
 
+def test_pointing_a_tensor_at_a_storage_object_is_graphify_error(device):
+    def fn(x):
+        y = torch.empty(0, device=x.device)
+        y.set_(x.untyped_storage())  # MARK
+        return y * 2
+
+    g = gt.graphify(fn)
+    with pytest.raises(gt.GraphifyError, match=r"(?s)set_.*storage object.*test_errors\.py:\d+.*Fix: use a view"):
+        g(torch.ones(3, device=device))
+
+
 # -- the user's own exceptions ---------------------------------------------------------------
 
 

@@ -748,6 +748,81 @@ def test_a_tensor_learning_rate_read_on_the_host_names_the_fix():
         g(torch.ones(1, 2))
 
 
+@pytest.mark.parametrize("kind", ["LSTM", "LSTM-proj", "GRU", "GRU-nobias", "RNN-tanh", "RNN-relu"])
+def test_recurrent_layers_infer_as_in_eager(device, kind):
+    """cuDNN's recurrent layers probe, inside the op, whether their weights sit in one packed
+    buffer (a tensor pointed at the weights' storage object, which a graph cannot hold): a
+    graphified module and a closed-over one give eager's outputs, and each recording is
+    replayed. A packed sequence (its batch sizes are host values) is a clear error."""
+    from torch.nn.utils.rnn import pack_padded_sequence
+
+    torch.manual_seed(0)
+    if kind.startswith("RNN"):
+        m = nn.RNN(4, 8, num_layers=2, nonlinearity=kind.split("-")[1], batch_first=True)
+    elif kind == "LSTM-proj":
+        m = nn.LSTM(4, 8, num_layers=2, proj_size=3, bidirectional=True, batch_first=True)
+    elif kind == "GRU-nobias":  # cuDNN packs room for biases anyway
+        m = nn.GRU(4, 8, num_layers=2, bias=False, bidirectional=True, batch_first=True)
+    else:
+        m = getattr(nn, kind)(4, 8, num_layers=2, bidirectional=True, batch_first=True)
+    m = m.to(device).eval()
+    g = gt.graphify(m)
+
+    @gt.graphify
+    def last(x):
+        return m(x)[0][:, -1].tanh()
+
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(3, 5, 4, device=device)
+            assert_close(g(x), m(x))
+            assert_close(last(x), m(x)[0][:, -1].tanh())
+        assert g.cache_info().hits >= 1 and last.cache_info().hits >= 1
+
+        lengths = torch.tensor([5, 3, 2])
+        packed = gt.graphify(lambda x: m(pack_padded_sequence(x, lengths, batch_first=True))[0].data)
+        # the host's lengths: read on the host (CPU), or a CPU tensor in a CUDA function
+        with pytest.raises(gt.GraphifyError, match=r"(?s)(_pack_padded_sequence.*depends on the values"
+                                                   r"|the CPU tensor lengths).*Fix:"):
+            for _ in range(2):  # a first call that reaches state may run eagerly
+                packed(x)
+
+
+def test_recurrent_dropout_follows_the_seed_or_is_refused_on_cudnn(device):
+    """Dropout between the layers of nn.LSTM: on the CPU it draws from torch's generator and
+    follows torch.manual_seed as eager does; cuDNN draws it from a random state of its own,
+    which a recording cannot hold, so there it is a clear error that names the fix."""
+    import copy
+
+    torch.manual_seed(0)
+    m = nn.LSTM(4, 8, num_layers=2, dropout=0.3, batch_first=True).to(device)
+    ref = copy.deepcopy(m)
+    opts = [torch.optim.SGD(mod.parameters(), lr=0.1) for mod in (m, ref)]
+
+    def step(mod, opt, x):
+        opt.zero_grad()
+        loss = mod(x)[0].pow(2).mean()
+        loss.backward()
+        opt.step()
+        return loss
+
+    g = gt.graphify(step)
+    if device == "cuda":
+        with pytest.raises(gt.GraphifyError, match=r"(?s)dropout=0\.3 between its layers on cuDNN.*Fix: set"):
+            for _ in range(2):  # a first call that reaches state may run eagerly
+                g(m, opts[0], torch.randn(3, 5, 4, device=device))
+        return
+    for i in range(4):
+        x = torch.randn(3, 5, 4, device=device)
+        torch.manual_seed(10 + i)
+        got = g(m, opts[0], x)
+        torch.manual_seed(10 + i)
+        assert_close(got, step(ref, opts[1], x))
+    assert g.cache_info().hits >= 2
+    for p, q in zip(m.parameters(), ref.parameters()):
+        assert_close(p, q)
+
+
 @pytest.mark.parametrize("kind", ["LSTM", "GRU"])
 @pytest.mark.parametrize("how", ["step", "module"])
 def test_recurrent_layers_train_as_in_eager(device, kind, how):
