@@ -788,6 +788,15 @@ def test_recurrent_layers_infer_as_in_eager(device, kind):
                 packed(x)
 
 
+def _recurrent_step(mod, opt, x):
+    """A training step of a recurrent layer: squared outputs, backward, optimizer step."""
+    opt.zero_grad()
+    loss = mod(x)[0].pow(2).mean()
+    loss.backward()
+    opt.step()
+    return loss
+
+
 def test_recurrent_dropout_follows_the_seed_or_is_refused_on_cudnn(device):
     """Dropout between the layers of nn.LSTM: on the CPU it draws from torch's generator and
     follows torch.manual_seed as eager does; cuDNN draws it from a random state of its own,
@@ -799,13 +808,7 @@ def test_recurrent_dropout_follows_the_seed_or_is_refused_on_cudnn(device):
     ref = copy.deepcopy(m)
     opts = [torch.optim.SGD(mod.parameters(), lr=0.1) for mod in (m, ref)]
 
-    def step(mod, opt, x):
-        opt.zero_grad()
-        loss = mod(x)[0].pow(2).mean()
-        loss.backward()
-        opt.step()
-        return loss
-
+    step = _recurrent_step
     g = gt.graphify(step)
     if device == "cuda":
         with pytest.raises(gt.GraphifyError, match=r"(?s)dropout=0\.3 between its layers on cuDNN.*Fix: set"):
@@ -838,13 +841,7 @@ def test_recurrent_layers_train_as_in_eager(device, kind, how):
     if how == "step":
         opts = [torch.optim.SGD(mod.parameters(), lr=0.1, momentum=0.9) for mod in (m, ref)]
 
-        def step(mod, opt, x):
-            opt.zero_grad()
-            loss = mod(x)[0].pow(2).mean()
-            loss.backward()
-            opt.step()
-            return loss
-
+        step = _recurrent_step
         g = gt.graphify(step)
         for _ in range(4):
             x = torch.randn(3, 5, 4, device=device)
