@@ -483,6 +483,10 @@ class Graphified(Generic[P, R]):
             if log.isEnabledFor(logging.INFO):
                 log.info("%s: tracing a signature again: %s", self._desc,
                          "; ".join(diff_leaves(e, leaves, paths or leaf_paths((args, kwargs)))) or "its state changed")
+            if e.plan.touches_state:
+                # what changed may have emptied lazily created state (optimizer.state.clear(),
+                # load_state_dict): the next call runs eagerly again before anything is traced
+                st.warmed.discard(key)
             st.drop(e)
         self._misses += 1
         if not paths:

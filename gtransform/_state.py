@@ -22,7 +22,9 @@ The rule (DESIGN semantics 10):
   function are errors.
 * What else decides what a module computes is part of the signature
   (:func:`env_key_fn`): every root module's ``training`` flag and hooks,
-  and every root optimizer's Python hyperparameters (``lr``...).
+  and every root optimizer's Python hyperparameters (``lr``...), parameter groups and
+  state dict (a changed one is traced again after an eager call, which recreates
+  lazily made state).
 """
 
 from __future__ import annotations
@@ -516,7 +518,8 @@ def env_key_fn(roots: Sequence[Root]) -> Optional[Callable[[], Any]]:
     """A cheap function of what else changes a module's computation, or ``None``.
 
     Covers every root module's ``training`` flag and hooks (and torch's global
-    module hooks), and every root optimizer's Python-number hyperparameters.
+    module hooks), and every root optimizer's Python-number hyperparameters, parameter
+    groups and state dict as a whole.
     """
     mods = [m for _, m in root_modules(roots)]
     opts = [r.obj for r in roots if isinstance(r.obj, _Optimizer)]
@@ -538,11 +541,20 @@ def env_key_fn(roots: Sequence[Root]) -> Optional[Callable[[], Any]]:
             [tuple(d) for d in hook_dicts if d],
             [tuple(d) for d in gdicts if d],
             [[g[k] for k in ks] for g, ks in zip(groups, keys)],
+            # the optimizers' structure: their groups (add_param_group, one replaced), each
+            # group's list of parameters (a new list; one added or removed), and their state
+            # as a whole (load_state_dict puts a new dict in place, state.clear() empties
+            # it). By id: ``keep`` holds the objects of the recording's time, so no new
+            # object can take over one of their ids while this signature lives.
+            [(tuple(map(id, o.param_groups)), id(o.state), len(o.state)) for o in opts],
+            [(id(g["params"]), len(g["params"])) for g in groups],
         )
+
+    env.keep = [o.state for o in opts] + groups + [g["params"] for g in groups]  # type: ignore[attr-defined]
 
     env.describe = (  # type: ignore[attr-defined]
         f"{len(mods)} module(s) (training flags, hooks), {len(opts)} optimizer(s) "
-        f"({sum(len(k) for k in keys)} Python hyperparameters)"
+        f"({sum(len(k) for k in keys)} Python hyperparameters, their parameter groups and state)"
     )
     return env
 

@@ -859,3 +859,58 @@ def test_recurrent_layers_train_as_in_eager(device, kind, how):
             assert_close(p.grad, q.grad)
     for p, q in zip(m.parameters(), ref.parameters()):
         assert_close(p, q)
+
+
+@pytest.mark.parametrize("change", ["add_param_group", "load_state_dict", "state_clear", "remove_param",
+                                    "swap_param_group_list"])
+def test_optimizer_structure_changed_between_calls_is_seen(device, change):
+    """Changing what an optimizer steps or the state it keeps between calls (a new param
+    group for progressive unfreezing, restoring a checkpoint, resetting momentum, dropping a
+    parameter) gives eager's losses, parameters and optimizer state on every later call."""
+    import copy
+
+    def build():
+        torch.manual_seed(0)
+        body, head = nn.Linear(3, 4), nn.Linear(4, 2)
+        model = nn.Sequential(body, nn.Tanh(), head).to(device)
+        opt = torch.optim.SGD(list(body.parameters()) + [head.weight], lr=0.1, momentum=0.9)
+        return model, opt
+
+    def step(model, opt, x, y):
+        opt.zero_grad()
+        loss = (model(x) - y).pow(2).mean()
+        loss.backward()
+        opt.step()
+        return loss
+
+    runs = [build(), build()]
+    ckpts = [None, None]
+    g = gt.graphify(step)
+    torch.manual_seed(1)
+    data = [(torch.randn(5, 3, device=device), torch.randn(5, 2, device=device)) for _ in range(7)]
+    for i, (x, y) in enumerate(data):
+        for k, (model, opt) in enumerate(runs):
+            if i == 1:
+                ckpts[k] = copy.deepcopy(opt.state_dict())
+            if i == 4:
+                if change == "add_param_group":
+                    opt.add_param_group({"params": [model[2].bias], "lr": 0.05})
+                elif change == "load_state_dict":
+                    opt.load_state_dict(ckpts[k])
+                elif change == "state_clear":
+                    opt.state.clear()
+                elif change == "remove_param":
+                    opt.param_groups[0]["params"].pop()
+                else:
+                    opt.param_groups[0]["params"] = list(opt.param_groups[0]["params"][:2])
+        got = g(*runs[0], x, y)
+        want = step(*runs[1], x, y)
+        assert_close(got, want)
+    (m0, o0), (m1, o1) = runs
+    for p, q in zip(m0.parameters(), m1.parameters()):
+        assert_close(p, q)
+    for p, q in zip(m0.parameters(), m1.parameters()):
+        a, b = o0.state.get(p, {}).get("momentum_buffer"), o1.state.get(q, {}).get("momentum_buffer")
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert_close(a, b)
