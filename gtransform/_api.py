@@ -546,6 +546,18 @@ class Graphified(Generic[P, R]):
                          self._desc, len(plan.state), len(plan.escape_slots), len(model_changes))
             return None
         e = Entry(key, spec, leaves, tpos, statics, plan, cuda)
+        if e.any_rg:
+            kept = [s.path for s, o in zip(plan.escape_slots, plan.escape_entries) if s.kind != "grad" and o.requires_grad]
+            if kept:
+                raise GraphifyError(
+                    f"{self._desc}: the function stores a tensor that requires grad in {kept[0]} (Python "
+                    "state), and the call is differentiated.\n"
+                    "Why: a replay writes that tensor back as plain memory after each call; it cannot "
+                    "carry the autograd graph eager attaches to it, so a loss built from it later would "
+                    "silently miss its gradients.\n"
+                    f"Fix: return it as an output of the function instead, or store a detached copy "
+                    f"({kept[0].rsplit('.', 1)[-1]} = h.detach()) if it is only looked at."
+                )
         if plan.touches_state:
             e.env = env_key_fn(plan.roots)
             e.env_val = e.env() if e.env is not None else None

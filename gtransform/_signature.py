@@ -207,7 +207,7 @@ class Entry:
         # (and a call none of whose outputs needs grad, e.g. an EMA update that returns
         # nothing, stays a plain call)
         updated = [tensors[i] for i in plan.mutated if i >= self.n_user and rg[i]]
-        updates_params = bool(plan.escape_slots)
+        updates_params = any(s.kind == "grad" for s in plan.escape_slots)
         if updated and not updates_params:
             graded = {id(s.obj) for s in plan.state_slots if s is not None and s.kind == "grad"}
             updates_params = any(id(t) in graded for t in updated) or not any(

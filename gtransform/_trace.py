@@ -627,7 +627,9 @@ def trace(
         k += 1
     esc_entries: List[OutEntry] = []
     for slot, fake in scan.escapes:
-        esc_entries.append(entry(fake, slot.path))
+        ent = entry(fake, slot.path)
+        ent.requires_grad = bool(fake.requires_grad)
+        esc_entries.append(ent)
         k += 1
     state_slots = [index.slot_of(t) for t in watch.state]
     return Plan(

@@ -914,3 +914,45 @@ def test_optimizer_structure_changed_between_calls_is_seen(device, change):
         assert (a is None) == (b is None)
         if a is not None:
             assert_close(a, b)
+
+
+class _KeepsActivation(nn.Module):
+    """Stores its hidden activation in forward (for logging, or a loss term later)."""
+
+    def __init__(self, detach):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+        self.detach = detach
+
+    def forward(self, x):
+        h = self.fc(x)
+        self.last_h = h.detach() if self.detach else h
+        return h.relu()
+
+
+def test_a_tensor_stored_in_forward_keeps_the_call_differentiable(device):
+    """`self.last_h = h.detach()` in forward is an escape, not a training step: the output
+    still carries gradients to the parameters, as in eager (before, from the second call,
+    it came back without grad_fn). Storing `h` itself (it requires grad) is refused: the
+    stored tensor could not carry eager's autograd graph."""
+    import copy
+
+    torch.manual_seed(0)
+    net = _KeepsActivation(detach=True).to(device)
+    ref = copy.deepcopy(net)
+    g = gt.graphify(net)
+    for _ in range(4):
+        x = torch.randn(5, 4, device=device)
+        net.zero_grad()
+        ref.zero_grad()
+        g(x).pow(2).sum().backward()
+        ref(x).pow(2).sum().backward()
+        assert_close(net.last_h, ref.last_h)
+        for p, q in zip(net.parameters(), ref.parameters()):
+            assert_close(p.grad, q.grad)
+
+    g = gt.graphify(_KeepsActivation(detach=False).to(device))
+    with pytest.raises(gt.GraphifyError, match=r"(?s)stores a tensor that requires grad in module\.last_h"
+                                               r".*Fix: return it as an output"):
+        for _ in range(3):
+            g(torch.randn(5, 4, device=device))
