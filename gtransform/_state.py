@@ -57,6 +57,7 @@ class Root:
 
     name: str
     obj: Any
+    slot: Any = None  # a tensor's Slot where the function finds it (a global, a closure cell)
 
 
 def _is_library_code(fn: Any) -> bool:
@@ -75,7 +76,8 @@ def _code_names(code: types.CodeType) -> Set[str]:
     return names
 
 
-def _candidates(fn: Any, depth: int, out: List[Tuple[str, Any]], seen: Set[int]) -> None:
+def _candidates(fn: Any, depth: int, out: List[Tuple[str, Any]], seen: Set[int],
+                where: Optional[Dict[int, Any]] = None) -> None:
     """Objects ``fn`` reaches directly: bound self, closure cells, referenced globals, defaults."""
     if id(fn) in seen or depth > 3:
         return
@@ -85,7 +87,7 @@ def _candidates(fn: Any, depth: int, out: List[Tuple[str, Any]], seen: Set[int])
             out.append((f"partial.args[{i}]", a))
         for k, v in (fn.keywords or {}).items():
             out.append((f"partial.{k}", v))
-        _candidates(fn.func, depth + 1, out, seen)
+        _candidates(fn.func, depth + 1, out, seen, where)
         return
     if isinstance(fn, _Module):
         out.append(("module", fn))
@@ -110,8 +112,10 @@ def _candidates(fn: Any, depth: int, out: List[Tuple[str, Any]], seen: Set[int])
             except ValueError:
                 continue
             out.append((name, v))
+            if isinstance(v, torch.Tensor) and where is not None:
+                where.setdefault(id(v), Slot("attr", cell, "cell_contents", name))
             if isinstance(v, types.FunctionType):
-                _candidates(v, depth + 1, out, seen)
+                _candidates(v, depth + 1, out, seen, where)
     g = fn.__globals__
     for name in _code_names(code):
         if name in g:
@@ -119,8 +123,10 @@ def _candidates(fn: Any, depth: int, out: List[Tuple[str, Any]], seen: Set[int])
             if isinstance(v, (types.ModuleType, type)):
                 continue
             out.append((name, v))
+            if isinstance(v, torch.Tensor) and where is not None:
+                where.setdefault(id(v), Slot("item", g, name, name))
             if isinstance(v, types.FunctionType):
-                _candidates(v, depth + 1, out, seen)
+                _candidates(v, depth + 1, out, seen, where)
     for i, d in enumerate(fn.__defaults__ or ()):
         out.append((f"default[{i}]", d))
     for k, d in (fn.__kwdefaults__ or {}).items():
@@ -153,7 +159,8 @@ def find_roots(fn: Any, extra: Sequence[Tuple[str, Any]] = ()) -> List[Root]:
             (a module passed as ``self``).
     """
     cands: List[Tuple[str, Any]] = []
-    _candidates(fn, 0, cands, set())
+    where: Dict[int, Any] = {}  # tensors bound to a global or a closure cell: re-read there every call
+    _candidates(fn, 0, cands, set(), where)
     cands.extend(x for x in extra if isinstance(x[1], (_Module, _Optimizer)) or _plain_object(x[1]))
     roots: List[Root] = []
     seen: Set[int] = set()
@@ -169,7 +176,7 @@ def find_roots(fn: Any, extra: Sequence[Tuple[str, Any]] = ()) -> List[Root]:
             roots.append(Root(name, v))
         elif isinstance(v, torch.Tensor):
             seen.add(id(v))
-            roots.append(Root(name, v))
+            roots.append(Root(name, v, where.get(id(v)) if depth == 0 else None))
         elif isinstance(v, (list, dict)) and len(v) <= _MAX_CONTAINER:
             seen.add(id(v))
             roots.append(Root(name, v))
@@ -293,7 +300,7 @@ class Snapshot:
                 if id(obj) in seen:
                     continue
                 seen.add(id(obj))
-                self.items.append(("tensor", r.name, obj, leaf_grad(obj)))
+                self.items.append(("tensor", r.name, obj, (leaf_grad(obj), r.slot)))
             elif isinstance(obj, list):
                 seen.add(id(obj))
                 self.items.append(("list", r.name, obj, list(obj)))
@@ -349,6 +356,9 @@ class Snapshot:
             elif kind == "tensor":
                 if is_fake(leaf_grad(obj)):
                     res.escapes.append((Slot("grad", obj, "grad", f"{path}.grad"), obj.grad))
+                where = saved[1]  # a global or closure cell the function rebound (global h; h = ...)
+                if where is not None and is_fake(where.get()):
+                    res.escapes.append((where, where.get()))
             elif kind == "list":
                 old = saved
                 for i, v in enumerate(obj):
@@ -395,8 +405,11 @@ class Snapshot:
                         s.update(old)
                         state[p] = s
                 elif kind == "tensor":
-                    if leaf_grad(obj) is not saved:
-                        obj.grad = saved
+                    grad, where = saved
+                    if leaf_grad(obj) is not grad:
+                        obj.grad = grad
+                    if where is not None and where.get() is not obj:
+                        where.set(obj)
                 elif kind == "list":
                     if any(isinstance(v, torch.Tensor) for v in obj) or any(isinstance(v, torch.Tensor) for v in saved):
                         obj[:] = saved
@@ -461,6 +474,9 @@ class StateIndex:
             for n, b in m._buffers.items():
                 if b is not None:
                     self._add(b, Slot("item", m._buffers, n, f"{path}.{n}"))
+            for n, v in vars(m).items():  # plain tensor attributes (self.h = ..., an RNN's carried state)
+                if isinstance(v, torch.Tensor):
+                    self._add(v, Slot("item", vars(m), n, f"{path}.{n}"))
         for r in roots:
             obj = r.obj
             if isinstance(obj, _Optimizer):
@@ -477,6 +493,8 @@ class StateIndex:
                     if op.grad is not None:
                         self._add(op.grad, Slot("grad", op, "grad", f"{pnames.get(id(op), '?')}.grad"))
             elif isinstance(obj, torch.Tensor):
+                if r.slot is not None:
+                    self._add(obj, r.slot)
                 self.names.setdefault(id(obj), r.name)
                 g = leaf_grad(obj)
                 if g is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import types
 import gc
 
 import pytest
@@ -273,6 +274,27 @@ def test_escape_into_a_list_is_an_error(device):
     assert "Fix:" in str(ei.value)
     assert log == []  # nothing of the trace was left in it
     log.clear()
+
+
+def _cell_fns(h0, carry):
+    H = h0
+
+    def read(x):
+        return x + H
+
+    def carried(x):
+        nonlocal H
+        H = torch.tanh(x + H)
+        return H * 2
+
+    def get():
+        return H
+
+    def put(v):
+        nonlocal H
+        H = v
+
+    return (carried if carry else read), get, put
 
 
 class _Holder:
@@ -956,3 +978,95 @@ def test_a_tensor_stored_in_forward_keeps_the_call_differentiable(device):
                                                r".*Fix: return it as an output"):
         for _ in range(3):
             g(torch.randn(5, 4, device=device))
+
+
+def _cell_fns(h0, carry):
+    H = h0
+
+    def read(x):
+        return x + H
+
+    def carried(x):
+        nonlocal H
+        H = torch.tanh(x + H)
+        return H * 2
+
+    def get():
+        return H
+
+    def put(v):
+        nonlocal H
+        H = v
+
+    return (carried if carry else read), get, put
+
+
+class _StateHolder:
+    """A tensor ``h`` kept in one of the places a function reaches state through; ``fn``
+    reads it (``x + h``) or carries it (``h = tanh(x + h)``, written back where it lives)."""
+
+    def __init__(self, where, carry):
+        h0 = torch.zeros(3)
+        self.where = where
+        if where in ("global", "cell"):
+            ns = {"torch": torch, "H": h0}
+            if where == "global":
+                body = "    global H\n    H = torch.tanh(x + H)\n    return H * 2" if carry else "    return x + H"
+                exec(f"def fn(x):\n{body}", ns)
+                self.fn, self._get, self._set = ns["fn"], (lambda: ns["H"]), (lambda v: ns.__setitem__("H", v))
+            else:
+                self.fn, self._get, self._set = _cell_fns(h0, carry)
+            return
+        owner: object
+        if where in ("module_attr", "buffer"):
+            owner = nn.Module()
+            if where == "buffer":
+                owner.register_buffer("h", h0)
+            else:
+                owner.h = h0
+            get, put = (lambda: owner.h), (lambda v: setattr(owner, "h", v))
+        elif where == "dict":
+            owner = {"h": h0}
+            get, put = (lambda: owner["h"]), (lambda v: owner.__setitem__("h", v))
+        else:
+            owner = types.SimpleNamespace(h=h0)
+            get, put = (lambda: owner.h), (lambda v: setattr(owner, "h", v))
+        self._get, self._set = get, put
+
+        def fn(x):
+            if carry:
+                put(torch.tanh(x + get()))
+                return get() * 2
+            return x + get()
+
+        self.fn = fn
+
+    def get(self):
+        return self._get()
+
+    def set(self, v):
+        self._set(v)
+
+
+@given(where=st.sampled_from(["global", "cell", "module_attr", "buffer", "dict", "object"]),
+       carry=st.booleans(),
+       changes=st.lists(st.sampled_from(["none", "none", "inplace", "rebind"]), min_size=3, max_size=6))
+def test_state_held_anywhere_follows_eager_across_rebinding(where, carry, changes):
+    """A tensor reached through a global, a closure cell, a module's plain attribute or
+    buffer, a dict or an object: changed in place or rebound to a new tensor between calls,
+    or carried by the function itself (an RNN's hidden state), every call sees its current
+    value, as eager does (before, a rebound global or a module's plain tensor attribute kept
+    being read from the tensor of the trace: silently stale)."""
+    runs = [_StateHolder(where, carry), _StateHolder(where, carry)]
+    g = gt.graphify(runs[0].fn)
+    fns = [g, runs[1].fn]
+    for i, change in enumerate(changes):
+        for r in runs:
+            if change == "inplace":
+                r.get().add_(0.5)
+            elif change == "rebind":
+                r.set(torch.full((3,), float(i)))
+        x = torch.full((3,), 0.1 * (i + 1))
+        got, want = fns[0](x), fns[1](x)
+        assert_close(got, want)
+        assert_close(runs[0].get(), runs[1].get())
