@@ -149,6 +149,13 @@ def attrs_key(t: torch.Tensor) -> Any:
     return tuple(sorted(out, key=lambda kv: kv[0]))
 
 
+def _place(slot: Any) -> Tuple[int, Any]:
+    """Where a slot points, the same for ``obj.k`` and ``vars(obj)["k"]``."""
+    if slot.kind == "attr":
+        return id(vars(slot.obj)) if hasattr(slot.obj, "__dict__") else id(slot.obj), slot.key
+    return id(slot.obj), slot.key
+
+
 class Entry:
     """One signature: its trace, its state binding and its current recording."""
 
@@ -156,6 +163,7 @@ class Entry:
         "key", "spec", "tpos", "consts", "statics", "guard", "plan", "rec", "first_refs",
         "calls", "cuda", "any_rg", "must_static", "alias", "n_leaves", "bwd", "const_vals", "parts",
         "state_src", "env", "env_val", "n_user", "state_static", "glob", "orders", "attrs", "grad_none",
+        "same_obj",
     )
 
     def __init__(self, key: Hashable, spec: Any, leaves: Sequence[Any], tpos: List[int], statics: Any, plan: Plan, cuda: bool):
@@ -175,6 +183,13 @@ class Entry:
             (slot, None if slot is not None else t) for slot, t in zip(plan.state_slots, plan.state)
         ]
         state = list(plan.state)
+        # state that must stay the same tensor object (a parameter replaced by a new
+        # nn.Parameter is traced again: the optimizer, hooks and .grad write-backs of the
+        # recording are bound to the old object); not .grad slots (replaced every step)
+        # nor state the function itself writes back (carried state)
+        written = {_place(s) for s in plan.escape_slots}
+        self.same_obj = [k for k, s in enumerate(plan.state_slots)
+                         if s is not None and s.kind != "grad" and _place(s) not in written]
         tensors = [leaves[i] for i in tpos] + state
         self.guard = Guard(tensors)
         # Python attributes of the caller's tensors (read by the trace): None when none has any
@@ -227,7 +242,7 @@ class Entry:
         self.parts: Dict[Tuple[bool, ...], Any] = {}
 
     def resolve_state(self) -> Optional[List[torch.Tensor]]:
-        """The state tensors as the function reaches them now (``None``: one is gone)."""
+        """The state tensors as the function reaches them now (``None``: one is gone or replaced)."""
         out: List[torch.Tensor] = []
         for slot, const in self.state_src:
             if slot is None:
@@ -237,6 +252,10 @@ class Entry:
             if not isinstance(v, torch.Tensor):
                 return None
             out.append(v)
+        traced = self.plan.state
+        for k in self.same_obj:
+            if out[k] is not traced[k]:
+                return None
         return out
 
     def match(self, leaves: Sequence[Any], statics: Any, state: Sequence[torch.Tensor] = ()) -> bool:

@@ -1070,3 +1070,40 @@ def test_state_held_anywhere_follows_eager_across_rebinding(where, carry, change
         got, want = fns[0](x), fns[1](x)
         assert_close(got, want)
         assert_close(runs[0].get(), runs[1].get())
+
+
+@pytest.mark.parametrize("in_optimizer", [False, True])
+def test_a_parameter_replaced_between_calls_is_traced_again(device, in_optimizer):
+    """`model.weight = nn.Parameter(...)` between calls of a whole training step: eager's
+    losses, parameters and .grad on every later call, whether or not the optimizer is told
+    (if not, eager's optimizer keeps stepping the old, orphaned parameter)."""
+    def run(graph):
+        torch.manual_seed(0)
+        m = nn.Linear(3, 2).to(device)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+
+        def step(x, y):
+            opt.zero_grad()
+            loss = (m(x) - y).pow(2).mean()
+            loss.backward()
+            opt.step()
+            return loss
+
+        f = gt.graphify(step) if graph else step
+        gen = torch.Generator().manual_seed(1)
+        losses = []
+        for i in range(6):
+            if i == 3:
+                m.weight = nn.Parameter(torch.full((2, 3), 0.1, device=device))
+                if in_optimizer:
+                    opt.param_groups[0]["params"][0] = m.weight
+            x, y = torch.randn(5, 3, generator=gen).to(device), torch.randn(5, 2, generator=gen).to(device)
+            losses.append(f(x, y).item())
+        return losses, m
+
+    (la, ma), (lb, mb) = run(True), run(False)
+    assert la == pytest.approx(lb, rel=1e-5)
+    assert_close(ma.weight, mb.weight)
+    assert (ma.weight.grad is None) == (mb.weight.grad is None)
+    if mb.weight.grad is not None:
+        assert_close(ma.weight.grad, mb.weight.grad)
