@@ -47,9 +47,10 @@ _ALLOWED = frozenset(
 class StaleOutput(torch.Tensor):
     """Type of an output object that a later call overwrote.
 
-    Every operation on it raises :class:`~gtransform.OverwrittenOutputError`;
-    ``repr`` shows a stale marker instead, so debuggers and tracebacks stay
-    readable. Metadata (``shape``, ``dtype``, ``device``...) still reads.
+    Every operation on it raises :class:`~gtransform.OverwrittenOutputError`,
+    printing included (``print``, ``str``, f-strings); ``repr`` alone shows a
+    stale marker instead, so debuggers and tracebacks stay readable. Metadata
+    (``shape``, ``dtype``, ``device``...) still reads.
     """
 
     _gt_message: Any  # str() gives the message
@@ -60,7 +61,7 @@ class StaleOutput(torch.Tensor):
         if func in _ALLOWED:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))
-        if name in ("__repr__", "__format__", "__str__"):
+        if name == "__repr__":
             return _stale_repr(args[0])
         msg = None
         for a in list(args) + list((kwargs or {}).values()):
@@ -82,10 +83,15 @@ class StaleOutput(torch.Tensor):
             f"{self.__dict__.get('_gt_message') or 'stale gtransform output'}\n(operation: as_subclass)"
         )
 
-    __str__ = __repr__
+    def __str__(self) -> str:  # noqa: D105 - print(), str(), f"{t}": printing reads the numbers
+        raise OverwrittenOutputError(
+            f"{self.__dict__.get('_gt_message') or 'stale gtransform output'}\n(operation: print / str)"
+        )
 
     def __format__(self, spec: str) -> str:  # noqa: D105
-        return _stale_repr(self)
+        raise OverwrittenOutputError(
+            f"{self.__dict__.get('_gt_message') or 'stale gtransform output'}\n(operation: format)"
+        )
 
 
 def _stale_repr(t: Any) -> str:
