@@ -48,8 +48,8 @@ class StaleOutput(torch.Tensor):
     """Type of an output object that a later call overwrote.
 
     Every operation on it raises :class:`~gtransform.OverwrittenOutputError`,
-    printing included (``print``, ``str``, f-strings); ``repr`` alone shows a
-    stale marker instead, so debuggers and tracebacks stay readable. Metadata
+    printing included (``print``, ``str``, ``repr``, f-strings; tools that print
+    objects safely, such as pytest's reports, show the error instead). Metadata
     (``shape``, ``dtype``, ``device``...) still reads.
     """
 
@@ -61,8 +61,6 @@ class StaleOutput(torch.Tensor):
         if func in _ALLOWED:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))
-        if name == "__repr__":
-            return _stale_repr(args[0])
         msg = None
         for a in list(args) + list((kwargs or {}).values()):
             for t in (a if isinstance(a, (list, tuple)) else (a,)):
@@ -76,7 +74,9 @@ class StaleOutput(torch.Tensor):
         ) from None
 
     def __repr__(self, *args: Any, **kwargs: Any) -> str:  # type: ignore[override]  # noqa: D105
-        return _stale_repr(self)
+        raise OverwrittenOutputError(
+            f"{self.__dict__.get('_gt_message') or 'stale gtransform output'}\n(operation: repr)"
+        )
 
     def as_subclass(self, cls: Any) -> Any:  # noqa: D102 - would hand out the next call's numbers
         raise OverwrittenOutputError(
@@ -92,12 +92,6 @@ class StaleOutput(torch.Tensor):
         raise OverwrittenOutputError(
             f"{self.__dict__.get('_gt_message') or 'stale gtransform output'}\n(operation: format)"
         )
-
-
-def _stale_repr(t: Any) -> str:
-    msg = str(t.__dict__.get("_gt_message", "")) if isinstance(t, torch.Tensor) else ""
-    first = msg.split("\n", 1)[0]
-    return f"<stale gtransform output: {first}>"
 
 
 def poison_tensor(obj: torch.Tensor, message: Any) -> None:
