@@ -158,7 +158,7 @@ def build_fast_path(owner: Any, entry: Any, rec: Any, pool: Any) -> Any:
     # state: read again from where the function reaches it (a module's
     # _parameters, an optimizer's state...), so replaced tensors are seen
     state_names: List[str] = []
-    for k, (slot, const) in enumerate(entry.state_src):
+    for k, (slot, const, _same) in enumerate(entry.state_src):
         name = f"s{k}"
         state_names.append(name)
         if slot is None:

@@ -163,7 +163,6 @@ class Entry:
         "key", "spec", "tpos", "consts", "statics", "guard", "plan", "rec", "first_refs",
         "calls", "cuda", "any_rg", "must_static", "alias", "n_leaves", "bwd", "const_vals", "parts",
         "state_src", "env", "env_val", "n_user", "state_static", "glob", "orders", "attrs", "grad_none",
-        "same_obj",
     )
 
     def __init__(self, key: Hashable, spec: Any, leaves: Sequence[Any], tpos: List[int], statics: Any, plan: Plan, cuda: bool):
@@ -178,18 +177,18 @@ class Entry:
         self.consts = [(i, static_leaf_key(leaves[i])) for i in range(len(leaves)) if i not in tset]
         self.const_vals = {i: leaves[i] for i, _ in self.consts}
         self.statics = statics
-        # state: where each state tensor is read from on every call
-        self.state_src: List[Tuple[Any, Optional[torch.Tensor]]] = [
-            (slot, None if slot is not None else t) for slot, t in zip(plan.state_slots, plan.state)
+        # state: where each state tensor is read from on every call, and the object it must
+        # still be there (a parameter replaced by a new nn.Parameter is traced again: the
+        # optimizer, hooks and .grad write-backs of the recording are bound to the old
+        # object); not for .grad slots (replaced every step) nor for state the function
+        # itself writes back (carried state)
+        written = {_place(s) for s in plan.escape_slots}
+        self.state_src: List[Tuple[Any, Optional[torch.Tensor], Optional[torch.Tensor]]] = [
+            (slot, None if slot is not None else t,
+             t if slot is not None and slot.kind != "grad" and _place(slot) not in written else None)
+            for slot, t in zip(plan.state_slots, plan.state)
         ]
         state = list(plan.state)
-        # state that must stay the same tensor object (a parameter replaced by a new
-        # nn.Parameter is traced again: the optimizer, hooks and .grad write-backs of the
-        # recording are bound to the old object); not .grad slots (replaced every step)
-        # nor state the function itself writes back (carried state)
-        written = {_place(s) for s in plan.escape_slots}
-        self.same_obj = [k for k, s in enumerate(plan.state_slots)
-                         if s is not None and s.kind != "grad" and _place(s) not in written]
         tensors = [leaves[i] for i in tpos] + state
         self.guard = Guard(tensors)
         # Python attributes of the caller's tensors (read by the trace): None when none has any
@@ -244,18 +243,14 @@ class Entry:
     def resolve_state(self) -> Optional[List[torch.Tensor]]:
         """The state tensors as the function reaches them now (``None``: one is gone or replaced)."""
         out: List[torch.Tensor] = []
-        for slot, const in self.state_src:
+        for slot, const, same in self.state_src:
             if slot is None:
                 out.append(const)  # type: ignore[arg-type]
                 continue
             v = slot.get()
-            if not isinstance(v, torch.Tensor):
+            if not isinstance(v, torch.Tensor) or (same is not None and v is not same):
                 return None
             out.append(v)
-        traced = self.plan.state
-        for k in self.same_obj:
-            if out[k] is not traced[k]:
-                return None
         return out
 
     def match(self, leaves: Sequence[Any], statics: Any, state: Sequence[torch.Tensor] = ()) -> bool:

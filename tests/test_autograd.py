@@ -482,14 +482,18 @@ def _assert_grads_as_eager(g, m, ref, shape, calls, device):
             assert_close(p.grad, q.grad)
 
 
-class _ScaledByDetachedMax(torch.nn.Module):
-    """Updates a buffer (so the backward recomputes the forward) and divides by a
-    statistic computed under no_grad (so it must not carry gradient)."""
+class _LinearWithCounter(torch.nn.Module):
+    """A linear layer and a call counter buffer (updating it makes the backward recompute the forward)."""
 
     def __init__(self):
         super().__init__()
         self.lin = torch.nn.Linear(4, 4)
         self.register_buffer("calls", torch.zeros(()))
+
+
+class _ScaledByDetachedMax(_LinearWithCounter):
+    """Updates a buffer (so the backward recomputes the forward) and divides by a
+    statistic computed under no_grad (so it must not carry gradient)."""
 
     def forward(self, x):
         self.calls.add_(1)
@@ -572,14 +576,9 @@ _round_ste_op.register_fake(lambda x: torch.empty_like(x))
 _round_ste_op.register_autograd(lambda ctx, grad: grad * 3.0)
 
 
-class _CountedCustomOp(torch.nn.Module):
+class _CountedCustomOp(_LinearWithCounter):
     """Updates a buffer (the backward recomputes the forward) around a custom op whose
     gradient is registered with torch.library."""
-
-    def __init__(self):
-        super().__init__()
-        self.lin = torch.nn.Linear(4, 4)
-        self.register_buffer("calls", torch.zeros(()))
 
     def forward(self, x):
         self.calls.add_(1)

@@ -276,27 +276,6 @@ def test_escape_into_a_list_is_an_error(device):
     log.clear()
 
 
-def _cell_fns(h0, carry):
-    H = h0
-
-    def read(x):
-        return x + H
-
-    def carried(x):
-        nonlocal H
-        H = torch.tanh(x + H)
-        return H * 2
-
-    def get():
-        return H
-
-    def put(v):
-        nonlocal H
-        H = v
-
-    return (carried if carry else read), get, put
-
-
 class _Holder:
     pass
 
