@@ -84,6 +84,15 @@ def _site() -> str:
     return ""
 
 
+def _extent(t: torch.Tensor) -> Tuple[int, int]:
+    """The bytes of its storage a tensor can reach: [first, last + 1)."""
+    start = int(t.storage_offset()) * t.element_size()
+    if t.numel() == 0:
+        return start, start
+    reach = sum((int(n) - 1) * abs(int(st)) for n, st in zip(t.shape, t.stride()))
+    return start, start + (reach + 1) * t.element_size()
+
+
 class _Watch(TorchDispatchMode):
     """Watches every aten op of the trace (runs above make_fx's proxy mode).
 
@@ -112,6 +121,9 @@ class _Watch(TorchDispatchMode):
         self.state_fakes: List[FakeTensor] = []
         self._fake_of: Dict[int, FakeTensor] = {}
         self.overlapping: Set[int] = set()  # caller's inputs whose elements share memory
+        # state tensors by storage, where several share one (an LSTM's weights packed by
+        # flatten_parameters, views of one buffer): a write to one marks each it overlaps
+        self.sharing: Dict[Any, List[int]] = {}
 
     def _fail(self, what: str, why: str, fix: str) -> None:
         fr = user_frame(traceback.extract_stack())
@@ -144,9 +156,28 @@ class _Watch(TorchDispatchMode):
             self._fake_of[id(t)] = f
             self.state.append(t)
             self.state_fakes.append(f)
-            self.inputs.setdefault(StorageWeakRef(f.untyped_storage()), self.n_in + k)
+            key = StorageWeakRef(f.untyped_storage())
+            self.inputs.setdefault(key, self.n_in + k)
+            self.sharing.setdefault(key, []).append(self.n_in + k)
             self.paths.append(name)
         return f
+
+    def _mark_written(self, t: torch.Tensor, idx: int) -> None:
+        """Record that input ``idx`` (the first input on ``t``'s storage) is written through ``t``.
+
+        Every state tensor whose memory overlaps ``t``'s is updated too: the recording puts
+        each back after its warm-up, and a packed weight buffer is several parameters.
+        """
+        self.mutated.add(idx)
+        shared = self.sharing.get(StorageWeakRef(t.untyped_storage()))
+        if shared is None or len(shared) < 2:
+            return
+        lo, hi = _extent(t)
+        for j in shared:
+            if j not in self.mutated:
+                jlo, jhi = _extent(self.state_fakes[j - self.n_in])
+                if jlo < hi and lo < jhi:
+                    self.mutated.add(j)
 
     def _swap(self, v: Any) -> Any:
         if isinstance(v, torch.Tensor):
@@ -171,7 +202,7 @@ class _Watch(TorchDispatchMode):
                 for t in _tensors_in(args[i]):
                     idx = self.inputs.get(StorageWeakRef(t.untyped_storage()))
                     if idx is not None:
-                        self.mutated.add(idx)
+                        self._mark_written(t, idx)
         written: List[Tuple[torch.Tensor, int, Any]] = []
         if schema.is_mutable:
             for i, a in enumerate(schema.arguments):
@@ -215,7 +246,7 @@ class _Watch(TorchDispatchMode):
                             "(cache.index_copy_(2, pos, k.detach())).",
                         )
                     written.append((t, idx, (t.shape, t.stride(), t.storage_offset())))
-                    self.mutated.add(idx)
+                    self._mark_written(t, idx)
         if _SEEDED is not None and _SEEDED in func.tags:
             self.random = True
         gen = kwargs.get("generator")
