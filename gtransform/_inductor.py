@@ -40,9 +40,21 @@ class _Inductor:
             from torch._inductor.compile_fx import compile_fx
             from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
+            from . import _gemm
+            from ._log import log
+
             gm = torch.fx.GraphModule(self.gm, copy.deepcopy(self.gm.graph))
+            launches: list = []
+            counts = _gemm.rewrite(gm, launches=launches)
+            building = []
+            if counts["gemm"]:
+                log.info("fuse=True: %s", _gemm.describe(counts))
+                building = _gemm.precompile(launches)  # in threads, while inductor compiles
             fake = FakeTensorMode(shape_env=ShapeEnv(), static_shapes=True, allow_non_fake_inputs=True)
             examples = [fake.from_tensor(a, static_shapes=True) if isinstance(a, torch.Tensor) else a for a in args]
             with tracing(TracingContext(fake)), torch._inductor.config.patch({"fallback_random": True, "triton.cudagraphs": False}):
                 fn = self.fn = compile_fx(gm, examples)
+            for job in building:
+                if job.exception() is not None:  # waits; the launch will compile it and report
+                    log.debug("fuse=True: precompiling a gemm kernel failed: %r", job.exception())
         return fn(*args)
