@@ -15,6 +15,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _gputime  # noqa: E402
+
 from gtransform import _gemm  # noqa: E402
 
 REPS = 20
@@ -32,30 +35,9 @@ CONFIGS = [
 QUICK = [(16, 16, 128, 4, 3), (32, 32, 64, 4, 2), (32, 64, 64, 4, 2)]
 
 
-def gpu_time(fn, n=20):
+def gpu_time(fn):
     """Median us per launch of fn() captured REPS times in one graph."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(REPS):
-            fn()
-    for _ in range(5):
-        g.replay()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    ts = []
-    for _ in range(5):
-        e0.record()
-        for _ in range(n):
-            g.replay()
-        e1.record()
-        e1.synchronize()
-        ts.append(e0.elapsed_time(e1) * 1e3 / n / REPS)
-    return sorted(ts)[2]
+    return _gputime.gpu_time(fn, n=20, reps=REPS)
 
 
 def cases(dev):

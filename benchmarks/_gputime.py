@@ -1,0 +1,29 @@
+"""GPU time of a function, captured in a CUDA graph and timed by replay (for the probes)."""
+
+import torch
+
+
+def gpu_time(fn, n=200, reps=1):
+    """Median us per call of fn(), captured `reps` times in one graph, timed over n replays x 5."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(reps):
+            fn()
+    for _ in range(10):
+        g.replay()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    ts = []
+    for _ in range(5):
+        e0.record()
+        for _ in range(n):
+            g.replay()
+        e1.record()
+        e1.synchronize()
+        ts.append(e0.elapsed_time(e1) * 1e3 / n / reps)
+    return sorted(ts)[2]
