@@ -48,16 +48,6 @@ MAX_FLOPS = 1 << 28
 _FORCED: Optional[Config] = None  # set by benchmarks/_probe_gemm.py to time one configuration
 
 
-def _forced_from_env() -> Optional[Config]:
-    raw = os.environ.get("GTRANSFORM_GEMM_CONFIG")
-    if not raw:
-        return None
-    parts = tuple(int(p) for p in raw.split(","))
-    if len(parts) != 5:
-        raise ValueError(f"GTRANSFORM_GEMM_CONFIG={raw!r}: expected BLOCK_M,BLOCK_N,BLOCK_K,num_warps,num_stages")
-    return parts  # type: ignore[return-value]
-
-
 def pick_config(m: int, n: int, k: int) -> Config:
     """Tile sizes for an (m, k) x (k, n) product: enough programs to occupy the GPU.
 
@@ -66,9 +56,8 @@ def pick_config(m: int, n: int, k: int) -> Config:
     busy; the K loop stays in one program, so the sum is deterministic. Chosen from
     the H100 measurements of ``benchmarks/_probe_gemm.py`` (NOTES.md).
     """
-    forced = _FORCED or _forced_from_env()
-    if forced is not None:
-        return forced
+    if _FORCED is not None:
+        return _FORCED
     if -(-m // 16) * -(-n // 16) <= 256:
         bm = bn = 16
     elif -(-m // 32) * -(-n // 32) < 256:
@@ -214,7 +203,9 @@ def precompile(launches: Sequence[Tuple[Any, Any, Any, Any, int]]) -> List[Any]:
     seen, jobs = set(), []
     for a, b, bias, mask, act in launches:
         grid, ints, consts = _plan(a, b, bias, mask, act)
-        key = (ints, tuple(sorted(consts.items())))
+        # one build per kernel Triton would make: it specializes integers on being 1 or a
+        # multiple of 16 (the epilogue flags, the last three, not at all)
+        key = (tuple(1 if v == 1 else 16 if v % 16 == 0 else 0 for v in ints[:-3]), tuple(sorted(consts.items())))
         if key not in seen:
             seen.add(key)
             jobs.append((grid, ints, consts))

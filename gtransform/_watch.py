@@ -165,19 +165,21 @@ class _Watch(TorchDispatchMode):
     def _mark_written(self, t: torch.Tensor, idx: int) -> None:
         """Record that input ``idx`` (the first input on ``t``'s storage) is written through ``t``.
 
-        Every state tensor whose memory overlaps ``t``'s is updated too: the recording puts
-        each back after its warm-up, and a packed weight buffer is several parameters.
+        Where several state tensors share that storage (a packed weight buffer is several
+        parameters), each one whose memory ``t`` overlaps is the one updated: the
+        recording puts each back after its warm-up.
         """
-        self.mutated.add(idx)
         shared = self.sharing.get(StorageWeakRef(t.untyped_storage()))
         if shared is None or len(shared) < 2:
+            self.mutated.add(idx)
             return
         lo, hi = _extent(t)
+        hit = []
         for j in shared:
-            if j not in self.mutated:
-                jlo, jhi = _extent(self.state_fakes[j - self.n_in])
-                if jlo < hi and lo < jhi:
-                    self.mutated.add(j)
+            jlo, jhi = _extent(self.state_fakes[j - self.n_in])
+            if jlo < hi and lo < jhi:
+                hit.append(j)
+        self.mutated.update(hit or (idx,))
 
     def _swap(self, v: Any) -> Any:
         if isinstance(v, torch.Tensor):
