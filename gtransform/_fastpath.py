@@ -158,9 +158,12 @@ def build_fast_path(owner: Any, entry: Any, rec: Any, pool: Any) -> Any:
     # state: read again from where the function reaches it (a module's
     # _parameters, an optimizer's state...), so replaced tensors are seen
     state_names: List[str] = []
-    for k, (slot, const, _same) in enumerate(entry.state_src):
+    same: List[str] = []  # state that must still be the traced object (see Entry.resolve_state)
+    for k, (slot, const, traced) in enumerate(entry.state_src):
         name = f"s{k}"
         state_names.append(name)
+        if traced is not None:
+            same.append(f"{name} is not {g.const(traced, 'S')}")
         if slot is None:
             flat.append(f"{name} = {g.const(const, 'S')}")
         elif slot.kind == "grad":
@@ -172,6 +175,11 @@ def build_fast_path(owner: Any, entry: Any, rec: Any, pool: Any) -> Any:
         else:
             flat.append(f"{name} = {g.const(slot.obj, 'S')}[{g.const(slot.key, 'S')}]")
 
+    if same:
+        # a new object over the same memory (`m.w = nn.Parameter(m.w.data)`) passes the
+        # address check below, but .grad write-backs and optimizer steps are bound to the
+        # traced one: a miss (the generic path traces again)
+        flat.append(f"if {' or '.join(same)}: return MISS")
     for t in entry.grad_none:  # a .grad that must not be there (see Entry.grad_none)
         flat.append(f"if {g.const(t, 'S')}.grad is not None: return MISS")
 

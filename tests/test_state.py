@@ -1098,11 +1098,14 @@ def test_state_held_anywhere_follows_eager_across_rebinding(where, carry, change
         assert_close(runs[0].get(), runs[1].get())
 
 
+@pytest.mark.parametrize("memory", ["new", "same"])
 @pytest.mark.parametrize("in_optimizer", [False, True])
-def test_a_parameter_replaced_between_calls_is_traced_again(device, in_optimizer):
+def test_a_parameter_replaced_between_calls_is_traced_again(device, in_optimizer, memory):
     """`model.weight = nn.Parameter(...)` between calls of a whole training step: eager's
     losses, parameters and .grad on every later call, whether or not the optimizer is told
-    (if not, eager's optimizer keeps stepping the old, orphaned parameter)."""
+    (if not, eager's optimizer keeps stepping the old, orphaned parameter). A new Parameter
+    over the old one's memory (`nn.Parameter(m.weight.data)`) passed the fast path's address
+    check, and its .grad was left None while the recording wrote the old object's."""
     def run(graph):
         torch.manual_seed(0)
         m = nn.Linear(3, 2).to(device)
@@ -1120,7 +1123,10 @@ def test_a_parameter_replaced_between_calls_is_traced_again(device, in_optimizer
         losses = []
         for i in range(6):
             if i == 3:
-                m.weight = nn.Parameter(torch.full((2, 3), 0.1, device=device))
+                if memory == "same":
+                    m.weight = nn.Parameter(m.weight.data)
+                else:
+                    m.weight = nn.Parameter(torch.full((2, 3), 0.1, device=device))
                 if in_optimizer:
                     opt.param_groups[0]["params"][0] = m.weight
             x, y = torch.randn(5, 3, generator=gen).to(device), torch.randn(5, 2, generator=gen).to(device)
