@@ -804,6 +804,7 @@ class Ctx:
         self.cuda = device.type == "cuda"
         self.ref_state: Optional[List[torch.Tensor]] = None
         self.init_state: Optional[List[torch.Tensor]] = None
+        self.kept: Dict[str, Any] = {}  # method -> (Prepared, calls per repeat), see time_interleaved
         with grad_mode(w):
             if w.factory is None:
                 torch.manual_seed(1234)
@@ -1485,8 +1486,8 @@ def run_calls(call: Callable[[], Any], n: int, hold: Any) -> Any:
     return None
 
 
-def time_method(p: Prepared, ctx: Ctx, opts: argparse.Namespace) -> Dict[str, Any]:
-    """Median seconds per call over repeats of N calls + one synchronisation."""
+def calls_per_repeat(p: Prepared, ctx: Ctx, opts: argparse.Namespace) -> int:
+    """Warm ``p`` up and choose N, the calls per timed repeat (about opts.target_s of wall time)."""
     sync = p.sync or ctx.sync
     for _ in range(3):  # warm-up
         sync(run_calls(p.call, 1, True))
@@ -1495,16 +1496,20 @@ def time_method(p: Prepared, ctx: Ctx, opts: argparse.Namespace) -> Dict[str, An
     t0 = perf_counter()
     sync(run_calls(p.call, 3, p.hold))
     est = max((perf_counter() - t0) / 3, 1e-7)
-    n = int(min(max(opts.target_s / est, opts.min_calls), opts.max_calls))
-    times = []
-    gc.collect()
-    for _ in range(opts.repeats):
-        sync(None)
-        t0 = perf_counter()
-        out = run_calls(p.call, n, p.hold)
-        sync(out)
-        times.append((perf_counter() - t0) / n)
-        del out
+    return int(min(max(opts.target_s / est, opts.min_calls), opts.max_calls))
+
+
+def time_block(p: Prepared, ctx: Ctx, n: int) -> float:
+    """Seconds per call of one repeat: N calls and one synchronisation."""
+    sync = p.sync or ctx.sync
+    sync(None)
+    t0 = perf_counter()
+    out = run_calls(p.call, n, p.hold)
+    sync(out)
+    return (perf_counter() - t0) / n
+
+
+def timing_summary(times: List[float], n: int) -> Dict[str, Any]:
     med = statistics.median(times)
     return {
         "us_median": med * 1e6,
@@ -1515,6 +1520,58 @@ def time_method(p: Prepared, ctx: Ctx, opts: argparse.Namespace) -> Dict[str, An
         "repeats": len(times),
         "times_us": [t * 1e6 for t in times],
     }
+
+
+def time_method(p: Prepared, ctx: Ctx, opts: argparse.Namespace) -> Dict[str, Any]:
+    """Median seconds per call over repeats of N calls + one synchronisation."""
+    n = calls_per_repeat(p, ctx, opts)
+    gc.collect()
+    return timing_summary([time_block(p, ctx, n) for _ in range(opts.repeats)], n)
+
+
+INTERLEAVED = ("graph_replay", "gt_same", "gt_held", "gt_views")
+"""Columns whose ratios are targets (gt ÷ floor, views ÷ held): timed in turn, repeat by repeat.
+
+On the lent GPU hosts the host's speed drifts within a process: the same torch call
+(`fill_`, `cudaLaunchKernel`) was seen to cost 2.5x more from one second to the next
+(benchmarks/NOTES.md). Host-bound rows timed column after column then compare different
+moments of the host, not the columns; timed in turn, each drift falls on all of them.
+"""
+
+
+def time_interleaved(ctx: Ctx, wr: Dict[str, Any], opts: argparse.Namespace) -> None:
+    """Time the kept INTERLEAVED columns of one row in turn (see INTERLEAVED); fill their cells."""
+    kept = ctx.kept
+    if not kept:
+        return
+    names = [m for m in INTERLEAVED if m in kept]
+    times: Dict[str, List[float]] = {m: [] for m in names}
+    gc.collect()
+    rounds = opts.repeats if opts.quick else max(opts.repeats, 15)
+    with grad_mode(ctx.w):
+        for r in range(rounds):
+            k = r % len(names)
+            for m in names[k:] + names[:k]:  # each column first in turn
+                if m not in kept:
+                    continue
+                p, n = kept[m]
+                try:
+                    times[m].append(time_block(p, ctx, n))
+                except Exception as e:
+                    cell = wr["cells"][m]
+                    cell.update(status="error", error=short_error(e), traceback=traceback.format_exc(limit=8))
+                    del kept[m]
+        for m in names:
+            if m not in kept:
+                continue
+            p, n = kept.pop(m)
+            cell = wr["cells"][m]
+            cell.update(timing_summary(times[m], n))
+            cell["timed"] = "in turn with " + ", ".join(x for x in names if x != m)
+            if p.after is not None:
+                cell.update(p.after())
+            cell["status"] = "ok"
+    kept.clear()
 
 
 def short_error(e: BaseException) -> str:
@@ -1546,10 +1603,14 @@ def run_cell(method: str, ctx: Ctx, opts: argparse.Namespace) -> Dict[str, Any]:
                 cell["check_ok"] = cell["check_ok"] and p.state_error <= w.state_tol
             cell["first_call_s"] = p.first_call_s
             cell.update(p.extra)
-            cell.update(time_method(p, ctx, opts))
-            if p.after is not None:
-                cell.update(p.after())
-            cell["status"] = "ok"
+            if method in INTERLEAVED:  # timed with the row's other such columns (time_interleaved)
+                ctx.kept[method] = (p, calls_per_repeat(p, ctx, opts))
+                cell["status"] = "pending"
+            else:
+                cell.update(time_method(p, ctx, opts))
+                if p.after is not None:
+                    cell.update(p.after())
+                cell["status"] = "ok"
             del p
     except NotApplicable as e:
         return {"status": "n/a", "reason": str(e)}
@@ -2040,6 +2101,18 @@ def measure_warm(results: Dict[str, Any], device: torch.device, opts: argparse.N
             cell["first_call_warm_error"] = rec.get("error")
 
 
+def print_cell(row: str, m: str, cell: Dict[str, Any]) -> None:
+    if cell["status"] == "ok":
+        st = f" state {cell['state_rel_err']:.1e}" if cell.get("state_rel_err") is not None else ""
+        msg = (f"{cell['us_median']:9.1f} us/call (±{100 * cell['spread']:.0f}%, n={cell['calls_per_repeat']})  "
+               f"first {cell['first_call_s'] if cell['first_call_s'] is not None else float('nan'):.3f} s  "
+               f"err {cell['rel_err']:.1e}{st}{'' if cell['check_ok'] else ' CHECK FAILED'}"
+               f"{'  (timed in turn)' if 'timed' in cell else ''}")
+    else:
+        msg = cell["status"] + ": " + str(cell.get("reason") or cell.get("error"))
+    print(f"[{row:11s}] {m:12s} {msg}", flush=True)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     global _CACHE_ROOT
     opts = parse_args(argv)
@@ -2090,17 +2163,17 @@ def main(argv: Optional[List[str]] = None) -> int:
             wr["cells"] = {m: dict(row_cell) for m in methods}
             print(f"[{w.name}] {row_cell['status']}: {row_cell.get('reason') or row_cell.get('error')}", flush=True)
             continue
+        pending = []
         for m in methods:
             cell = run_cell(m, ctx, opts)
             wr["cells"][m] = cell
-            if cell["status"] == "ok":
-                st = f" state {cell['state_rel_err']:.1e}" if cell.get("state_rel_err") is not None else ""
-                msg = (f"{cell['us_median']:9.1f} us/call (±{100 * cell['spread']:.0f}%, n={cell['calls_per_repeat']})  "
-                       f"first {cell['first_call_s'] if cell['first_call_s'] is not None else float('nan'):.3f} s  "
-                       f"err {cell['rel_err']:.1e}{st}{'' if cell['check_ok'] else ' CHECK FAILED'}")
+            if cell["status"] == "pending":
+                pending.append(m)
             else:
-                msg = cell["status"] + ": " + str(cell.get("reason") or cell.get("error"))
-            print(f"[{w.name:11s}] {m:12s} {msg}", flush=True)
+                print_cell(w.name, m, cell)
+        time_interleaved(ctx, wr, opts)
+        for m in pending:
+            print_cell(w.name, m, wr["cells"][m])
         wr["seconds"] = perf_counter() - t_w
         del ctx
         gc.collect()
