@@ -233,7 +233,7 @@ def build_fast_path(owner: Any, entry: Any, rec: Any, pool: Any) -> Any:
     call.append("if REC.must_retire: REC._maybe_retire()")
     if esc:
         call.append("ESC.before_replay()")
-    if _GRAPH_REPLAY is not None and type(rec)._replay is getattr(_record, "CUDARecording")._replay:
+    if _GRAPH_REPLAY is not None and type(rec)._replay is _record.CUDARecording._replay:
         # CUDAGraph.replay's C method on the active generation's graph: the
         # Python wrappers (Recording._replay, CUDAGraph.replay) cost ~0.5 us
         call.append("_greplay(REC.graph)")
