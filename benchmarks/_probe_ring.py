@@ -1,0 +1,69 @@
+#!/usr/bin/env python3
+"""Does replaying several CUDA graphs in turn cost GPU or host time? Pure torch (1, 2, 6 graphs of
+one function, each in its own pool) and graphify same / held / views, on the RL and MLP-gradient
+rows. CUDA only: `python benchmarks/_probe_ring.py`. See benchmarks/NOTES.md (2026-11-24).
+"""
+import sys, time, statistics
+sys.path.insert(0, "benchmarks")
+import torch, bench
+import gtransform as gt
+
+dev = torch.device("cuda")
+torch.backends.cuda.matmul.allow_tf32 = False
+torch.backends.cudnn.allow_tf32 = False
+wl = {w.name: w for w in bench.make_workloads(dev)}
+
+def gpu_and_host(step, n=200):
+    """(host us per call with one sync at the end, GPU us per call with the host ahead)"""
+    for _ in range(20): step()
+    torch.cuda.synchronize()
+    hs, gs = [], []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(n): step()
+        torch.cuda.synchronize()
+        hs.append((time.perf_counter() - t0) / n * 1e6)
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(int(2e8))
+        e0.record()
+        for _ in range(n): step()
+        e1.record(); e1.synchronize()
+        gs.append(e0.elapsed_time(e1) * 1e3 / n)
+    return statistics.median(hs), statistics.median(gs)
+
+for name in ("rl", "mlp_grad"):
+    w = wl[name]
+    args = w.make_args(dev)
+    fn = w.fn
+    # pure torch: K graphs, each in a private pool, replayed in turn
+    s = torch.cuda.Stream(); s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3): fn(*args)
+    torch.cuda.current_stream().wait_stream(s)
+    graphs = []
+    for k in range(6):
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=torch.cuda.graph_pool_handle()):
+            fn(*args)
+        graphs.append(g)
+    for K in (1, 2, 6):
+        it = [0]
+        def step():
+            graphs[it[0] % K].replay(); it[0] += 1
+        h, gg = gpu_and_host(step)
+        print(f"{name} torch {K} graphs in turn: host {h:.1f} us/call, GPU {gg:.1f} us/call", flush=True)
+    f = gt.graphify(fn)
+    for mode in ("same", "held", "views"):
+        st = {"out": None, "hist": []}
+        def step():
+            out = f(*args)
+            if mode == "same":
+                return
+            st["out"] = out
+            if mode == "views":
+                st["hist"].append(bench._a_view(out))
+                if len(st["hist"]) > 4: del st["hist"][0]
+        h, gg = gpu_and_host(step)
+        print(f"{name} graphify {mode}: host {h:.1f} us/call, GPU {gg:.1f} us/call", flush=True)
+        st.clear()
+    del f, graphs
