@@ -558,7 +558,7 @@ class Graphified(Generic[P, R]):
                     f"Fix: return it as an output of the function instead, or store a detached copy "
                     f"({kept[0].rsplit('.', 1)[-1]} = h.detach()) if it is only looked at."
                 )
-        if plan.touches_state:
+        if plan.roots:  # a module without tensors (nn.LeakyReLU) has attributes and a training flag too
             e.env = env_key_fn(plan.roots)
             e.env_val = e.env() if e.env is not None else None
         if not warm:

@@ -368,7 +368,9 @@ def diff_leaves(e: Entry, leaves: Sequence[Any], paths: Sequence[str]) -> List[s
             if old != new:
                 out.append(f"state {e.plan.state_names[k]}: {old[3]}{list(old[1])} -> {new[3]}{list(new[1])}")
     if e.env is not None and e.env() != e.env_val:
-        out.append("module training flags, hooks or optimizer hyperparameters changed")
+        diff = getattr(e.env, "diff", None)
+        out.extend((diff(e.env_val) if diff is not None else None) or
+                   ["module training flags, attributes, hooks or optimizer hyperparameters changed"])
     glob = global_key()
     for name, old, new in zip(("grad mode (torch.is_grad_enabled())", "the default dtype", "autocast"), e.glob, glob):
         if old != new:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import operator
 import os
 import sys
 import types
@@ -532,14 +533,27 @@ def _opt_params(opt: _Optimizer) -> List[torch.Tensor]:
 # -- the environment part of the signature ------------------------------------------------
 
 
+_PLAIN_TYPES = (int, float, bool, str, type(None))
+
+
+def _plain_attr(v: Any) -> bool:
+    """A module attribute the trace can only have read as a constant (a number, string, None, or a short tuple of them)."""
+    t = type(v)
+    if t in _PLAIN_TYPES:
+        return True
+    return t is tuple and len(v) <= 16 and all(type(x) in _PLAIN_TYPES for x in v)
+
+
 def env_key_fn(roots: Sequence[Root]) -> Optional[Callable[[], Any]]:
     """A cheap function of what else changes a module's computation, or ``None``.
 
-    Covers every root module's ``training`` flag and hooks (and torch's global
-    module hooks), and every root optimizer's Python-number hyperparameters, parameter
-    groups and state dict as a whole.
+    Covers every root module's ``training`` flag, hooks (and torch's global
+    module hooks) and plain Python attributes (numbers, strings, None, short tuples of
+    them: ``momentum``, ``eps``, ``p``, ``padding``...), and every root optimizer's
+    Python-number hyperparameters, parameter groups and state dict as a whole.
     """
-    mods = [m for _, m in root_modules(roots)]
+    named = root_modules(roots)
+    mods = [m for _, m in named]
     opts = [r.obj for r in roots if isinstance(r.obj, _Optimizer)]
     if not mods and not opts:
         return None
@@ -552,12 +566,28 @@ def env_key_fn(roots: Sequence[Root]) -> Optional[Callable[[], Any]]:
     hook_dicts = [getattr(m, a) for m in mods for a in hook_attrs if isinstance(getattr(m, a, None), dict)]
     groups = [g for o in opts for g in o.param_groups]
     keys = [tuple(k for k, v in g.items() if k != "params" and type(v) in (int, float, bool)) for g in groups]
+    # every module's plain Python attributes (BatchNorm's momentum and eps, Dropout's p,
+    # LeakyReLU's negative_slope, GELU's approximate, a user's self.scale...): the trace
+    # reads them as constants, so a new value is a new signature, not the old numbers
+    attr_dicts = []
+    attr_names: List[Tuple[str, Tuple[str, ...]]] = []
+    for name, m in named:
+        d = m.__dict__
+        # `training` among them: one C-level getter per module reads everything
+        ks = ("training",) + tuple(k for k, v in d.items() if k != "training" and _plain_attr(v))
+        attr_dicts.append((d, operator.itemgetter(*ks)))
+        attr_names.append((name, ks))
+    n_attrs = sum(len(ks) - 1 for _, ks in attr_names)
 
     def env() -> Any:
+        try:
+            attrs: Any = [get(d) for d, get in attr_dicts]
+        except KeyError:  # an attribute was deleted
+            attrs = None
         return (
-            [m.training for m in mods],
-            [tuple(d) for d in hook_dicts if d],
-            [tuple(d) for d in gdicts if d],
+            attrs,
+            [tuple(d) for d in filter(None, hook_dicts)],
+            [tuple(d) for d in filter(None, gdicts)],
             [[g[k] for k in ks] for g, ks in zip(groups, keys)],
             # the optimizers' structure: their groups (add_param_group, one replaced), each
             # group's list of parameters (a new list; one added or removed), and their state
@@ -570,8 +600,25 @@ def env_key_fn(roots: Sequence[Root]) -> Optional[Callable[[], Any]]:
 
     env.keep = [o.state for o in opts] + groups + [g["params"] for g in groups]  # type: ignore[attr-defined]
 
+    def diff(old: Any) -> List[str]:
+        """What changed since ``old`` (an earlier value of env()), for the retrace explanation."""
+        new = env()
+        out: List[str] = []
+        if old[0] is not None and new[0] is not None:
+            for (name, ks), a, b in zip(attr_names, old[0], new[0]):
+                a, b = (a, b) if len(ks) > 1 else ((a,), (b,))
+                out += [f"{name}.training: {x} -> {y}" if k == "training" else
+                        f"module attribute {name}.{k}: {x!r} -> {y!r}" for k, x, y in zip(ks, a, b) if x != y]
+        elif old[0] != new[0]:
+            out.append("a module attribute was deleted")
+        if list(old[1:]) != list(new[1:]):
+            out.append("module hooks, or an optimizer's hyperparameters, parameter groups or state, changed")
+        return out
+
+    env.diff = diff  # type: ignore[attr-defined]
+
     env.describe = (  # type: ignore[attr-defined]
-        f"{len(mods)} module(s) (training flags, hooks), {len(opts)} optimizer(s) "
+        f"{len(mods)} module(s) (training flags, hooks, {n_attrs} Python attributes), {len(opts)} optimizer(s) "
         f"({sum(len(k) for k in keys)} Python hyperparameters, their parameter groups and state)"
     )
     return env

@@ -261,6 +261,78 @@ def test_training_flag_and_hooks_are_in_the_signature(device):
         assert (y == 0).sum() > 8  # dropout is on again (P(fewer) < 1e-9)
 
 
+class _Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+        self.scale = 2.0
+
+    def forward(self, x):
+        return self.lin(x) * self.scale
+
+
+# (build the module, change one of its plain Python attributes, the attribute's path)
+_ATTR_CASES = {
+    "user float": (lambda: _Scaled(), lambda m: setattr(m, "scale", 5.0), "scale"),
+    "BatchNorm momentum": (lambda: nn.Sequential(nn.Linear(6, 6), nn.BatchNorm1d(6)),
+                           lambda m: setattr(m[1], "momentum", 0.7), "1.momentum"),
+    "LeakyReLU slope (no tensors)": (lambda: nn.LeakyReLU(0.1), lambda m: setattr(m, "negative_slope", 0.5),
+                                     "negative_slope"),
+    "GELU approximate (a string)": (lambda: nn.GELU(), lambda m: setattr(m, "approximate", "tanh"), "approximate"),
+    "Conv1d padding (a tuple)": (lambda: nn.Conv1d(6, 6, 3, padding=1), lambda m: setattr(m, "padding", (0,)),
+                                 "padding"),
+}
+
+
+@pytest.mark.parametrize("case", list(_ATTR_CASES))
+def test_a_module_attribute_changed_between_calls_is_seen(device, case, caplog):
+    """The trace reads `bn.momentum`, `self.scale`... as constants: a new value must be a new
+    trace (eager's numbers), never the recorded old value, and then replays again."""
+    make, change, path = _ATTR_CASES[case]
+    torch.manual_seed(0)
+    m = make().to(device)
+    ref = make().to(device)
+    ref.load_state_dict(m.state_dict())
+    g = gt.graphify(lambda x: m(x))
+    x = torch.randn(4, 6, 5, device=device) if "Conv" in case else torch.randn(4, 6, device=device)
+    for _ in range(3):
+        assert_close(g(x), ref(x))
+    owner, name = (m[1], "momentum") if "." in path else (m, path)
+    ref_owner = ref[1] if "." in path else ref
+    old = getattr(owner, name)
+    change(m)
+    change(ref)
+    with caplog.at_level("INFO", logger="gtransform"):
+        for _ in range(3):
+            assert_close(g(x), ref(x))
+    assert any(f"module attribute m.{path}:" in r.getMessage() for r in caplog.records), \
+        [r.getMessage() for r in caplog.records]
+    assert_close(m.state_dict(), ref.state_dict())  # BatchNorm: running stats with the new momentum
+    misses = g.cache_info().misses
+    for _ in range(3):  # recorded again: replays from now on
+        assert_close(g(x), ref(x))
+    assert g.cache_info().misses == misses
+    setattr(owner, name, old)  # and back
+    setattr(ref_owner, name, old)
+    for _ in range(3):
+        assert_close(g(x), ref(x))
+    assert_close(m.state_dict(), ref.state_dict())
+
+
+def test_batchnorm_momentum_set_to_none_is_refused_not_replayed(device):
+    """momentum=None (a cumulative average: 1 / num_batches_tracked, read on the host) cannot
+    be recorded: after the change the call must raise, not replay the old momentum."""
+    m = nn.Sequential(nn.Linear(6, 6), nn.BatchNorm1d(6)).to(device)
+    g = gt.graphify(lambda x: m(x))
+    x = torch.randn(4, 6, device=device)
+    for _ in range(3):
+        g(x)
+    m[1].momentum = None
+    with pytest.raises(gt.GraphifyError, match="reads a tensor's value on the host"):
+        for _ in range(2):
+            g(x)
+
+
 def test_escape_into_a_list_is_an_error(device):
     log = []
 
