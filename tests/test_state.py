@@ -319,6 +319,31 @@ def test_a_module_attribute_changed_between_calls_is_seen(device, case, caplog):
     assert_close(m.state_dict(), ref.state_dict())
 
 
+@given(values=st.lists(st.tuples(st.sampled_from([0.5, 1.0, 2.0, -3.0]), st.sampled_from([0.0, 0.1, 0.9]),
+                                   st.booleans()), min_size=1, max_size=8))
+def test_module_attributes_changed_in_any_order_follow_eager(values):
+    """Any sequence of (scale, momentum, training) settings between calls: every call gives
+    eager's output and leaves eager's running statistics."""
+    torch.manual_seed(0)
+
+    def make():
+        m = nn.Sequential(_Scaled(), nn.BatchNorm1d(6))
+        return m
+
+    m, ref = make(), make()
+    ref.load_state_dict(m.state_dict())
+    g = gt.graphify(lambda x: m(x))
+    x = torch.randn(4, 6)
+    for scale, momentum, training in values:
+        for mod in (m, ref):
+            mod[0].scale = scale
+            mod[1].momentum = momentum
+            mod.train(training)
+        for _ in range(2):
+            assert_close(g(x), ref(x))
+        assert_close(m.state_dict(), ref.state_dict())
+
+
 def test_batchnorm_momentum_set_to_none_is_refused_not_replayed(device):
     """momentum=None (a cumulative average: 1 / num_batches_tracked, read on the host) cannot
     be recorded: after the change the call must raise, not replay the old momentum."""
