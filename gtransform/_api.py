@@ -559,7 +559,7 @@ class Graphified(Generic[P, R]):
                     f"({kept[0].rsplit('.', 1)[-1]} = h.detach()) if it is only looked at."
                 )
         if plan.roots:  # a module without tensors (nn.LeakyReLU) has attributes and a training flag too
-            e.env = env_key_fn(plan.roots)
+            e.env = env_key_fn(plan.roots, plan.attr_reads)
             e.env_val = e.env() if e.env is not None else None
         if not warm:
             return e, list(plan.state)  # f.trace(...) before the first call: not kept

@@ -34,6 +34,7 @@ import inspect
 import operator
 import os
 import sys
+import threading
 import types
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
@@ -42,7 +43,7 @@ import torch
 
 from ._errors import GraphifyError
 
-__all__ = ["Root", "find_roots", "Snapshot", "Slot", "StateIndex", "env_key_fn", "EscapeWriter"]
+__all__ = ["Root", "find_roots", "Snapshot", "Slot", "StateIndex", "env_key_fn", "EscapeWriter", "AttrReads"]
 
 _Module = torch.nn.Module
 _Optimizer = torch.optim.Optimizer
@@ -534,6 +535,69 @@ def _opt_params(opt: _Optimizer) -> List[torch.Tensor]:
 
 
 _PLAIN_TYPES = (int, float, bool, str, type(None))
+_READING = threading.local()  # .reads: the AttrReads recording this thread's trace, if any
+_TRACKERS: Dict[type, type] = {}
+
+
+def _tracker(cls: type) -> type:
+    """A subclass of module class ``cls`` that records which attributes are read (see AttrReads)."""
+    sub = _TRACKERS.get(cls)
+    if sub is None:
+        base_get: Any = cls.__getattribute__
+
+        def __getattribute__(self: Any, name: str) -> Any:
+            reads = getattr(_READING, "reads", None)
+            if reads is not None:
+                reads.names.setdefault(id(self), set()).add(name)
+            return base_get(self, name)
+
+        sub = type(cls.__name__, (cls,), {"__getattribute__": __getattribute__, "__module__": cls.__module__,
+                                          "__qualname__": cls.__qualname__})
+        _TRACKERS[cls] = sub
+    return sub
+
+
+class AttrReads:
+    """Which attributes of the root modules the function reads while it is traced.
+
+    Within the ``with`` block each root module's class is a subclass of its own that
+    records attribute reads (``self.momentum``, ``getattr(self, "p")``); the classes are
+    put back on exit. A module whose class cannot be swapped is listed in ``untracked``:
+    all its plain attributes are then watched (see :func:`env_key_fn`).
+    """
+
+    def __init__(self, roots: Sequence[Root]):
+        self.mods = [m for _, m in root_modules(roots)]
+        self.names: Dict[int, Set[str]] = {}
+        self.untracked: Set[int] = set()
+        self._swapped: List[Tuple[Any, type, type]] = []
+
+    def __enter__(self) -> AttrReads:
+        for m in self.mods:
+            cls = type(m)
+            try:
+                sub = _tracker(cls)
+                m.__class__ = sub
+            except TypeError:  # a layout the subclass cannot take (__slots__, a C type)
+                self.untracked.add(id(m))
+                continue
+            self._swapped.append((m, cls, sub))
+        self._outer = getattr(_READING, "reads", None)
+        _READING.reads = self
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        _READING.reads = self._outer
+        for m, cls, sub in self._swapped:
+            if type(m) is sub:  # unless the function gave it another class itself
+                m.__class__ = cls
+        self._swapped = []
+
+    def read(self, m: Any) -> Optional[Set[str]]:
+        """The attribute names read on ``m`` (None: not tracked, assume all)."""
+        if id(m) in self.untracked:
+            return None
+        return self.names.get(id(m), set())
 
 
 def _plain_attr(v: Any) -> bool:
@@ -544,7 +608,7 @@ def _plain_attr(v: Any) -> bool:
     return t is tuple and len(v) <= 16 and all(type(x) in _PLAIN_TYPES for x in v)
 
 
-def env_key_fn(roots: Sequence[Root]) -> Optional[Callable[[], Any]]:
+def env_key_fn(roots: Sequence[Root], reads: Optional[AttrReads] = None) -> Optional[Callable[[], Any]]:
     """A cheap function of what else changes a module's computation, or ``None``.
 
     Covers every root module's ``training`` flag, hooks (and torch's global
@@ -566,15 +630,18 @@ def env_key_fn(roots: Sequence[Root]) -> Optional[Callable[[], Any]]:
     hook_dicts = [getattr(m, a) for m in mods for a in hook_attrs if isinstance(getattr(m, a, None), dict)]
     groups = [g for o in opts for g in o.param_groups]
     keys = [tuple(k for k, v in g.items() if k != "params" and type(v) in (int, float, bool)) for g in groups]
-    # every module's plain Python attributes (BatchNorm's momentum and eps, Dropout's p,
-    # LeakyReLU's negative_slope, GELU's approximate, a user's self.scale...): the trace
-    # reads them as constants, so a new value is a new signature, not the old numbers
+    # the plain Python attributes the trace read (BatchNorm's momentum and eps, Dropout's
+    # p, LeakyReLU's negative_slope, GELU's approximate, a user's self.scale...) are
+    # constants in the recording, so a new value is a new signature, not the old numbers;
+    # attributes it did not read (`model.step = i` set by the loop) may change freely
     attr_dicts = []
     attr_names: List[Tuple[str, Tuple[str, ...]]] = []
     for name, m in named:
         d = m.__dict__
         # `training` among them: one C-level getter per module reads everything
-        ks = ("training",) + tuple(k for k, v in d.items() if k != "training" and _plain_attr(v))
+        read = reads.read(m) if reads is not None else None
+        ks = ("training",) + tuple(k for k, v in d.items() if k != "training" and _plain_attr(v)
+                                   and (read is None or k in read))
         attr_dicts.append((d, operator.itemgetter(*ks)))
         attr_names.append((name, ks))
     n_attrs = sum(len(ks) - 1 for _, ks in attr_names)

@@ -32,7 +32,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from ._errors import GraphifyError, format_frame, innermost_frame, user_frame, user_frame_from_exc
 from ._inductor import _Inductor
 from ._rewrite import _constants_to_device, _drop_profiler_nodes, _kernels_in_grad_mode, _lift_state
-from ._state import Root, Slot, Snapshot, StateIndex, escape_error, leaf_grad
+from ._state import AttrReads, Root, Slot, Snapshot, StateIndex, escape_error, leaf_grad
 from ._tree import NAMESPACE, flatten, leaf_paths, unflatten
 from ._watch import (
     TENSOR_ATTR,
@@ -164,6 +164,7 @@ class Plan:
     escape_entries: List[OutEntry] = field(default_factory=list)
     py_changes: List[Any] = field(default_factory=list)
     roots: List[Any] = field(default_factory=list)
+    attr_reads: Any = None  # _state.AttrReads: the root modules' attributes the function read
     ran_backward: bool = False
     # the user's function and how to call it on the flat tensors (for the joint
     # forward+backward trace of _partition)
@@ -475,6 +476,7 @@ def trace(
     paths = list(in_paths)
     index = StateIndex(roots)
     snap = Snapshot(roots)
+    reads = AttrReads(roots)
     watch = _Watch(storages, paths, desc, cuda, mode, index, len(fakes))
     watch.overlapping = {i for i, sp in enumerate(in_specs) if _overlaps(sp[0], sp[1])}
     fnwatch = _FnWatch(watch, storages, len(fakes), plain if plain is not None else [True] * len(fakes), grads)
@@ -492,7 +494,7 @@ def trace(
         box["inputs"] = tensors
         fnwatch.inputs = tensors
         args, kwargs = rebuild(tensors)
-        with watch, fnwatch:
+        with watch, fnwatch, reads:
             out = fn(*args, **kwargs)
         leaves, spec = flatten_output(out, desc)
         # a tensor the function returns as it reached it (a closed-over W,
@@ -650,6 +652,7 @@ def trace(
         escape_entries=esc_entries,
         py_changes=list(scan.changes),
         roots=list(roots),
+        attr_reads=reads,
         layout_idx=set(fnwatch.layout_used),
         grad_idx=set(fnwatch.grad_read),
         hooks=list(fnwatch.hooks),

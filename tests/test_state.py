@@ -344,6 +344,28 @@ def test_module_attributes_changed_in_any_order_follow_eager(values):
         assert_close(m.state_dict(), ref.state_dict())
 
 
+def test_a_module_attribute_the_function_does_not_read_may_change_freely(device):
+    """`model.step = i` set by the training loop on every call is not read by forward: no new
+    trace (a retrace per call would be a cliff), and the module keeps its own class."""
+    m = nn.Sequential(nn.Linear(6, 6), nn.BatchNorm1d(6)).to(device)
+    cls = type(m[1])
+    g = gt.graphify(lambda x: m(x))
+    x = torch.randn(4, 6, device=device)
+    for i in range(10):
+        m.step = i
+        m[1].seen = float(i)
+        g(x)
+    assert g.cache_info().misses == 2  # the eager first call and the recorded one
+    assert type(m[1]) is cls and type(m) is nn.Sequential
+    m[1].momentum = 0.3  # read by forward: seen
+    ref = nn.Sequential(nn.Linear(6, 6), nn.BatchNorm1d(6)).to(device)
+    ref.load_state_dict(m.state_dict())
+    ref[1].momentum = 0.3
+    for _ in range(2):
+        assert_close(g(x), ref(x))
+    assert_close(m.state_dict(), ref.state_dict())
+
+
 def test_batchnorm_momentum_set_to_none_is_refused_not_replayed(device):
     """momentum=None (a cumulative average: 1 / num_batches_tracked, read on the host) cannot
     be recorded: after the change the call must raise, not replay the old momentum."""
