@@ -612,9 +612,10 @@ def env_key_fn(roots: Sequence[Root], reads: Optional[AttrReads] = None) -> Opti
     """A cheap function of what else changes a module's computation, or ``None``.
 
     Covers every root module's ``training`` flag, hooks (and torch's global
-    module hooks) and plain Python attributes (numbers, strings, None, short tuples of
-    them: ``momentum``, ``eps``, ``p``, ``padding``...), and every root optimizer's
-    Python-number hyperparameters, parameter groups and state dict as a whole.
+    module hooks) and the plain Python attributes the trace read on it (numbers,
+    strings, None, short tuples of them: ``momentum``, ``eps``, ``p``, ``padding``...;
+    all of them where ``reads`` is None or could not track the module), and every root
+    optimizer's Python-number hyperparameters, parameter groups and state dict as a whole.
     """
     named = root_modules(roots)
     mods = [m for _, m in named]
