@@ -27,3 +27,24 @@ def gpu_time(fn, n=200, reps=1):
         e1.synchronize()
         ts.append(e0.elapsed_time(e1) * 1e3 / n / reps)
     return sorted(ts)[2]
+
+
+def capture_graphs(fn, args, k):
+    """fn(*args) warmed up on a side stream, then captured k times, each graph in a private pool.
+
+    Returns ``(graphs, outs)``: what replaying several graphs in turn costs (the output ring
+    of gtransform's held views) is what the probes measure with these.
+    """
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn(*args)
+    torch.cuda.current_stream().wait_stream(s)
+    graphs, outs = [], []
+    for _ in range(k):
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=torch.cuda.graph_pool_handle()):
+            outs.append(fn(*args))
+        graphs.append(g)
+    return graphs, outs

@@ -12,20 +12,12 @@ sys.path.insert(0, "benchmarks")
 import torch, bench
 import gtransform as gt
 import gtransform._fastpath as FP
+from _gputime import capture_graphs
 dev = torch.device("cuda")
 w = next(x for x in bench.make_workloads(dev) if x.name == sys.argv[1])
 args = w.make_args(dev)
 fn = w.fn
-s = torch.cuda.Stream(); s.wait_stream(torch.cuda.current_stream())
-with torch.cuda.stream(s):
-    for _ in range(3): fn(*args)
-torch.cuda.current_stream().wait_stream(s)
-graphs, outs = [], []
-for k in range(5):
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, pool=torch.cuda.graph_pool_handle()):
-        o = fn(*args)
-    graphs.append(g); outs.append(o)
+graphs, outs = capture_graphs(fn, args, 5)
 fs = {m: gt.graphify(fn) for m in ("same", "held", "views")}
 saved = FP._GRAPH_REPLAY
 FP._GRAPH_REPLAY = None

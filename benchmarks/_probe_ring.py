@@ -7,6 +7,7 @@ import sys, time, statistics
 sys.path.insert(0, "benchmarks")
 import torch, bench
 import gtransform as gt
+from _gputime import capture_graphs
 
 dev = torch.device("cuda")
 torch.backends.cuda.matmul.allow_tf32 = False
@@ -36,16 +37,7 @@ for name in ("rl", "mlp_grad"):
     args = w.make_args(dev)
     fn = w.fn
     # pure torch: K graphs, each in a private pool, replayed in turn
-    s = torch.cuda.Stream(); s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3): fn(*args)
-    torch.cuda.current_stream().wait_stream(s)
-    graphs = []
-    for k in range(6):
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=torch.cuda.graph_pool_handle()):
-            fn(*args)
-        graphs.append(g)
+    graphs, _ = capture_graphs(fn, args, 6)
     for K in (1, 2, 6):
         it = [0]
         def step():
