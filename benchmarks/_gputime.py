@@ -29,8 +29,10 @@ def gpu_time(fn, n=200, reps=1):
     return sorted(ts)[2]
 
 
-def capture_graphs(fn, args, k):
-    """fn(*args) warmed up on a side stream, then captured k times, each graph in a private pool.
+def capture_graphs(fn, args, k, shared=False):
+    """fn(*args) warmed up on a side stream, then captured k times, each graph in a private pool
+    (``shared``: all in one pool, in turn, so that each capture's intermediates reuse the memory
+    the previous capture freed; its outputs stay apart as they are kept).
 
     Returns ``(graphs, outs)``: what replaying several graphs in turn costs (the output ring
     of gtransform's held views) is what the probes measure with these.
@@ -42,9 +44,10 @@ def capture_graphs(fn, args, k):
             fn(*args)
     torch.cuda.current_stream().wait_stream(s)
     graphs, outs = [], []
+    pool = torch.cuda.graph_pool_handle()
     for _ in range(k):
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=torch.cuda.graph_pool_handle()):
+        with torch.cuda.graph(g, pool=pool if shared else torch.cuda.graph_pool_handle()):
             outs.append(fn(*args))
         graphs.append(g)
     return graphs, outs

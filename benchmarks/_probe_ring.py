@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
-"""Does replaying several CUDA graphs in turn cost GPU or host time? Pure torch (1, 2, 6 graphs of
-one function, each in its own pool) and graphify same / held / views, on the RL and MLP-gradient
-rows. CUDA only: `python benchmarks/_probe_ring.py`. See benchmarks/NOTES.md (2026-11-24).
+"""Does replaying several CUDA graphs in turn cost GPU or host time? Pure torch (1, 2, 5, 6 graphs of
+one function, each in its own pool, or all in one pool so that their intermediates share memory)
+and graphify same / held / views, on the RL, MLP-gradient and ensemble rows (or those named).
+"host" is wall time per call with one synchronisation at the end.
+CUDA only: `python benchmarks/_probe_ring.py [row ...]`. See benchmarks/NOTES.md (2026-11-24).
 """
 import sys, time, statistics
 sys.path.insert(0, "benchmarks")
@@ -32,18 +34,22 @@ def gpu_and_host(step, n=200):
         gs.append(e0.elapsed_time(e1) * 1e3 / n)
     return statistics.median(hs), statistics.median(gs)
 
-for name in ("rl", "mlp_grad"):
+names = sys.argv[1:] or ["rl", "mlp_grad", "ensemble"]
+for name in names:
     w = wl[name]
     args = w.make_args(dev)
     fn = w.fn
-    # pure torch: K graphs, each in a private pool, replayed in turn
-    graphs, _ = capture_graphs(fn, args, 6)
-    for K in (1, 2, 6):
-        it = [0]
-        def step():
-            graphs[it[0] % K].replay(); it[0] += 1
-        h, gg = gpu_and_host(step)
-        print(f"{name} torch {K} graphs in turn: host {h:.1f} us/call, GPU {gg:.1f} us/call", flush=True)
+    # pure torch: K graphs, each in a private pool (or all in one pool), replayed in turn
+    for shared in (False, True):
+        graphs, _ = capture_graphs(fn, args, 6, shared=shared)
+        where = "one pool" if shared else "private pools"
+        for K in ((1, 2, 5, 6) if not shared else (2, 5)):
+            it = [0]
+            def step():
+                graphs[it[0] % K].replay(); it[0] += 1
+            h, gg = gpu_and_host(step)
+            print(f"{name} torch {K} graphs in turn ({where}): host {h:.1f} us/call, GPU {gg:.1f} us/call", flush=True)
+        del graphs
     f = gt.graphify(fn)
     for mode in ("same", "held", "views"):
         st = {"out": None, "hist": []}
@@ -58,4 +64,4 @@ for name in ("rl", "mlp_grad"):
         h, gg = gpu_and_host(step)
         print(f"{name} graphify {mode}: host {h:.1f} us/call, GPU {gg:.1f} us/call", flush=True)
         st.clear()
-    del f, graphs
+    del f

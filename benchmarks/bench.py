@@ -61,6 +61,7 @@ else:
 import argparse
 import atexit
 import contextlib
+import cProfile
 import gc
 import itertools
 import json
@@ -2036,8 +2037,15 @@ def warm_child(opts: argparse.Namespace, device: torch.device) -> int:
         else:
             try:
                 fns = STATEFUL_METHOD_FNS if w.factory is not None else METHOD_FNS
+                prof_dir = os.environ.get("GT_BENCH_WARM_PROFILE")  # diagnosis: cProfile each warm cell
+                prof = cProfile.Profile() if prof_dir else None
                 with compile_caches("warm", reuse=item["cache_dir"]), grad_mode(w):
+                    if prof is not None:
+                        prof.enable()
                     p = fns[m](ctx)
+                    if prof is not None:
+                        prof.disable()
+                        prof.dump_stats(os.path.join(prof_dir, f"{w.name}.{m}.prof"))
                     rec["first_call_s"] = p.first_call_s
                     rec["second_call_s"] = p.extra.get("second_call_s")
                     rec["check_ok"] = bool(p.errors) and all(e <= w.tol for e in p.errors)
