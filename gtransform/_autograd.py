@@ -105,7 +105,7 @@ def _higher_order(desc: str) -> GraphifyError:
 class _Box:
     """Per-call carrier between ``forward`` and ``backward`` (not a tensor)."""
 
-    __slots__ = ("g", "template", "spec", "tpos", "statics", "entry", "need", "part", "pre", "grad_mode", "rng")
+    __slots__ = ("g", "template", "spec", "tpos", "statics", "entry", "need", "part", "pre", "grad_mode", "rng", "keep")
 
     def __init__(self, g: Any, template: List[Any], spec: Any, tpos: List[int], statics: Any, need: Tuple[bool, ...]):
         self.g = g
@@ -119,6 +119,7 @@ class _Box:
         self.pre: Any = None  # inputs the forward updates in place, as they were before it
         self.grad_mode = torch.is_grad_enabled()  # the caller's (forward runs with grad off)
         self.rng: Any = None  # generator states before a random forward (the recompute draws them again)
+        self.keep: Any = None  # aliases of the outputs until the backward has run (see _keep_outputs)
 
 
 def partition_for(e: Any, need: Tuple[bool, ...], owner: Any) -> Any:
@@ -186,6 +187,7 @@ class GraphFn(torch.autograd.Function):
             box.part = part
             res = part.fw._call_plain(tuple(tensors), {}, ())
             n = part.n_out
+            _keep_outputs(box, res[:n])
             # saved activations go to autograd as fresh aliases: if autograd
             # still holds them at the next forward, the forward moves its
             # outputs instead of writing over them
@@ -209,6 +211,7 @@ class GraphFn(torch.autograd.Function):
             # ... and draws the forward's random numbers again (dropout's mask)
             box.rng = rng_snapshot(e.plan)
         outs = g._run_flat(e, st, list(tensors))
+        _keep_outputs(box, outs)
         # autograd.Function may not return an input as-is when it also saves it; a view
         # of an input that does not require grad in eager (x.detach()) is made from the
         # detached input, as eager's is (else autograd hands it out requiring grad)
@@ -244,6 +247,7 @@ class GraphFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Tuple[Any, ...]:  # type: ignore[override]
         box: _Box = ctx.box
+        box.keep = None  # the nodes after this one, which may have saved the outputs, have run
         need = tuple(bool(n) for n in ctx.needs_input_grad[1:])
         if box.part is not None:
             return (None, *_partitioned_backward(box, ctx.saved_tensors, grads, need))
@@ -282,7 +286,7 @@ def _recompute_backward(ctx: Any, box: _Box, grads: Sequence[Any], need: Tuple[b
         # once; plain autograd with create_graph=True has plain tangents
         if depth > 1 or (depth == 0 and create_graph):
             raise _higher_order(box.g._desc)
-        res = bwd._call_plain((prims, tangents), {}, ())
+        res = _to_autograd(bwd._call_plain((prims, tangents), {}, ()))
     out: List[Any] = [None]
     j = 0
     for n in need:
@@ -312,9 +316,36 @@ def _partitioned_backward(box: _Box, saved: Sequence[torch.Tensor], grads: Seque
                 raise _higher_order(box.g._desc)
             res = list(part.bw._call_plain(tuple(plain), {}, ()))
     # the backward returns the gradients that exist; eager's None stays None
-    it = iter(res)
+    it = iter(_to_autograd(res))
     flags = iter(part.grad_none)
     return [None if not n or next(flags) else next(it) for n in need]
+
+
+def _keep_outputs(box: _Box, outs: Sequence[Any]) -> None:
+    """Keep aliases of this call's outputs until its backward has run.
+
+    Eager operations after the function save its outputs for their own backward
+    (``mse_loss(f(x), t)`` saves ``f(x)``) in C++, where the outputs' liveness
+    check cannot see them. If the function is called again before that backward
+    (two batches, one ``.backward()``), these aliases make the next call move its
+    outputs to other memory (as views the caller keeps do) instead of writing over
+    what those operations saved. The box lives as long as the autograd graph; the
+    backward drops them.
+    """
+    box.keep = [t.detach() for t in outs if type(t) is torch.Tensor]
+
+
+def _to_autograd(res: Sequence[Any]) -> List[Any]:
+    """The backward's gradients as fresh aliases of the recording's outputs.
+
+    Autograd holds gradients in C++ (an input buffer summing the gradients of a
+    tensor used twice, ``.grad``), where the outputs' liveness check cannot see
+    them; a fresh alias pins the memory instead (its storage's use count), so a
+    second replay of this backward in the same pass (the function called twice
+    before one ``.backward()``) moves its outputs rather than write over the
+    first replay's gradients, as the forward does with saved activations.
+    """
+    return [t.detach() if type(t) is torch.Tensor else t for t in res]
 
 
 class _NoGradRegions(torch.fx.Interpreter):
