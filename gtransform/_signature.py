@@ -282,7 +282,10 @@ class Entry:
             return False  # the function read these inputs' .grad as None
         if self.plan.layout_idx and not all(plain_layout(tensors[i]) for i in self.plan.layout_idx):
             return False  # the function reads these inputs' storage offset or layout
-        if self.must_static or (self.plan.mutated and self.alias):
+        if self.plan.mutated:
+            # which inputs share memory decides what an in-place update changes: a call
+            # whose inputs overlap where the recording's did not (or the other way) is
+            # another signature (the fast path checks the same)
             return alias_pattern(tensors) == self.alias
         return True
 

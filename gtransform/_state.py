@@ -51,6 +51,8 @@ _PKG_DIR = os.path.dirname(os.path.abspath(__file__))
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 _NUMBERS = (int, float)
 _MAX_CONTAINER = 4096
+# a module's own tables, covered as parameters, buffers and submodules
+_MODULE_DICTS = frozenset(("_parameters", "_buffers", "_modules"))
 
 
 @dataclass
@@ -199,6 +201,32 @@ def find_roots(fn: Any, extra: Sequence[Tuple[str, Any]] = ()) -> List[Root]:
 
     for name, v in cands:
         add(name, v, 0)
+    # what the modules themselves reach: plain containers and objects among their
+    # attributes (`self.cache = {}`, `self.masks = [...]`, a SimpleNamespace), and the
+    # globals and closures of user-written forward methods (a global mask): tensors
+    # there are state (re-read where they are on every call) and the trace's changes
+    # there are seen (escapes written back, or refused, and undone after the trace)
+    for r in list(roots):
+        if not isinstance(r.obj, _Module):
+            continue
+        for path, m in root_modules([r]):
+            for k, v in vars(m).items():
+                if k in _MODULE_DICTS:
+                    continue
+                if type(v) in (list, dict, tuple) or _plain_object(v):
+                    add(f"{path}.{k}", v, 1)
+            fwd = type(m).__dict__.get("forward")
+            if isinstance(fwd, types.FunctionType) and not _is_library_code(fwd) and id(type(m)) not in seen:
+                seen.add(id(type(m)))
+                more: List[Tuple[str, Any]] = []
+                _candidates(fwd, 1, more, set(), where)
+                for name, v in more:
+                    if isinstance(v, torch.Tensor):
+                        if id(v) not in seen:
+                            seen.add(id(v))
+                            roots.append(Root(name, v, where.get(id(v))))
+                    elif type(v) in (list, dict) or _plain_object(v):
+                        add(name, v, 1)
     return roots
 
 
@@ -646,6 +674,12 @@ def env_key_fn(roots: Sequence[Root], reads: Optional[AttrReads] = None) -> Opti
         attr_dicts.append((d, operator.itemgetter(*ks)))
         attr_names.append((name, ks))
     n_attrs = sum(len(ks) - 1 for _, ks in attr_names)
+    # the module tree itself: a submodule replaced (`model.fc = nn.Linear(...)`, `seq[2] = ...`),
+    # added (`seq.append(...)`) or removed, or a module's class changed (parametrizations
+    # registered or removed swap it) records again; the recording is bound to the old objects.
+    # By identity: the cached value holds the old modules, so no new one can take their ids.
+    sub_dicts = [m._modules for m in mods if m._modules]
+    sub_names = [name for name, m in named if m._modules]
 
     def env() -> Any:
         try:
@@ -664,6 +698,8 @@ def env_key_fn(roots: Sequence[Root], reads: Optional[AttrReads] = None) -> Opti
             # object can take over one of their ids while this signature lives.
             [(tuple(map(id, o.param_groups)), id(o.state), len(o.state)) for o in opts],
             [(id(g["params"]), len(g["params"])) for g in groups],
+            [tuple(d.values()) for d in sub_dicts],
+            list(map(type, mods)),
         )
 
     env.keep = [o.state for o in opts] + groups + [g["params"] for g in groups]  # type: ignore[attr-defined]
@@ -679,7 +715,12 @@ def env_key_fn(roots: Sequence[Root], reads: Optional[AttrReads] = None) -> Opti
                         f"module attribute {name}.{k}: {x!r} -> {y!r}" for k, x, y in zip(ks, a, b) if x != y]
         elif old[0] != new[0]:
             out.append("a module attribute was deleted")
-        if list(old[1:]) != list(new[1:]):
+        for name, a, b in zip(sub_names, old[6], new[6]):
+            if a != b:
+                out.append(f"the submodules of {name or 'the module'} changed (one replaced, added or removed)")
+        out += [f"the class of module {name} changed: {a.__name__} -> {b.__name__}"
+                for (name, _), a, b in zip(named, old[7], new[7]) if a is not b]
+        if list(old[1:6]) != list(new[1:6]):
             out.append("module hooks, or an optimizer's hyperparameters, parameter groups or state, changed")
         return out
 
