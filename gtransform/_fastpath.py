@@ -26,7 +26,6 @@ import optree
 import torch
 
 from . import _record
-from ._errors import OverwrittenOutputError
 from ._signature import alias_pattern, attrs_key, has_grad
 from ._trace import plain_layout
 from ._tree import flatten, static_leaf_key
@@ -242,8 +241,9 @@ def build_fast_path(owner: Any, entry: Any, rec: Any, pool: Any) -> Any:
     call.append("REC.replays += 1")
     if rec.cb_idx:
         cb = ", ".join(tens[i] for i in rec.cb_idx)
-        # an output fed back in and updated in place was poisoned by begin_call (zero-cost try)
-        call += ["try:", f"    _copy([{cb}], CBBUFS)", "except STALE:", f"    REC.copy_back_stale([{cb}])"]
+        # an output fed back in and updated in place was poisoned by begin_call, or an input has
+        # the conj / neg bit, which the bulk copy refuses (zero-cost try; see copy_back_stale)
+        call += ["try:", f"    _copy([{cb}], CBBUFS)", "except RuntimeError:", f"    REC.copy_back_stale([{cb}])"]
     if esc:
         call.append(f"ESC.write(REC.escape_values([{', '.join(tens)}]))")
     if rec.groups:
@@ -260,10 +260,13 @@ def build_fast_path(owner: Any, entry: Any, rec: Any, pool: Any) -> Any:
             if e.identical:
                 call.append(f"o{idx} = {src}")
             else:
-                call.append(
-                    f"o{idx} = {src}.as_strided({tuple(e.size)!r}, {tuple(e.stride)!r}, "
-                    f"{src}.storage_offset() + {e.rel_offset})"
-                )
+                view = f"{src}.as_strided({tuple(e.size)!r}, {tuple(e.stride)!r}, {src}.storage_offset() + {e.rel_offset})"
+                # the conjugate / negative bit the function toggled (z.conj()): see OutEntry.conj
+                if e.conj:
+                    view += ".conj()"
+                if e.neg:
+                    view = f"_neg_view({view})"
+                call.append(f"o{idx} = {view}")
     n_out = len(plan.out_entries)
     sample = optree.tree_unflatten(plan.out_spec, list(range(n_out)))
     build = _gen_build(g, sample, plan.out_spec)
@@ -300,7 +303,7 @@ def build_fast_path(owner: Any, entry: Any, rec: Any, pool: Any) -> Any:
         "SPEC": entry.spec,
         "OUTSPEC": plan.out_spec,
         "_copy": torch._foreach_copy_,
-        "STALE": OverwrittenOutputError,
+        "_neg_view": torch._neg_view,
         "_copysign": math.copysign,
         "_key": static_leaf_key,
         "_grad_enabled": torch.is_grad_enabled,

@@ -22,7 +22,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from . import _distributed
-from ._errors import GraphifyError, OverwrittenOutputError, RerecordWarning
+from ._errors import GraphifyError, RerecordWarning
 from ._liveness import Handout, OutputGroup, Pin, PoolState, StaleOutput, live_pins
 from ._state import EscapeWriter
 from ._trace import Plan
@@ -30,6 +30,19 @@ from ._trace import Plan
 __all__ = ["Recording", "make_recording"]
 
 _foreach_copy = torch._foreach_copy_
+
+
+def _toggle_bits(v: torch.Tensor, e: Any) -> torch.Tensor:
+    """View ``v`` of the caller's tensor with the conjugate / negative bits entry ``e`` toggles.
+
+    ``as_strided`` keeps the caller's tensor's bits; the function's output toggled them
+    where it did (``z.conj()``: see ``OutEntry.conj``).
+    """
+    if e.conj:
+        v = v.conj()
+    if e.neg:
+        v = torch._neg_view(v)
+    return v
 
 
 def is_non_overlapping_and_dense(t: torch.Tensor) -> bool:
@@ -327,7 +340,7 @@ class Recording:
         if self.cb_idx:
             try:
                 _foreach_copy([tensors[i] for i in self.cb_idx], self.cb_bufs)
-            except OverwrittenOutputError:
+            except RuntimeError:  # OverwrittenOutputError, or an input with the conj / neg bit
                 self.copy_back_stale([tensors[i] for i in self.cb_idx])
         if esc is not None:
             esc.write(self.escape_values(tensors))
@@ -345,7 +358,8 @@ class Recording:
                 if e.identical:
                     res.append(t)
                 else:
-                    res.append(t.as_strided(e.size, e.stride, t.storage_offset() + e.rel_offset))
+                    v = t.as_strided(e.size, e.stride, t.storage_offset() + e.rel_offset)
+                    res.append(_toggle_bits(v, e) if e.conj or e.neg else v)
         return res
 
     def copy_back_stale(self, targets: Sequence[torch.Tensor]) -> None:
@@ -356,6 +370,10 @@ class Recording:
         was read into a static buffer before the pool poisoned it, and eager
         updates it in place. It gets memory of its own (the pool's may hold this
         call's outputs now), is made a normal tensor again and receives the update.
+
+        Also the copy-back into an input with the conjugate or negative bit set
+        (``f(z.conj())``), which the bulk copy refuses to write through: a copy per
+        tensor does. (Anything else the bulk copy raised, it raises again here.)
         """
         for t in targets:
             if type(t) is StaleOutput:
@@ -364,6 +382,10 @@ class Recording:
                 with torch.no_grad():
                     own = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
                     t.set_(own.untyped_storage(), 0, t.shape, t.stride())
+        if any(t.is_conj() or t.is_neg() for t in targets):
+            for t, b in zip(targets, self.cb_bufs):
+                t.copy_(b)
+            return
         _foreach_copy(list(targets), self.cb_bufs)
 
     def escape_values(self, tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
@@ -375,7 +397,11 @@ class Recording:
                 res.append(outs[e.index])
             else:
                 t = tensors[e.index]
-                res.append(t if e.identical else t.as_strided(e.size, e.stride, t.storage_offset() + e.rel_offset))
+                if e.identical:
+                    res.append(t)
+                else:
+                    v = t.as_strided(e.size, e.stride, t.storage_offset() + e.rel_offset)
+                    res.append(_toggle_bits(v, e) if e.conj or e.neg else v)
         return res
 
     def adopt_outputs(self, old: Recording) -> None:

@@ -126,6 +126,10 @@ class OutEntry:
     rel_offset: int = 0
     identical: bool = False
     requires_grad: bool = False  # tensor: whether the function's output required grad while tracing
+    # input: whether the output toggles the input's conjugate / negative bit (``z.conj()``,
+    # ``torch._neg_view(x)``): a lazy view, rebuilt over the caller's tensor with the same toggle
+    conj: bool = False
+    neg: bool = False
 
 
 @dataclass
@@ -230,6 +234,35 @@ class _TraceMode(FakeTensorMode):
                 "(e.g. log.append(f(x).clone())), or write into a preallocated tensor in place."
             )
         return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+def _resolved(outs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    """The graph's outputs, those with the conjugate or negative bit made plain tensors.
+
+    The bit is a property of the tensor object, not of its memory: an output handed out
+    over the pool's memory (or a saved activation that reaches the backward recording)
+    would lose it and read the wrong values. Such outputs are materialised in the graph
+    (one copy, only for them). Views of the inputs keep the bit instead: their entry
+    toggles it on the caller's tensor (see ``OutEntry.conj``).
+    """
+    if not any(o.is_conj() or o.is_neg() for o in outs):
+        return list(outs)
+    ins = {StorageWeakRef(t.untyped_storage()) for t in inputs}
+    done: Dict[int, torch.Tensor] = {}  # an output returned twice stays one tensor
+    res = []
+    for o in outs:
+        if (o.is_conj() or o.is_neg()) and isinstance(o, FakeTensor) and StorageWeakRef(o.untyped_storage()) not in ins:
+            r = done.get(id(o))
+            if r is None:
+                r = o
+                if r.is_conj():
+                    r = torch.ops.aten.resolve_conj.default(r)
+                if r.is_neg():
+                    r = torch.ops.aten.resolve_neg.default(r)
+                done[id(o)] = r
+            o = r
+        res.append(o)
+    return res
 
 
 def _custom_functions(outs: Sequence[torch.Tensor]) -> List[str]:
@@ -513,7 +546,8 @@ def trace(
             if is_ours(g) and (id(t), "grad", "grad") not in slots:
                 scan.escapes.append((Slot("grad", t, "grad", f"{watch.paths[watch.n_in + k]}.grad"), g))
         box["scan"] = scan
-        return tuple(x for x in leaves if isinstance(x, torch.Tensor)) + tuple(f for _, f in scan.escapes)
+        outs = [x for x in leaves if isinstance(x, torch.Tensor)] + [f for _, f in scan.escapes]
+        return tuple(_resolved(outs, list(tensors) + list(watch.state_fakes)))
 
     try:
         try:
@@ -613,7 +647,8 @@ def trace(
                 "Fix: return .clone() of that output."
             )
         rel = val.storage_offset() - inp.storage_offset()
-        return OutEntry("input", index=src, size=tuple(val.shape), stride=val.stride(), rel_offset=rel, identical=val is inp)
+        return OutEntry("input", index=src, size=tuple(val.shape), stride=val.stride(), rel_offset=rel,
+                        identical=val is inp, conj=val.is_conj() != inp.is_conj(), neg=val.is_neg() != inp.is_neg())
 
     entries: List[OutEntry] = []
     for leaf in box["leaves"]:
