@@ -6,7 +6,11 @@ operation (in-place writes and resizes of inputs, host/device copies, state
 reached without being an argument, which it swaps for fakes), :class:`_FnWatch`
 the Python-level tensor calls dispatch cannot see (``.data =``, layout reads,
 ``.grad``, hooks, ``no_grad`` blocks), :class:`_TensorAttr` stands in for
-tensors hung on arguments, and :class:`_no_seeding` refuses reseeding. Beside
+tensors hung on arguments, and :class:`_no_seeding` refuses reseeding. While a
+:class:`_Watch` is entered, the Python-level getters and setters of the default
+generators' states are wrapped (:class:`_RngLedger`): a state set back inside the
+function (``torch.set_rng_state``, ``fork_rng``, ``torch.utils.checkpoint``'s
+recompute) that would make eager repeat random numbers is refused. Beside
 them, :class:`_compiling` and :class:`_rnn_weights_as_they_are` steer library
 code onto its traceable path. ``_trace.trace`` and the joint trace of
 ``_partition`` enter them; what is done with the traced graph afterwards is
@@ -16,6 +20,7 @@ code onto its traceable path. ``_trace.trace`` and the joint trace of
 from __future__ import annotations
 
 import functools
+import os
 import sys
 import threading
 import traceback
@@ -26,10 +31,10 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
 from . import _cudnn_rnn
-from ._errors import GraphifyError, format_frame, is_library_file, user_frame
+from ._errors import _PKG_DIR, GraphifyError, format_frame, is_library_file, user_frame
 from ._state import StateIndex
 
 __all__ = ["FOR_GRAD", "TENSOR_ATTR"]
@@ -124,6 +129,20 @@ class _Watch(TorchDispatchMode):
         # state tensors by storage, where several share one (an LSTM's weights packed by
         # flatten_parameters, views of one buffer): a write to one marks each it overlaps
         self.sharing: Dict[Any, List[int]] = {}
+        self.rng = _RngLedger(desc)
+
+    def __enter__(self) -> _Watch:
+        super().__enter__()
+        _rng_hooks(True)
+        return self
+
+    def __exit__(self, typ: Any, exc: Any, tb: Any) -> None:
+        try:
+            super().__exit__(typ, exc, tb)
+        finally:
+            _rng_hooks(False)
+        if typ is None:
+            self.rng.check_end()
 
     def _fail(self, what: str, why: str, fix: str) -> None:
         fr = user_frame(traceback.extract_stack())
@@ -249,12 +268,15 @@ class _Watch(TorchDispatchMode):
                         )
                     written.append((t, idx, (t.shape, t.stride(), t.storage_offset())))
                     self._mark_written(t, idx)
-        if _SEEDED is not None and _SEEDED in func.tags:
+        seeded = _SEEDED is not None and _SEEDED in func.tags
+        if seeded:
             self.random = True
         gen = kwargs.get("generator")
         if isinstance(gen, torch.Generator) and all(gen is not g for g in self.generators):
             self.generators.append(gen)
         out = func(*args, **kwargs)
+        if seeded:
+            self.rng.drew(func, gen, out)
         for t, idx, meta in written:
             if (t.shape, t.stride(), t.storage_offset()) != meta:
                 self._fail(
@@ -644,6 +666,233 @@ class _no_seeding:
                     "(e.g. torch.default_generator.manual_seed(...)) while tracing.\n"
                     f"{_SEED_MSG}"
                 )
+
+
+# -- the generators' states set inside the function ---------------------------------------
+#
+# The random ops of a recording draw, on every replay, from where each default generator
+# stands. Eager code may move a generator itself: torch.set_rng_state(s), fork_rng putting
+# back the state it saved, torch.utils.checkpoint's recompute (preserve_rng_state=True),
+# which replays the forward's dropout masks. Such a set happens once, on the host, while
+# tracing. The ledger follows where each generator stands in the function's sequence of
+# draws: a state got inside the function is tagged with the number of draws made from its
+# generator so far; setting it back is harmless where no draw came in between (fork_rng
+# around deterministic code, checkpoint of a module without dropout), and otherwise the
+# next draw from that generator, or the end of the function, is a GraphifyError. (A state
+# set through the generator object itself, Generator.set_state, is a C method that cannot
+# be wrapped; _no_seeding sees it where it changes the generator's seed.)
+
+_RNG_GETTERS = (
+    (torch, "get_rng_state", "cpu"),
+    (torch.random, "get_rng_state", "cpu"),
+    (torch.cuda, "get_rng_state", "cuda"),
+    (getattr(torch.cuda, "random", None), "get_rng_state", "cuda"),
+)
+_RNG_SETTERS = (
+    (torch, "set_rng_state", "cpu"),
+    (torch.random, "set_rng_state", "cpu"),
+    (torch.cuda, "set_rng_state", "cuda"),
+    # set_rng_state_all and fork_rng's devices reach this one by its module-level name
+    (getattr(torch.cuda, "random", None), "set_rng_state", "cuda"),
+)
+_RNG_LOCK = threading.Lock()
+_RNG_DEPTH = [0]
+_RNG_SAVED: List[Tuple[Any, str, Any]] = []
+_RNG_FIX = (
+    "Fix: pass preserve_rng_state=False to torch.utils.checkpoint (its recompute then draws "
+    "new numbers, as the recording does), or draw the random numbers outside the graphified "
+    "function and pass them in (instead of setting the generator back inside it), or call the "
+    "function eagerly."
+)
+
+
+def _cuda_key(device: Any = "cuda") -> str:
+    if isinstance(device, str):
+        device = torch.device(device)
+    idx = device if isinstance(device, int) else getattr(device, "index", None)
+    if idx is None:
+        idx = torch.cuda.current_device() if torch.cuda.is_initialized() else 0
+    return f"cuda:{idx}"
+
+
+def _gen_name(key: str) -> str:
+    return "CPU" if key == "cpu" else f"CUDA ({key})"
+
+
+def _key_of_generator(gen: torch.Generator) -> Optional[str]:
+    """The default generator ``gen`` is, or None for a generator of the caller's."""
+    if gen is torch.default_generator:
+        return "cpu"
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        for i, g in enumerate(torch.cuda.default_generators):
+            if gen is g:
+                return f"cuda:{i}"
+    return None
+
+
+def _who_sets(name: str) -> str:
+    """How the function set a generator's state: the library call in the stack, or ``name``."""
+    f: Any = sys._getframe(2)
+    fork = False
+    while f is not None:
+        fn = f.f_code.co_filename.replace("\\", "/")
+        if fn.endswith("torch/utils/checkpoint.py"):
+            return "torch.utils.checkpoint's recompute (preserve_rng_state=True)"
+        if fn.endswith("torch/random.py") and f.f_code.co_name == "fork_rng":
+            fork = True
+        f = f.f_back
+    return "torch.random.fork_rng() (putting back the state it saved)" if fork else f"{name}()"
+
+
+class _RngLedger:
+    """Where each default generator stands in the function's sequence of random draws.
+
+    ``draws[key]`` counts the trace's random ops that draw from generator ``key``
+    (``"cpu"``, ``"cuda:0"``): each one draws in the recording from where the previous
+    one left the generator, as eager does while nothing moves it. ``off[key]`` is there
+    while the function has set that generator to a state the recording cannot stand
+    for: the draw count the state was got at (``None``: a state from elsewhere), what
+    set it and the user's line.
+    """
+
+    def __init__(self, desc: str):
+        self.desc = desc
+        self.draws: Dict[str, int] = {}
+        self.off: Dict[str, Tuple[Optional[int], str, str]] = {}
+        self.saved: Dict[int, Tuple[Any, str, Optional[int]]] = {}  # id(state) -> (state, key, tag)
+
+    def _at(self, key: str) -> Optional[int]:
+        off = self.off.get(key)
+        return off[0] if off is not None else self.draws.get(key, 0)
+
+    def got(self, key: str, state: Any) -> None:
+        self.saved[id(state)] = (state, key, self._at(key))  # (kept alive: ids stay unique)
+
+    def set(self, key: str, state: Any, what: str) -> None:
+        n = self.draws.get(key, 0)
+        entry = self.saved.get(id(state))
+        # a state from elsewhere (saved before the call, or through Generator.get_state) is
+        # set on every eager call, whatever it equals while tracing
+        tag = entry[2] if entry is not None and entry[0] is state and entry[1] == key else None
+        if tag == n:
+            self.off.pop(key, None)
+        else:
+            self.off[key] = (tag, what, format_frame(user_frame(traceback.extract_stack())))
+
+    def _back_to(self, key: str, tag: Optional[int]) -> str:
+        if tag is None:
+            return "a state the function did not save from it during this call"
+        n = self.draws.get(key, 0) - tag
+        return f"a state from before {n} random draw{'s' if n != 1 else ''} the function made from it"
+
+    def drew(self, func: Any, gen: Any, out: Any) -> None:
+        if isinstance(gen, torch.Generator):
+            key = _key_of_generator(gen)
+        else:
+            t = next(iter(_tensors_in(out)), None)
+            dev = t.device if t is not None else None
+            key = "cpu" if dev is None or dev.type == "cpu" else f"cuda:{dev.index or 0}" if dev.type == "cuda" else None
+        if key is None:
+            return
+        off = self.off.get(key)
+        if off is not None:
+            tag, what, site = off
+            at = format_frame(user_frame(traceback.extract_stack()))
+            where = f"  at {at}\n" + (f"  state set at {site}\n" if site != at else "")
+            raise GraphifyError(
+                f"{self.desc}: {func} draws random numbers from the {_gen_name(key)} generator after "
+                f"{what} set that generator back to {self._back_to(key, tag)}.\n"
+                f"{where}"
+                "Why: a recording draws fresh numbers from the generator's current state on every "
+                "replay; a state set inside the function happens once, while tracing. Eager draws "
+                "again here the numbers it drew before (a checkpoint's recompute repeats the forward's "
+                "dropout mask), the recording new ones: the numbers, and the gradients made from "
+                f"them, would differ from eager's.\n{_RNG_FIX}"
+            )
+        self.draws[key] = self.draws.get(key, 0) + 1
+
+    def check_end(self) -> None:
+        """The function returns with a generator set back: eager repeats numbers on every call."""
+        if self.off:
+            key, (tag, what, site) = next(iter(self.off.items()))
+            raise GraphifyError(
+                f"{self.desc}: {what} sets the {_gen_name(key)} random generator back to "
+                f"{self._back_to(key, tag)}, and the function leaves it there.\n  at {site}\n"
+                "Why: a recording draws fresh numbers from the generator's current state on every "
+                "replay; a state set inside the function happens once, while tracing. Eager sets "
+                "the generator back on every call, so the same random numbers come again (in the "
+                "next call, or after it), while the recording draws new ones and leaves the "
+                f"generator where they move it.\n{_RNG_FIX}"
+            )
+
+
+def _watches() -> List[_RngLedger]:
+    """The ledgers of the traces this thread (or its autograd engine's) runs inside."""
+    return [m.rng for m in _get_current_dispatch_mode_stack() if isinstance(m, _Watch)]
+
+
+def _from_us() -> bool:
+    return sys._getframe(2).f_code.co_filename.startswith(_PKG_DIR + os.sep)
+
+
+def _rng_getter(orig: Any, kind: str) -> Any:
+    @functools.wraps(orig)
+    def get_rng_state(*a: Any, **k: Any) -> Any:
+        state = orig(*a, **k)
+        ledgers = _watches()
+        if ledgers and not _from_us():
+            key = "cpu" if kind == "cpu" else _cuda_key(*a, **k)
+            for led in ledgers:
+                led.got(key, state)
+        return state
+
+    return get_rng_state
+
+
+def _rng_setter(orig: Any, kind: str, name: str) -> Any:
+    @functools.wraps(orig)
+    def set_rng_state(new_state: Any, *a: Any, **k: Any) -> Any:
+        ledgers = _watches()
+        if not ledgers or _from_us():
+            return orig(new_state, *a, **k)
+        key = "cpu" if kind == "cpu" else _cuda_key(*a, **k)
+        what = _who_sets(name)
+        for led in ledgers:
+            led.set(key, new_state, what)
+        # not applied to the generator: the recording draws from where it stands, and a
+        # refused trace leaves it as it was (where the ledger accepts the function, the
+        # state set is the one the generator has)
+        return None
+
+    return set_rng_state
+
+
+def _rng_hooks(on: bool) -> None:
+    """Wrap the generators' state getters and setters while any trace is entered."""
+    with _RNG_LOCK:
+        if on:
+            _RNG_DEPTH[0] += 1
+            if _RNG_DEPTH[0] > 1:
+                return
+            made: Dict[int, Any] = {}
+            for mod, name, kind in _RNG_GETTERS + _RNG_SETTERS:
+                orig = getattr(mod, name, None) if mod is not None else None
+                if orig is None:
+                    continue
+                w = made.get(id(orig))
+                if w is None:
+                    label = f"torch.{name}" if kind == "cpu" else f"torch.cuda.{name}"
+                    w = made[id(orig)] = (_rng_getter(orig, kind) if name.startswith("get")
+                                          else _rng_setter(orig, kind, label))
+                _RNG_SAVED.append((mod, name, orig))
+                setattr(mod, name, w)
+        else:
+            _RNG_DEPTH[0] -= 1
+            if _RNG_DEPTH[0] > 0:
+                return
+            for mod, name, orig in reversed(_RNG_SAVED):
+                setattr(mod, name, orig)
+            _RNG_SAVED.clear()
 
 
 class _compiling:
