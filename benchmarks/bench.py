@@ -1401,8 +1401,14 @@ _CACHE_ROOT: Optional[str] = None
 
 def clear_compile_memory() -> None:
     """Forget what this process compiled: dynamo's code caches, inductor's
-    in-memory caches (loaded kernel modules, compiled Triton kernels), so the
-    next compile reads only the (fresh or reused) cache directory."""
+    in-memory caches (loaded kernel modules, compiled Triton kernels) and
+    fuse=True's own matrix-product kernel (a Triton JIT function keeps the
+    kernels it built in memory: a row would reuse another row's, write nothing
+    to its own cache directory, and its warm-cache process would compile
+    them), so the next compile reads only the (fresh or reused) cache directory."""
+    gemm = sys.modules.get("gtransform._gemm")
+    if gemm is not None:
+        gemm._kernel.cache_clear()
     if "torch._dynamo" in sys.modules:
         try:
             torch._dynamo.reset()
@@ -2020,6 +2026,20 @@ def build_ctx(w: Workload, device: torch.device, opts: argparse.Namespace) -> tu
                       "traceback": traceback.format_exc(limit=8)}
 
 
+def _compile_counters(reset: bool = False) -> Optional[Dict[str, int]]:
+    """TorchInductor's and AOTAutograd's cache hit/miss/bypass counters (dynamo's ``counters``)."""
+    try:
+        from torch._dynamo.utils import counters
+    except Exception:
+        return None
+    if reset:
+        for group in ("inductor", "aot_autograd"):
+            counters[group].clear()
+        return {}
+    return {f"{group}.{k}": int(v) for group in ("inductor", "aot_autograd")
+            for k, v in counters[group].items() if "cache" in k or "bypass" in k}
+
+
 def warm_child(opts: argparse.Namespace, device: torch.device) -> int:
     """The second process of the warm-cache measurement: for each (row,
     method, cache directory) of the spec, the method's first call again, with
@@ -2037,6 +2057,7 @@ def warm_child(opts: argparse.Namespace, device: torch.device) -> int:
         else:
             try:
                 fns = STATEFUL_METHOD_FNS if w.factory is not None else METHOD_FNS
+                counters = _compile_counters(reset=True)
                 prof_dir = os.environ.get("GT_BENCH_WARM_PROFILE")  # diagnosis: cProfile each warm cell
                 prof = cProfile.Profile() if prof_dir else None
                 with compile_caches("warm", reuse=item["cache_dir"]), grad_mode(w):
@@ -2049,6 +2070,8 @@ def warm_child(opts: argparse.Namespace, device: torch.device) -> int:
                     rec["first_call_s"] = p.first_call_s
                     rec["second_call_s"] = p.extra.get("second_call_s")
                     rec["check_ok"] = bool(p.errors) and all(e <= w.tol for e in p.errors)
+                    if counters is not None:  # which compile caches hit (a miss here is a compile)
+                        rec["cache_counters"] = _compile_counters()
                     del p
             except Exception as e:
                 rec["error"] = short_error(e)
@@ -2056,7 +2079,9 @@ def warm_child(opts: argparse.Namespace, device: torch.device) -> int:
         gc.collect()
         out["cells"].append(rec)
         print(f"[warm {w.name}] {m}: " + (f"first call {rec['first_call_s']:.3f} s" if rec.get("first_call_s")
-                                           is not None else f"error: {rec.get('error')}"), flush=True)
+                                           is not None else f"error: {rec.get('error')}")
+              + (f", second {rec['second_call_s']:.3f} s" if rec.get("second_call_s") is not None else "")
+              + (f"  caches {rec['cache_counters']}" if rec.get("cache_counters") else ""), flush=True)
     with open(spec["out"], "w") as fh:
         json.dump(out, fh, indent=1, default=str)
     return 0
@@ -2105,6 +2130,8 @@ def measure_warm(results: Dict[str, Any], device: torch.device, opts: argparse.N
             cell["first_call_warm_s"] = rec["first_call_s"]
             cell["second_call_warm_s"] = rec.get("second_call_s")
             cell["warm_check_ok"] = rec.get("check_ok")
+            if rec.get("cache_counters") is not None:
+                cell["warm_cache_counters"] = rec["cache_counters"]
         else:
             cell["first_call_warm_error"] = rec.get("error")
 
