@@ -31,7 +31,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes, _get_current_dispatch_mode_stack
 
 from . import _cudnn_rnn
 from ._errors import _PKG_DIR, GraphifyError, format_frame, is_library_file, user_frame
@@ -336,7 +336,8 @@ class _Watch(TorchDispatchMode):
         for t in outs:
             if id(t) in self.lifted:
                 continue
-            if t.device.type == "cpu" and (t.dim() > 0 or (_SEEDED is not None and _SEEDED in func.tags)):
+            # (an empty one holds no value to freeze: torch.utils.checkpoint makes one)
+            if t.device.type == "cpu" and t.numel() > 0 and (t.dim() > 0 or (_SEEDED is not None and _SEEDED in func.tags)):
                 self._fail(
                     f"{func} makes a CPU tensor of shape {tuple(t.shape)} inside a CUDA function.",
                     "CPU work is not recorded by CUDA graph capture: it would run once, at "
@@ -757,6 +758,7 @@ class _RngLedger:
 
     def __init__(self, desc: str):
         self.desc = desc
+        self.thread = threading.get_ident()  # the tracing thread (a CUDA backward runs on another)
         self.draws: Dict[str, int] = {}
         self.off: Dict[str, Tuple[Optional[int], str, str]] = {}
         self.saved: Dict[int, Tuple[Any, str, Optional[int]]] = {}  # id(state) -> (state, key, tag)
@@ -777,7 +779,20 @@ class _RngLedger:
         if tag == n:
             self.off.pop(key, None)
         else:
-            self.off[key] = (tag, what, format_frame(user_frame(traceback.extract_stack())))
+            self.off[key] = (tag, what, self._where())
+
+    def _where(self) -> str:
+        """The user's line, ``file:line`` and source.
+
+        Found in this thread, or in the tracing thread, which waits in the user's
+        ``.backward()`` while autograd's CUDA worker thread runs the backward.
+        """
+        fr = user_frame(traceback.extract_stack())
+        if fr is None and threading.get_ident() != self.thread:
+            frame = sys._current_frames().get(self.thread)
+            if frame is not None:
+                fr = user_frame(traceback.extract_stack(frame))
+        return format_frame(fr)
 
     def _back_to(self, key: str, tag: Optional[int]) -> str:
         if tag is None:
@@ -797,7 +812,7 @@ class _RngLedger:
         off = self.off.get(key)
         if off is not None:
             tag, what, site = off
-            at = format_frame(user_frame(traceback.extract_stack()))
+            at = self._where()
             where = f"  at {at}\n" + (f"  state set at {site}\n" if site != at else "")
             raise GraphifyError(
                 f"{self.desc}: {func} draws random numbers from the {_gen_name(key)} generator after "
@@ -838,12 +853,16 @@ def _from_us() -> bool:
 def _rng_getter(orig: Any, kind: str) -> Any:
     @functools.wraps(orig)
     def get_rng_state(*a: Any, **k: Any) -> Any:
-        state = orig(*a, **k)
         ledgers = _watches()
-        if ledgers and not _from_us():
-            key = "cpu" if kind == "cpu" else _cuda_key(*a, **k)
-            for led in ledgers:
-                led.got(key, state)
+        if not ledgers or _from_us():
+            return orig(*a, **k)
+        # a host-side copy of the generator's state, not part of the computation: made
+        # outside the trace (a CPU tensor inside a CUDA function's trace is refused)
+        with _disable_current_modes():
+            state = orig(*a, **k)
+        key = "cpu" if kind == "cpu" else _cuda_key(*a, **k)
+        for led in ledgers:
+            led.got(key, state)
         return state
 
     return get_rng_state
