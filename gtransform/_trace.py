@@ -29,7 +29,7 @@ from torch._subclasses.fake_tensor import (
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from ._errors import GraphifyError, format_frame, innermost_frame, user_frame, user_frame_from_exc
+from ._errors import _PKG_DIR, GraphifyError, format_frame, innermost_frame, user_frame, user_frame_from_exc
 from ._inductor import _Inductor
 from ._rewrite import _constants_to_device, _drop_profiler_nodes, _kernels_in_grad_mode, _lift_state
 from ._state import AttrReads, Root, Slot, Snapshot, StateIndex, escape_error, leaf_grad
@@ -288,6 +288,24 @@ def _custom_functions(outs: Sequence[torch.Tensor]) -> List[str]:
     return names
 
 
+def _public_library_frame(filename: str) -> bool:
+    """Whether a frame is a library's public code.
+
+    That is torch.nn, torch.optim, torch.distributions or a third-party package; not
+    gtransform, generated code or torch's machinery (dispatch, fake tensors, fx).
+    """
+    if filename.startswith("<"):
+        return False
+    path = os.path.abspath(filename)
+    if path.startswith(_PKG_DIR):
+        return False
+    i = path.rfind(os.sep + "torch" + os.sep)
+    if i < 0:
+        return True
+    sub = path[i + len(os.sep + "torch" + os.sep):]
+    return sub.startswith(("nn" + os.sep, "optim" + os.sep, "distributions" + os.sep))
+
+
 def _data_dependent(desc: str, exc: BaseException, cuda: bool = False) -> GraphifyError:
     op = str(exc).split("\n", 1)[0].strip()
     if isinstance(exc, GuardOnDataDependentSymNode):
@@ -298,6 +316,10 @@ def _data_dependent(desc: str, exc: BaseException, cuda: bool = False) -> Graphi
         op_desc = _FRIENDLY.get(key, "depends on the values inside a tensor")
     tb = traceback.extract_tb(exc.__traceback__)
     fr = user_frame(tb)
+    if fr is None or fr.filename.startswith("<"):
+        # no line of the user's in the trace (graphify(module) of a torch module): the
+        # innermost real file (torch's own, e.g. batchnorm.py) says more than generated code
+        fr = next((f for f in reversed(tb) if _public_library_frame(f.filename)), fr)
     inner = innermost_frame(tb)
     where = f"  at {format_frame(fr)}"
     if inner is not None and (fr is None or (inner.filename, inner.lineno) != (fr.filename, fr.lineno)):
@@ -305,7 +327,13 @@ def _data_dependent(desc: str, exc: BaseException, cuda: bool = False) -> Graphi
     hint = ""
     optim = [f for f in tb if os.sep + os.path.join("torch", "optim") + os.sep in f.filename]
     dist = [f for f in tb if os.sep + os.path.join("torch", "distributions") + os.sep in f.filename]
-    if optim and "lr" in (optim[-1].line or "") and "step" not in (optim[-1].line or ""):
+    bn = [f for f in tb if f.filename.endswith("batchnorm.py") and "num_batches_tracked" in (f.line or "")]
+    if bn:
+        at = bn[-1].filename[bn[-1].filename.rfind(os.sep + "torch" + os.sep) + 1:]
+        hint = (f" The read is BatchNorm's cumulative moving average ({at}:{bn[-1].lineno}): with "
+                "momentum=None it divides by its batch count, read on the host. Give the layer a "
+                "momentum (e.g. momentum=0.1), or run it in eval mode (model.eval()).")
+    elif optim and "lr" in (optim[-1].line or "") and "step" not in (optim[-1].line or ""):
         hint = (f" The read is inside torch.optim ({format_frame(optim[-1])}): this optimizer reads a "
                 "tensor learning rate on the host. Pass lr as a Python float (a scheduler that changes "
                 "it then records once per value), or keep opt.step() outside the graphified function.")

@@ -375,9 +375,20 @@ def test_batchnorm_momentum_set_to_none_is_refused_not_replayed(device):
     for _ in range(3):
         g(x)
     m[1].momentum = None
-    with pytest.raises(gt.GraphifyError, match="reads a tensor's value on the host"):
+    with pytest.raises(gt.GraphifyError, match="reads a tensor's value on the host") as info:
         for _ in range(2):
             g(x)
+    # the message says which read, and the fix for it
+    assert "batchnorm.py" in str(info.value) and "momentum=0.1" in str(info.value)
+
+
+def test_a_batchnorm_graphified_directly_with_momentum_none_names_its_line():
+    g = gt.graphify(nn.BatchNorm1d(4, momentum=None))
+    with pytest.raises(gt.GraphifyError) as info:
+        for _ in range(2):
+            g(torch.randn(8, 4))
+    msg = str(info.value)
+    assert "<string>" not in msg and "batchnorm.py" in msg and "momentum=0.1" in msg
 
 
 def test_escape_into_a_list_is_an_error(device):
