@@ -27,7 +27,7 @@ import traceback
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensor, FakeTensorMode
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
@@ -211,9 +211,17 @@ class _Watch(TorchDispatchMode):
         kwargs = kwargs or {}
         self.ops += 1
         if func not in _LIFTS:
+            host_read = func is _LOCAL_SCALAR and bool(args) and isinstance(args[0], torch.Tensor) \
+                and type(args[0]) is not FakeTensor
             args = [self._swap(a) for a in args]
             if kwargs:
                 kwargs = {k: self._swap(v) for k, v in kwargs.items()}
+            if host_read:
+                # a host read of state (float(self.num_batches_tracked)), its stand-in made (the
+                # state is touched: a first call then runs eagerly): refused here, not left to
+                # the stand-in, which may carry the value as a constant (torch 2.15 returns it,
+                # and the value would be frozen into the recording)
+                raise DataDependentOutputException(func)
         if func in _SETS and len(args) > 1 and isinstance(args[1], (torch.UntypedStorage, torch.TypedStorage)):
             return self._set_storage(func, args)
         schema = func._schema
@@ -696,6 +704,7 @@ _RNG_SETTERS = (
     # set_rng_state_all and fork_rng's devices reach this one by its module-level name
     (getattr(torch.cuda, "random", None), "set_rng_state", "cuda"),
 )
+_LOCAL_SCALAR = torch.ops.aten._local_scalar_dense.default
 _RNG_LOCK = threading.Lock()
 _RNG_DEPTH = [0]
 _RNG_SAVED: List[Tuple[Any, str, Any]] = []
