@@ -41,7 +41,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
-from ._errors import GraphifyError
+from ._errors import GraphifyError, is_library_file
 
 __all__ = ["Root", "find_roots", "Snapshot", "Slot", "StateIndex", "env_key_fn", "EscapeWriter", "AttrReads"]
 
@@ -103,6 +103,9 @@ def _candidates(fn: Any, depth: int, out: List[Tuple[str, Any]], seen: Set[int],
         call = next((c.__dict__["__call__"] for c in type(fn).__mro__ if "__call__" in c.__dict__), None) if callable(fn) else None
         if call is not None and not isinstance(fn, type) and hasattr(fn, "__dict__"):
             out.append(("self", fn))
+            for v in list(vars(fn).values()):  # functions it keeps (self.fn = lambda x: x * W)
+                if isinstance(v, types.FunctionType):
+                    _candidates(v, depth + 1, out, seen, where)
             fn = call
         else:
             return
@@ -121,10 +124,22 @@ def _candidates(fn: Any, depth: int, out: List[Tuple[str, Any]], seen: Set[int],
             if isinstance(v, types.FunctionType):
                 _candidates(v, depth + 1, out, seen, where)
     g = fn.__globals__
-    for name in _code_names(code):
+    names = _code_names(code)
+    for name in names:
         if name in g:
             v = g[name]
             if isinstance(v, (types.ModuleType, type)):
+                # `mymod.W`, `Cfg.scale`: a tensor attribute of one of the user's own Python
+                # modules or classes is state, re-read there on every call
+                if where is not None and _users_namespace(v):
+                    for attr in names:
+                        x = v.__dict__.get(attr)
+                        if isinstance(x, torch.Tensor):
+                            out.append((f"{name}.{attr}", x))
+                            where.setdefault(id(x), Slot("attr", v, attr, f"{name}.{attr}"))
+                        elif isinstance(x, (staticmethod, classmethod)) or isinstance(x, types.FunctionType):
+                            # Helper.mul(x): the function's own globals
+                            _candidates(getattr(x, "__func__", x), depth + 1, out, seen, where)
                 continue
             out.append((name, v))
             if isinstance(v, torch.Tensor) and where is not None:
@@ -135,6 +150,21 @@ def _candidates(fn: Any, depth: int, out: List[Tuple[str, Any]], seen: Set[int],
         out.append((f"default[{i}]", d))
     for k, d in (fn.__kwdefaults__ or {}).items():
         out.append((k, d))
+
+
+def _users_namespace(v: Any) -> bool:
+    """Whether ``v`` (a Python module or a class) is the user's own, not a library's."""
+    if isinstance(v, types.ModuleType):
+        if v.__name__ in sys.builtin_module_names:
+            return False
+        path = getattr(v, "__file__", None)
+        return path is None or not is_library_file(path)  # None: made at run time (types.ModuleType)
+    mod = getattr(v, "__module__", "") or ""
+    if mod.startswith(("torch", "gtransform", "builtins", "typing", "collections")):
+        return False
+    m = sys.modules.get(mod)
+    path = getattr(m, "__file__", None) if m is not None else None
+    return path is None or not is_library_file(path)
 
 
 def _plain_object(v: Any) -> bool:

@@ -126,3 +126,46 @@ def test_an_input_and_its_transpose_updated_in_place(device):
         s1 = torch.zeros(3, 3, device=device)
         s2 = s1.clone()
         assert_close(g(s2, s2.T), fn(s1, s1.T))
+
+
+class Cfg:
+    scale = torch.ones(3)
+
+
+class Helper:
+    @staticmethod
+    def mul(x):
+        return x * MASK
+
+
+NS = types.ModuleType("gt_test_namespace")
+NS.W = torch.ones(3)
+
+
+class Scaler:
+    def __init__(self):
+        self.fn = lambda x: x * MASK
+
+    def __call__(self, x):
+        return self.fn(x)
+
+
+def test_tensors_replaced_in_classes_python_modules_and_helpers_are_seen(device):
+    global MASK
+    saved = (MASK, Cfg.scale, NS.W)
+    cases = {
+        "class attribute": lambda x: x * Cfg.scale,
+        "python module attribute": lambda x: x * NS.W,
+        "static method's global": lambda x: Helper.mul(x),
+        "callable object's function's global": Scaler(),
+    }
+    try:
+        for name, fn in cases.items():
+            MASK, Cfg.scale, NS.W = (torch.ones(3, device=device) for _ in range(3))
+            g = gt.graphify(fn)
+            x = torch.randn(3, device=device)
+            for _ in range(4):
+                assert_close(g(x), fn(x))
+                MASK, Cfg.scale, NS.W = MASK * 2, Cfg.scale * 3, NS.W + 1
+    finally:
+        MASK, Cfg.scale, NS.W = saved
