@@ -38,7 +38,7 @@ def test_tensors_replaced_in_a_modules_containers_and_globals_are_seen(device):
     x = torch.randn(2, 3, device=device)
     try:
         with torch.no_grad():
-            for k in range(5):
+            for _ in range(5):
                 assert_close(g(x), m(x))
                 MASK = MASK * 2
                 m.masks[0] = m.masks[0] * 3
@@ -160,7 +160,7 @@ def test_tensors_replaced_in_classes_python_modules_and_helpers_are_seen(device)
         "callable object's function's global": Scaler(),
     }
     try:
-        for name, fn in cases.items():
+        for fn in cases.values():
             MASK, Cfg.scale, NS.W = (torch.ones(3, device=device) for _ in range(3))
             g = gt.graphify(fn)
             x = torch.randn(3, device=device)
