@@ -132,6 +132,8 @@ def partition_for(e: Any, need: Tuple[bool, ...], owner: Any) -> Any:
             with torch.enable_grad(), _clear_stack() if _clear_stack is not None else _Null():
                 part = build_partition(e.plan, e.guard.metas, need, owner)
         except Exception as exc:  # the recompute path is always available
+            if getattr(exc, "gt_final", False):
+                raise
             log.info("%s: partitioning failed (%s); the backward recomputes the forward", owner._desc, exc)
             e.plan.joint_error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
             part = None

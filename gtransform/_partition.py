@@ -28,6 +28,8 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from ._errors import GraphifyError
+
 __all__ = ["Partition", "build_partition"]
 
 
@@ -51,6 +53,25 @@ def _flat_fn(gm: Any, name: str) -> Any:
 
     run.__name__ = run.__qualname__ = name
     return run
+
+
+def _backward_draws(desc: str) -> GraphifyError:
+    """Random numbers drawn by the backward pass itself: no recording can draw them where eager does."""
+    from ._errors import format_frame, user_frame
+
+    err = GraphifyError(
+        f"{desc}: the backward pass of the function draws random numbers (torch.utils.checkpoint's "
+        "recompute with preserve_rng_state=False around dropout, or a custom backward that draws), "
+        f"and the function is differentiated through its recording.\n  at {format_frame(user_frame())}\n"
+        "Why: eager draws them when .backward() runs, from wherever the generator stands then; the "
+        "recording would draw other numbers (recomputing the forward's, or drawing them in the "
+        "forward), and the gradients would differ from eager's.\n"
+        "Fix: use preserve_rng_state=True (torch's default: the recompute repeats the forward's "
+        "numbers, as the recording does), or graphify the whole training step (forward and "
+        ".backward() inside the function), or call this function eagerly."
+    )
+    err.gt_final = True  # type: ignore[attr-defined]  # not a reason to fall back to the recompute path
+    return err
 
 
 def build_partition(plan: Any, metas: Sequence[Any], need: Sequence[bool], owner: Any) -> Optional[Partition]:
@@ -122,12 +143,15 @@ def build_partition(plan: Any, metas: Sequence[Any], need: Sequence[bool], owner
                 muted = [(h, dict(h)) for h in (getattr(t, "_backward_hooks", None) for t in plan.state) if h]
                 for h, _ in muted:
                     h.clear()
+                drawn = sum(watch.rng.draws.values())
                 try:
                     with watch:
                         grads = torch.autograd.grad([o for o, _ in pairs], wrt, [t for _, t in pairs], allow_unused=True)
                 finally:
                     for h, items in muted:
                         h.update(items)
+                if sum(watch.rng.draws.values()) > drawn:
+                    box["draws_in_backward"] = True
         box["diff"] = diff
         box["none"] = [g is None for g in grads]
         return tuple(detached) + tuple(g for g in grads if g is not None)
@@ -139,6 +163,8 @@ def build_partition(plan: Any, metas: Sequence[Any], need: Sequence[bool], owner
             gm = make_fx(joint, tracing_mode="real", _allow_non_fake_inputs=True)(*fakes, *tangents)
     finally:
         mode.closed = owner._desc
+    if box.get("draws_in_backward"):
+        raise _backward_draws(owner._desc)
     if len(watch.state) != n_state or len(box["diff"]) != n_out:
         return None  # the backward reached state the forward did not: keep the recompute path
     _lift_state(gm, watch.state_fakes)

@@ -234,3 +234,30 @@ def test_setting_a_state_saved_outside_the_function_is_graphify_error():
     msg = str(ei.value)
     assert "a state the function did not save from it during this call" in msg, msg
     assert f"{THIS_FILE}:{_line_of(fn, '# MARK')}" in msg, msg
+
+
+def test_a_graphified_model_whose_backward_draws_is_refused_not_replayed():
+    """checkpoint(preserve_rng_state=False) around dropout in forward, backward outside: eager draws
+    new numbers when .backward() runs; no recording can, so the call is refused (it was silently
+    different from call 2 on)."""
+    from torch.utils.checkpoint import checkpoint
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Sequential(nn.Linear(4, 16), nn.Dropout(0.5), nn.Linear(16, 1))
+
+        def forward(self, x):
+            return checkpoint(self.body, x, use_reentrant=False, preserve_rng_state=False)
+
+    torch.manual_seed(0)
+    m = M()
+    g = gt.graphify(m)
+    x = torch.ones(2, 4)
+    with pytest.raises(gt.GraphifyError, match="preserve_rng_state=True") as info:
+        for _ in range(3):
+            m.zero_grad()
+            g(x).sum().backward()
+    assert "backward pass of the function draws random numbers" in str(info.value)
+    with torch.no_grad():  # not differentiated: no backward, nothing to refuse
+        g(x)
