@@ -334,7 +334,7 @@ def _keep_outputs(box: _Box, outs: Sequence[Any]) -> None:
     what those operations saved. The box lives as long as the autograd graph; the
     backward drops them.
     """
-    box.keep = [t.detach() for t in outs if type(t) is torch.Tensor]
+    box.keep = _to_autograd(outs)
 
 
 def _to_autograd(res: Sequence[Any]) -> List[Any]:

@@ -252,9 +252,7 @@ def find_roots(fn: Any, extra: Sequence[Tuple[str, Any]] = ()) -> List[Root]:
                 _candidates(fwd, 1, more, set(), where)
                 for name, v in more:
                     if isinstance(v, torch.Tensor):
-                        if id(v) not in seen:
-                            seen.add(id(v))
-                            roots.append(Root(name, v, where.get(id(v))))
+                        add(name, v, 0)  # re-read where the forward finds it (a global)
                     elif type(v) in (list, dict) or _plain_object(v):
                         add(name, v, 1)
     return roots

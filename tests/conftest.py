@@ -88,6 +88,17 @@ def stale(name: str = "") -> str:
     return "(?s)" + (re.escape(name) + ".*" if name else "") + r"\.clone\(\)"
 
 
+def line_of(fn, marker: str) -> int:
+    """Absolute line number of the source line of ``fn`` that contains ``marker``."""
+    import inspect
+
+    lines, start = inspect.getsourcelines(fn)
+    for i, line in enumerate(lines):
+        if marker in line:
+            return start + i
+    raise AssertionError(f"{marker!r} not in {fn.__name__}")
+
+
 def pytest_report_header(config):  # noqa: D103 - which gtransform is under test (planted copies via PYTHONPATH)
     import gtransform
 

@@ -4,25 +4,15 @@ errors a plain call gives; nothing leaves a half-state behind."""
 
 from __future__ import annotations
 
-import inspect
 import os
 
 import pytest
 import torch
-from conftest import HAS_CUDA, assert_close
+from conftest import HAS_CUDA, assert_close, line_of
 
 import gtransform as gt
 
 THIS_FILE = os.path.basename(__file__)
-
-
-def _line_of(fn, marker):
-    """Absolute line number of the source line of ``fn`` that contains ``marker``."""
-    lines, start = inspect.getsourcelines(fn)
-    for i, line in enumerate(lines):
-        if marker in line:
-            return start + i
-    raise AssertionError(f"{marker!r} not in {fn.__name__}")
 
 
 # -- data-dependent operations ---------------------------------------------------------
@@ -93,7 +83,7 @@ def test_data_dependent_op_is_graphify_error(device, fn):
         msg = str(ei.value)
         assert any(w in msg for w in DATA_DEPENDENT[fn]), msg
         assert fn.__name__ in msg
-        assert f"{THIS_FILE}:{_line_of(fn, '# MARK')}" in msg, msg
+        assert f"{THIS_FILE}:{line_of(fn, '# MARK')}" in msg, msg
         assert "Fix:" in msg
     assert isinstance(ei.value, RuntimeError)
     # the same function works for good inputs afterwards
@@ -113,7 +103,7 @@ def test_data_dependent_op_in_a_helper_names_the_helper_line(device):
 
     with pytest.raises(gt.GraphifyError) as ei:
         gt.graphify(fn)(torch.ones(3, device=device))
-    assert f"{THIS_FILE}:{_line_of(helper, '# HELPER')}" in str(ei.value)
+    assert f"{THIS_FILE}:{line_of(helper, '# HELPER')}" in str(ei.value)
 
 
 def test_trace_raises_the_same_graphify_error(device):
@@ -308,7 +298,7 @@ def test_host_device_copy_inside_cuda_function_is_graphify_error():
     with pytest.raises(gt.GraphifyError) as ei:
         g(torch.ones(3, device="cuda"))
     msg = str(ei.value)
-    assert f"{THIS_FILE}:{_line_of(fn, '# MARK')}" in msg
+    assert f"{THIS_FILE}:{line_of(fn, '# MARK')}" in msg
     assert "Fix:" in msg
 
 

@@ -10,27 +10,17 @@ GraphifyError naming the user's line and the fix; where the state set changes no
 
 from __future__ import annotations
 
-import inspect
 import os
 
 import pytest
 import torch
 import torch.nn as nn
-from conftest import assert_close
+from conftest import assert_close, line_of
 from torch.utils.checkpoint import checkpoint
 
 import gtransform as gt
 
 THIS_FILE = os.path.basename(__file__)
-
-
-def _line_of(fn, marker):
-    """Absolute line number of the source line of ``fn`` that contains ``marker``."""
-    lines, start = inspect.getsourcelines(fn)
-    for i, line in enumerate(lines):
-        if marker in line:
-            return start + i
-    raise AssertionError(f"{marker!r} not in {fn.__name__}")
 
 
 def _model(device, p=0.5, seed=0):
@@ -55,8 +45,8 @@ def test_setting_the_rng_state_back_then_drawing_is_graphify_error():
             g(torch.zeros(3))
         msg = str(ei.value)
         assert msg.startswith("graphify(rewind): aten.rand.default draws random numbers from the CPU generator"), msg
-        assert f"{THIS_FILE}:{_line_of(rewind, '# DRAW')}" in msg, msg
-        assert f"{THIS_FILE}:{_line_of(rewind, '# SET')}" in msg, msg
+        assert f"{THIS_FILE}:{line_of(rewind, '# DRAW')}" in msg, msg
+        assert f"{THIS_FILE}:{line_of(rewind, '# SET')}" in msg, msg
         assert "torch.set_rng_state()" in msg and "Why:" in msg
         assert "Fix: pass preserve_rng_state=False to torch.utils.checkpoint" in msg, msg
         assert "call the function eagerly" in msg
@@ -114,7 +104,7 @@ def test_checkpoint_with_dropout_preserving_rng_state_is_graphify_error(device, 
             g(x)
     msg = str(ei.value)
     assert "torch.utils.checkpoint's recompute (preserve_rng_state=True)" in msg, msg
-    assert f"{THIS_FILE}:{_line_of(step, '# BACKWARD')}" in msg, msg
+    assert f"{THIS_FILE}:{line_of(step, '# BACKWARD')}" in msg, msg
     assert "Fix: pass preserve_rng_state=False to torch.utils.checkpoint" in msg, msg
     # and again, with the same message
     with pytest.raises(gt.GraphifyError, match=r"(?s)checkpoint's recompute.*Fix:"):
@@ -218,7 +208,7 @@ def test_fork_rng_around_random_ops_is_graphify_error():
         gt.graphify(fn)(torch.zeros(3))
     msg = str(ei.value)
     assert "torch.random.fork_rng()" in msg and "leaves it there" in msg, msg
-    assert f"{THIS_FILE}:{_line_of(fn, '# FORK')}" in msg, msg
+    assert f"{THIS_FILE}:{line_of(fn, '# FORK')}" in msg, msg
     assert "Fix:" in msg
 
 
@@ -233,7 +223,7 @@ def test_setting_a_state_saved_outside_the_function_is_graphify_error():
         gt.graphify(fn)(torch.zeros(3))
     msg = str(ei.value)
     assert "a state the function did not save from it during this call" in msg, msg
-    assert f"{THIS_FILE}:{_line_of(fn, '# MARK')}" in msg, msg
+    assert f"{THIS_FILE}:{line_of(fn, '# MARK')}" in msg, msg
 
 
 def test_a_graphified_model_whose_backward_draws_is_refused_not_replayed():
