@@ -51,6 +51,7 @@ seconds when that environment variable is set.
 from __future__ import annotations
 
 import atexit
+import gc
 import hashlib
 import importlib
 import json
@@ -361,6 +362,7 @@ _WORLD: Optional[_World] = None
 _INCARNATIONS = 0
 # recordings with collectives: id -> (weakref to the recording, its info)
 _TRACKED: Dict[int, Tuple[Any, _Info]] = {}
+_TRACED_COLLECTIVES = False  # a signature with collectives was traced in this process (see _forget_groups)
 
 
 def _world() -> Optional[_World]:
@@ -456,6 +458,8 @@ def before_record(plan: Any, desc: str, cuda: Optional[bool] = None, fuse: Optio
         info = plan.__dict__["_gt_collectives"] = _analyse(plan.gm)
     if info is None:
         return
+    global _TRACED_COLLECTIVES
+    _TRACED_COLLECTIVES = True
     if cuda is None or fuse is None:
         cuda, fuse = _caller_flags(plan)
     if (not cuda or fuse) and not info.rewritten:
@@ -897,6 +901,31 @@ def _import_group_defaults() -> None:
         pass
 
 
+def _forget_groups() -> None:
+    """Drop the references to process groups that tracing left in torch's caches.
+
+    FakeTensorMode's dispatch cache (a class attribute, kept for the life of the
+    process) keys c10d's in-place collectives (``c10d.allreduce_`` and friends)
+    on their arguments, the process group's C++ object among them: it would
+    keep a destroyed gloo group, and its worker threads, alive until
+    interpreter exit, where a thread still running then aborts the process
+    (see ``_import_group_defaults``). The entries holding such objects are
+    removed, and dead graphified functions caught in reference cycles with a
+    group (a closure over ``dist.group.WORLD``) are collected.
+    """
+    try:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        cache = FakeTensorMode.cache
+        script = getattr(torch, "ScriptObject", ())
+        for k in [k for k in cache if any(isinstance(v, script) or "ProcessGroup" in type(v).__name__
+                                          for v in getattr(k, "key", ()))]:
+            cache.pop(k, None)
+    except Exception:  # pragma: no cover - a torch without the cache
+        pass
+    gc.collect()
+
+
 def _install_hooks() -> None:
     """Wrap ``destroy_process_group`` and register the exit hook (once)."""
     global _HOOKED
@@ -913,7 +942,8 @@ def _install_hooks() -> None:
     def destroy_process_group(group: Any = None) -> None:
         w = _WORLD
         try:
-            release(group)
+            if release(group) or _TRACED_COLLECTIVES:
+                _forget_groups()
         finally:
             if group is None and w is not None:
                 w.stop.set()
