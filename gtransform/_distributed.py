@@ -946,7 +946,7 @@ def _install_hooks() -> None:
                 _forget_groups()
         finally:
             if group is None and w is not None:
-                w.stop.set()
+                _stop_monitor(w)
         orig(group)
 
     destroy_process_group.__doc__ = orig.__doc__
@@ -957,10 +957,26 @@ def _install_hooks() -> None:
         _dist.destroy_process_group = destroy_process_group  # type: ignore[union-attr]
 
 
+def _stop_monitor(w: _World, timeout_s: float = 5.0) -> None:
+    """Stop the watch thread and wait for it to end.
+
+    The thread spends most of its time in ``store.check`` with the interpreter
+    lock released; left running at interpreter exit, it would return from
+    there into a finalising interpreter, which ends it with ``pthread_exit``,
+    and the unwinding through pybind11's ``noexcept`` frame aborts the process
+    (SIGABRT, "terminate called without an active exception") after a clean
+    shutdown. Joined here, it ends while the interpreter is alive.
+    """
+    w.stop.set()
+    t = w.monitor
+    if t is not None and t is not threading.current_thread() and t.is_alive():
+        t.join(timeout_s)
+
+
 def _at_exit() -> None:
     w = _WORLD
     if w is not None:
-        w.stop.set()
+        _stop_monitor(w)
     try:
         release(None)
     except Exception:  # pragma: no cover

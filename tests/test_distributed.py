@@ -16,6 +16,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from datetime import timedelta
 from typing import Any, Dict, List
@@ -281,6 +282,7 @@ def _worker(rank: int, port: int, cases: List[str], timeout_s: float) -> None:
     t0 = time.monotonic()
     dist.destroy_process_group()
     res["destroy_s"] = time.monotonic() - t0
+    res["watch_threads"] = [t.name for t in threading.enumerate() if t.name.startswith("gtransform")]
     res["gloo_threads"] = _gloo_threads()
     print("RESULT " + json.dumps(res), flush=True)
     res["_"] = time.time()
@@ -351,6 +353,9 @@ def test_gloo_clean_shutdown(gloo_results: List[Dict[str, Any]]) -> None:
         # object by the traces of c10d's in-place collectives) keeps the destroyed group's worker
         # threads alive until interpreter exit, where one can abort the process (SIGABRT, rarely)
         assert res["gloo_threads"] in (None, 0), f"rank {rank}: {res['gloo_threads']} gloo threads after destroy"
+        # gtransform's store-watching thread has ended: left in store.check at interpreter exit it
+        # aborts the process (SIGABRT, about 1 run in 5 under torchrun's agent store)
+        assert res["watch_threads"] == [], f"rank {rank}: still running after destroy: {res['watch_threads']}"
 
 
 def test_gloo_fuse() -> None:
@@ -386,6 +391,29 @@ def test_gloo_different_signatures_is_an_error_on_every_rank(gloo_results: List[
         assert m["seconds"] < 10
         assert r["returncode"] == 0
 
+
+
+def test_destroy_waits_for_the_store_watch_thread() -> None:
+    """The watch thread, caught in a slow ``store.check`` (torchrun's agent store), has ended when
+    ``destroy_process_group`` returns: left running into interpreter exit it aborts the process."""
+    import threading
+    import types
+
+    from gtransform import _distributed
+
+    stop = threading.Event()
+    in_check = threading.Event()
+
+    def watch() -> None:
+        while not stop.wait(0.01):
+            in_check.set()
+            time.sleep(0.3)  # a store round trip with the interpreter lock released
+
+    t = threading.Thread(target=watch, name="gtransform-collectives-watch", daemon=True)
+    t.start()
+    assert in_check.wait(5)
+    _distributed._stop_monitor(types.SimpleNamespace(stop=stop, monitor=t))  # type: ignore[arg-type]
+    assert not t.is_alive()
 
 # -- NCCL: under torchrun --nproc_per_node 2 on 2 GPUs ------------------------------
 def _under_torchrun() -> bool:
