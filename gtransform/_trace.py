@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import threading
 import traceback
+import types
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
@@ -384,7 +385,10 @@ def _register_container(cls: type) -> bool:
 
             def _flat_t(x: Any) -> Any:
                 children, ctx = flat(x)
-                return list(children), ctx
+                children = list(children)
+                if isinstance(ctx, (list, tuple)) and len(ctx) == len(children) and all(isinstance(k, str) for k in ctx):
+                    return children, ctx, tuple(ctx)  # the keys name the leaves (output.logits)
+                return children, ctx
 
             optree.register_pytree_node(cls, _flat_t, lambda ctx, ch: unflat(list(ch), ctx), namespace=NAMESPACE)
             return True
@@ -407,11 +411,49 @@ def _register_container(cls: type) -> bool:
     return False
 
 
-def _holds_tensor(x: Any) -> bool:
-    d = getattr(x, "__dict__", None)
-    if isinstance(d, dict) and any(isinstance(v, torch.Tensor) for v in d.values()):
-        return True
-    return any(isinstance(getattr(x, s, None), torch.Tensor) for s in getattr(type(x), "__slots__", ()) or ())
+_SCALARS = (int, float, complex, bool, str, bytes, type(None), type, torch.dtype, torch.device, torch.Size)
+
+
+def _tensor_inside(x: Any, limit: int = 2000) -> Optional[str]:
+    """Where an opaque object holds a tensor (``.layers[0].keys``), or ``None``.
+
+    Looks through attributes (``__dict__``, ``__slots__``), lists, tuples,
+    sets and dicts, breadth first, at most ``limit`` objects, so that a cache
+    object holding its tensors a few levels down (Hugging Face's
+    ``DynamicCache``: ``.layers[i].keys``) is found as well as a
+    ``torch.distributions.Normal``'s ``.loc``.
+    """
+    seen = {id(x)}
+    todo: List[Tuple[Any, str]] = [(x, "")]
+    n = 0
+    while todo and n < limit:
+        obj, path = todo.pop(0)
+        n += 1
+        kids: List[Tuple[Any, str]] = []
+        if isinstance(obj, dict):
+            kids = [(v, f"{path}[{k!r}]") for k, v in list(obj.items())[:256]]
+        elif isinstance(obj, (list, tuple)):
+            kids = [(v, f"{path}[{i}]") for i, v in enumerate(obj[:256])]
+        elif isinstance(obj, (set, frozenset)):
+            kids = [(v, f"{path}{{...}}") for v in list(obj)[:256]]
+        elif not isinstance(obj, _SCALARS) and not callable(obj) and not isinstance(obj, types.ModuleType):
+            d = getattr(obj, "__dict__", None)
+            if isinstance(d, dict):
+                kids = [(v, f"{path}.{k}") for k, v in list(d.items())[:256]]
+            for cls in type(obj).__mro__:
+                slots = cls.__dict__.get("__slots__", ())
+                for sl in (slots,) if isinstance(slots, str) else slots:
+                    try:
+                        kids.append((getattr(obj, sl), f"{path}.{sl}"))
+                    except AttributeError:
+                        pass
+        for v, p in kids:
+            if isinstance(v, torch.Tensor):
+                return p
+            if id(v) not in seen and not isinstance(v, _SCALARS) and not isinstance(v, torch.nn.Module):
+                seen.add(id(v))
+                todo.append((v, p))
+    return None
 
 
 def flatten_output(out: Any, desc: str) -> Tuple[List[Any], Any]:
@@ -432,16 +474,21 @@ def flatten_output(out: Any, desc: str) -> Tuple[List[Any], Any]:
         if not new:
             break
     for i, x in enumerate(leaves):
-        if not isinstance(x, torch.Tensor) and _holds_tensor(x):
+        inside = None if isinstance(x, (torch.Tensor,) + _SCALARS) else _tensor_inside(x)
+        if inside is not None:
             path = leaf_paths(out, root="output")[i]
+            name = type(x).__name__
+            hf = (" For a Hugging Face model's cache (a DynamicCache returned because use_cache is on), "
+                  "pass use_cache=False, or create a StaticCache and pass it in as past_key_values "
+                  "(it is then state, updated in place).") if name.endswith("Cache") else ""
             raise GraphifyError(
-                f"{desc}: the output {path} is a {type(x).__name__} object that holds tensors, and "
+                f"{desc}: the output {path} is a {name} object that holds tensors ({path}{inside}), and "
                 "gtransform cannot take it apart.\nWhy: outputs are flattened into tensors (which "
                 "live in the recording's memory) and a structure rebuilt on every call; an opaque "
                 "object would carry the trace's placeholders instead of real tensors.\n"
                 "Fix: return its tensors in a tuple, dict or dataclass (e.g. (dist.loc, dist.scale) "
-                "and rebuild it outside), or register the type as a pytree node "
-                "(optree.register_pytree_node(..., namespace='gtransform'))."
+                f"and rebuild it outside), or register the type as a pytree node "
+                f"(optree.register_pytree_node(..., namespace='gtransform')).{hf}"
             )
     return leaves, spec
 

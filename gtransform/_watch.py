@@ -76,17 +76,24 @@ _LIB_CACHE: Dict[str, bool] = {}
 
 
 def _site() -> str:
-    """``file:line`` of the innermost user frame (cheap: no source lines)."""
+    """``file:line`` of the innermost user frame (cheap: no source lines).
+
+    Code without a file (``<string>``: a dataclass's generated ``__init__``,
+    ``exec``) is passed over for a frame with one, and named only if there is none.
+    """
     f: Any = sys._getframe(2)
+    synthetic = ""
     while f is not None:
         fn = f.f_code.co_filename
         lib = _LIB_CACHE.get(fn)
         if lib is None:
             lib = _LIB_CACHE[fn] = is_library_file(fn)
         if not lib:
-            return f"{fn}:{f.f_lineno}"
+            if not fn.startswith("<"):
+                return f"{fn}:{f.f_lineno}"
+            synthetic = synthetic or f"{fn}:{f.f_lineno}"
         f = f.f_back
-    return ""
+    return synthetic
 
 
 def _extent(t: torch.Tensor) -> Tuple[int, int]:

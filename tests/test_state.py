@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import gc
 import re
@@ -11,7 +12,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from conftest import HAS_CUDA, assert_close
+from conftest import HAS_CUDA, assert_close, line_of
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -461,6 +462,68 @@ def test_torch_pytree_registered_output():
     out = gt.graphify(lambda x: Pair(a=x + 1, b=x * 2))(torch.ones(2))
     assert type(out) is Pair and type(out["a"]) is torch.Tensor
     assert_close(out["b"], torch.full((2,), 2.0))
+
+
+class _Layer:
+    def __init__(self, k: torch.Tensor):
+        self.keys = k
+
+
+class _Cache:
+    """Like Hugging Face's DynamicCache: its tensors two levels down (``.layers[i].keys``)."""
+
+    def __init__(self):
+        self.layers: list = []
+
+
+class _WithCache(collections.OrderedDict):
+    pass
+
+
+def test_output_object_holding_tensors_deeper_down_is_refused(device):
+    """An opaque output object whose tensors sit in a list of objects (a DynamicCache returned
+    with the logits) is refused when traced, naming where the tensor is; before, it came back
+    holding the trace's placeholders."""
+    import torch.utils._pytree as tp
+
+    if _WithCache not in tp.SUPPORTED_NODES:
+        tp.register_pytree_node(_WithCache, lambda p: (list(p.values()), list(p.keys())),
+                                lambda vals, keys: _WithCache(zip(keys, vals)))
+
+    def fn(x):
+        c = _Cache()
+        c.layers.append(_Layer(x * 2))
+        return _WithCache(logits=x + 1, cache=c)
+
+    x = torch.ones(2, device=device)
+    with pytest.raises(gt.GraphifyError) as ei:
+        gt.graphify(fn)(x)
+    msg = str(ei.value)
+    assert "the output output['cache'] is a _Cache object that holds tensors (output['cache'].layers[0].keys)" in msg, msg
+    assert "use_cache=False" in msg and "register_pytree_node" in msg, msg
+    # an object holding no tensor is returned as is
+    marker = object()
+    g = gt.graphify(lambda x: _WithCache(logits=x + 1, cache=marker))
+    for _ in range(2):
+        out = g(x)
+        assert out["cache"] is marker
+        assert_close(out["logits"], x + 1)
+
+
+def test_traced_tensor_made_in_generated_code_names_the_users_line():
+    """A tensor made in code without a file (exec, a dataclass's __init__) and leaked is located at
+    the user's line that called that code, not at <string>:1."""
+    ns: dict = {}
+    exec("def make(x, box):\n    box.append(x * 3)\n", ns)
+    box: list = []
+
+    def fn(x):
+        ns["make"](x, box)  # MAKE
+        return x + 1
+
+    with pytest.raises(gt.GraphifyError, match="appended") as ei:  # refused when traced
+        gt.graphify(fn)(torch.ones(2))
+    assert f"made at {__file__}:{line_of(fn, '# MAKE')}" in str(ei.value), str(ei.value)
 
 
 class _Dec(nn.Module):
