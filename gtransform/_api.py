@@ -440,7 +440,7 @@ class Graphified(Generic[P, R]):
             if isinstance(x, torch.Tensor):
                 if type(x) is not torch.Tensor and type(x) is not _Parameter:
                     _bad_tensor(self._desc, get_paths()[i], x)
-                if x.layout != torch.strided or x.is_nested or x.device.type == "meta":
+                if x.layout != torch.strided or x.is_nested or x.device.type == "meta" or x.is_quantized:
                     _bad_tensor(self._desc, get_paths()[i], x)
                 if device is None:
                     device = x.device
@@ -821,6 +821,8 @@ def _bad_tensor(desc: str, path: str, t: torch.Tensor) -> None:
         what, fix = "a nested tensor", "pass padded dense tensors instead"
     elif t.device.type == "meta":
         what, fix = "a meta tensor (it has no data)", "pass a tensor on the CPU or a GPU"
+    elif t.is_quantized:
+        what, fix = f"a quantized tensor ({t.dtype})", "pass t.dequantize() (or t.int_repr() and its scale)"
     else:
         what, fix = (
             f"a tensor subclass ({type(t).__name__})",

@@ -411,6 +411,7 @@ def _register_container(cls: type) -> bool:
     return False
 
 
+_QDTYPES = tuple(getattr(torch, n) for n in ("qint8", "quint8", "qint32", "quint4x2", "quint2x4") if hasattr(torch, n))
 _SCALARS = (int, float, complex, bool, str, bytes, type(None), type, torch.dtype, torch.device, torch.Size)
 
 
@@ -474,6 +475,19 @@ def flatten_output(out: Any, desc: str) -> Tuple[List[Any], Any]:
         if not new:
             break
     for i, x in enumerate(leaves):
+        quantized = isinstance(x, torch.Tensor) and (x.is_quantized or x.dtype in _QDTYPES)
+        if isinstance(x, torch.Tensor) and (x.layout != torch.strided or x.is_nested or quantized):
+            path = leaf_paths(out, root="output")[i]
+            what = ("a nested tensor" if x.is_nested else f"a quantized tensor ({x.dtype})" if quantized
+                    else f"a {x.layout} tensor")
+            fix = ("return t.to_dense(), or its parts (t.indices() and t.values() for COO; "
+                   "crow_indices(), col_indices() and values() for CSR) and rebuild it outside"
+                   if x.layout != torch.strided else "return padded dense tensors (t.to_padded_tensor(0.0))"
+                   if x.is_nested else "return t.dequantize(), or t.int_repr() and rebuild it outside")
+            raise GraphifyError(
+                f"{desc}: the output {path} is {what}.\nWhy: outputs are dense strided tensors in the "
+                f"recording's memory.\nFix: {fix}."
+            )
         inside = None if isinstance(x, (torch.Tensor,) + _SCALARS) else _tensor_inside(x)
         if inside is not None:
             path = leaf_paths(out, root="output")[i]

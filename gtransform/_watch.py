@@ -73,6 +73,7 @@ def _tensors_in(v: Any) -> List[torch.Tensor]:
 
 
 _LIB_CACHE: Dict[str, bool] = {}
+_QUANTIZE = ("aten::quantize_per_", "aten::_make_per_tensor_quantized", "aten::_make_per_channel_quantized")
 
 
 def _site() -> str:
@@ -171,6 +172,18 @@ class _Watch(TorchDispatchMode):
                     "keep that state on the GPU (module.to(device); for torch.optim optimizers pass "
                     "capturable=True so their step counts live on the GPU), or pass a Python number.",
                 )
+            if t.layout != torch.strided or t.is_nested or t.is_quantized:
+                what = ("a nested tensor" if t.is_nested else f"a quantized tensor ({t.dtype})"
+                        if t.is_quantized else f"a {t.layout} tensor")
+                self._fail(
+                    f"the function reads {name}, {what} in state it reaches without taking it as an "
+                    "argument.",
+                    "graphify records dense strided tensors only: state becomes an input of the "
+                    "recording, read in place on every call.",
+                    "keep a dense copy as the state (t.to_dense(), t.dequantize()) or build this tensor "
+                    "inside the function from dense tensors (x.to_sparse() there works), or call this "
+                    "part eagerly.",
+                )
             # a tensor with autograd history (``W = base * 2`` closed over, a cache an eager
             # call in grad mode wrote into) is traced as a leaf that requires grad, like a
             # parameter: at call time it is an input of the autograd node, so gradients flow
@@ -232,6 +245,14 @@ class _Watch(TorchDispatchMode):
         if func in _SETS and len(args) > 1 and isinstance(args[1], (torch.UntypedStorage, torch.TypedStorage)):
             return self._set_storage(func, args)
         schema = func._schema
+        if schema.name.startswith(_QUANTIZE):
+            self._fail(
+                f"{func} makes a quantized tensor.",
+                "graphify records dense tensors of ordinary dtypes; torch's fake kernels give "
+                "quantize ops a float32 result, so the recording would hand back a broken tensor.",
+                "quantize outside the graphified function, or keep the values and the scale apart "
+                "(torch.fake_quantize_per_tensor_affine simulates quantization in float).",
+            )
         hidden = _HIDDEN_WRITES.get(func)
         if hidden is not None and len(args) > 5 and args[5]:
             for i in hidden:
