@@ -36,6 +36,7 @@ import os
 import sys
 import threading
 import types
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
@@ -47,6 +48,12 @@ __all__ = ["Root", "find_roots", "Snapshot", "Slot", "StateIndex", "env_key_fn",
 
 _Module = torch.nn.Module
 _Optimizer = torch.optim.Optimizer
+# torch objects that are plain Python state the function may step: an LR scheduler's
+# last_epoch and _last_lr (a scheduler stepped inside the function is seen, not frozen)
+_SCHEDULERS = tuple(c for c in (getattr(torch.optim.lr_scheduler, "LRScheduler", None),
+                                getattr(torch.optim.lr_scheduler, "_LRScheduler", None),
+                                getattr(torch.optim.lr_scheduler, "ReduceLROnPlateau", None))
+                    if isinstance(c, type))
 _PKG_DIR = os.path.dirname(os.path.abspath(__file__))
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 _NUMBERS = (int, float)
@@ -172,6 +179,8 @@ def _plain_object(v: Any) -> bool:
         return False
     if not hasattr(v, "__dict__"):
         return False
+    if isinstance(v, _SCHEDULERS):
+        return True
     mod = type(v).__module__ or ""
     return not (mod.startswith("torch") or mod.startswith("gtransform") or mod == "builtins")
 
@@ -433,7 +442,10 @@ class Snapshot:
                     elif type(v) in _NUMBERS and type(saved.get(k)) in _NUMBERS and saved[k] != v:
                         res.changes.append(Change(f"{path}[{k!r}]", saved[k], v, obj, k))
             elif kind == "object":
-                attrs(path, obj, vars(obj), saved, set(), False)
+                # a Python number in an object's attributes (a hand-written EMA's
+                # `self.updates += 1`, an LR scheduler's last_epoch) is read back by later
+                # calls as in a module: undone after the trace, refused if every call changes it
+                attrs(path, obj, vars(obj), saved, set(), True)
         return res
 
     def restore(self) -> None:
@@ -656,12 +668,84 @@ class AttrReads:
         return self.names.get(id(m), set())
 
 
-def _plain_attr(v: Any) -> bool:
-    """A module attribute the trace can only have read as a constant (a number, string, None, or a short tuple of them)."""
+def _plain_scalar(v: Any) -> bool:
     t = type(v)
-    if t in _PLAIN_TYPES:
+    return t in _PLAIN_TYPES or (t.__module__ == "numpy" and getattr(v, "ndim", None) == 0
+                                 and t.__name__ not in ("ndarray", "matrix"))
+
+
+def _plain_attr(v: Any) -> bool:
+    """A module attribute the trace can only have read as a constant.
+
+    A number (numpy's included), string, None, or a short tuple of them.
+    """
+    if _plain_scalar(v):
         return True
-    return t is tuple and len(v) <= 16 and all(type(x) in _PLAIN_TYPES for x in v)
+    return type(v) is tuple and len(v) <= 16 and all(_plain_scalar(x) for x in v)
+
+
+# -- gradient hooks on state tensors ---------------------------------------------------------
+# A hook on a parameter (p.register_hook, p.register_post_accumulate_grad_hook) runs in the
+# backward: a backward inside the function traces it into the recording. Adding or removing
+# one afterwards must record again. Reading every parameter's hooks on every call would cost
+# microseconds per call; instead the two registration methods are wrapped (once, at import)
+# and bump an epoch when the tensor is state of a recording, and so do the handles' remove().
+_HOOK_EPOCH = [0]
+_HOOK_WATCHED: Dict[int, Any] = {}  # id(tensor) -> weakref of state tensors of live recordings
+
+
+def _hook_touched(t: Any) -> None:
+    ref = _HOOK_WATCHED.get(id(t))
+    if ref is not None and ref() is t:
+        _HOOK_EPOCH[0] += 1
+
+
+def _forget_hooked(k: int) -> Callable[[Any], None]:
+    def gone(r: Any) -> None:
+        if _HOOK_WATCHED.get(k) is r:
+            del _HOOK_WATCHED[k]
+
+    return gone
+
+
+def _watch_hooks(tensors: Sequence[torch.Tensor]) -> None:
+    for t in tensors:
+        k = id(t)
+        ref = _HOOK_WATCHED.get(k)
+        if ref is None or ref() is not t:
+            _HOOK_WATCHED[k] = weakref.ref(t, _forget_hooked(k))
+
+
+def _wrap_hook_registration(name: str) -> None:
+    orig = getattr(torch.Tensor, name, None)
+    if orig is None or getattr(orig, "_gt_wrapped", False):
+        return
+
+    @functools.wraps(orig)
+    def register(self: torch.Tensor, hook: Any) -> Any:
+        handle = orig(self, hook)
+        _hook_touched(self)
+        try:
+            remove = handle.remove
+            ref = weakref.ref(self)
+
+            def _remove() -> None:
+                remove()
+                t = ref()
+                if t is not None:
+                    _hook_touched(t)
+
+            handle.remove = _remove
+        except (AttributeError, TypeError):  # pragma: no cover - a handle without remove()
+            pass
+        return handle
+
+    register._gt_wrapped = True  # type: ignore[attr-defined]
+    setattr(torch.Tensor, name, register)
+
+
+for _name in ("register_hook", "register_post_accumulate_grad_hook"):
+    _wrap_hook_registration(_name)
 
 
 def env_key_fn(roots: Sequence[Root], reads: Optional[AttrReads] = None) -> Optional[Callable[[], Any]]:
@@ -685,8 +769,19 @@ def env_key_fn(roots: Sequence[Root], reads: Optional[AttrReads] = None) -> Opti
               if isinstance(getattr(_mm, n, None), dict)]
     hook_attrs = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
     hook_dicts = [getattr(m, a) for m in mods for a in hook_attrs if isinstance(getattr(m, a, None), dict)]
+    # optimizer step hooks (register_step_pre_hook / register_step_post_hook, and torch's
+    # global ones) run inside opt.step(): traced with it, so adding or removing one records again
+    from torch.optim import optimizer as _om
+
+    hook_dicts += [getattr(o, a) for o in opts for a in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks")
+                   if isinstance(getattr(o, a, None), dict)]
+    if opts:
+        gdicts += [getattr(_om, n) for n in ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks")
+                   if isinstance(getattr(_om, n, None), dict)]
     groups = [g for o in opts for g in o.param_groups]
-    keys = [tuple(k for k, v in g.items() if k != "params" and type(v) in (int, float, bool)) for g in groups]
+    # every Python hyperparameter: numbers (numpy's too: a schedule computed with numpy), tuples
+    # of them (Adam's betas, Rprop's etas and step_sizes), strings, None
+    keys = [tuple(k for k, v in g.items() if k != "params" and _plain_attr(v)) for g in groups]
     # the plain Python attributes the trace read (BatchNorm's momentum and eps, Dropout's
     # p, LeakyReLU's negative_slope, GELU's approximate, a user's self.scale...) are
     # constants in the recording, so a new value is a new signature, not the old numbers;
@@ -708,6 +803,9 @@ def env_key_fn(roots: Sequence[Root], reads: Optional[AttrReads] = None) -> Opti
     # By identity: the cached value holds the old modules, so no new one can take their ids.
     sub_dicts = [m._modules for m in mods if m._modules]
     sub_names = [name for name, m in named if m._modules]
+    _watch_hooks([p for m in mods for p in m._parameters.values() if p is not None and p.requires_grad]
+                 + [p for g in groups for p in g["params"] if isinstance(p, torch.Tensor) and p.requires_grad])
+    epoch = _HOOK_EPOCH
 
     def env() -> Any:
         try:
@@ -724,13 +822,16 @@ def env_key_fn(roots: Sequence[Root], reads: Optional[AttrReads] = None) -> Opti
             # as a whole (load_state_dict puts a new dict in place, state.clear() empties
             # it). By id: ``keep`` holds the objects of the recording's time, so no new
             # object can take over one of their ids while this signature lives.
-            [(tuple(map(id, o.param_groups)), id(o.state), len(o.state)) for o in opts],
+            [(tuple(map(id, o.param_groups)), id(o.state), len(o.state), tuple(map(id, o.state.values())))
+             for o in opts],
             [(id(g["params"]), len(g["params"])) for g in groups],
             [tuple(d.values()) for d in sub_dicts],
             list(map(type, mods)),
+            epoch[0],  # a gradient hook added to or removed from a parameter (see _HOOK_EPOCH)
         )
 
-    env.keep = [o.state for o in opts] + groups + [g["params"] for g in groups]  # type: ignore[attr-defined]
+    env.keep = ([o.state for o in opts] + groups + [g["params"] for g in groups]  # type: ignore[attr-defined]
+                + [s for o in opts for s in o.state.values()])  # each parameter's state (opt.state[p] = {})
 
     def diff(old: Any) -> List[str]:
         """What changed since ``old`` (an earlier value of env()), for the retrace explanation."""
@@ -750,6 +851,8 @@ def env_key_fn(roots: Sequence[Root], reads: Optional[AttrReads] = None) -> Opti
                 for (name, _), a, b in zip(named, old[7], new[7]) if a is not b]
         if list(old[1:6]) != list(new[1:6]):
             out.append("module hooks, or an optimizer's hyperparameters, parameter groups or state, changed")
+        if old[8] != new[8]:
+            out.append("a gradient hook was added to or removed from a parameter (register_hook)")
         return out
 
     env.diff = diff  # type: ignore[attr-defined]
@@ -853,10 +956,15 @@ def change_error(desc: str, changes: Sequence[Change]) -> GraphifyError:
         if code is not None:
             where = f"  in {type(c.owner).__name__}.forward at {code.co_filename}:{code.co_firstlineno}\n"
             break
+    sched = next((c for c in changes if isinstance(c.owner, _SCHEDULERS)), None)
+    fix = ("Fix: keep the value in a tensor updated in place (e.g. self.register_buffer('n', "
+           "torch.zeros(())) and self.n += 1), or move the update out of the graphified function.")
+    if sched is not None:
+        fix = (f"Fix: call {sched.path.rsplit('.', 1)[0]}.step() outside the graphified function, after "
+               "each call: the learning rate it sets is read by the next call (a new Python-float lr "
+               "records again; a tensor lr with an optimizer that supports it is read in place).")
     return GraphifyError(
         f"{desc}: the function changes Python numbers in the state it reaches ({listing}).\n{where}"
         "Why: a recording replays tensor work only; a Python-side update would happen once, "
-        "while tracing, and never again, and the value it reads would be frozen.\n"
-        "Fix: keep the value in a tensor updated in place (e.g. self.register_buffer('n', "
-        "torch.zeros(())) and self.n += 1), or move the update out of the graphified function."
+        "while tracing, and never again, and the value it reads would be frozen.\n" + fix
     )

@@ -1,0 +1,246 @@
+"""What a training step reaches besides tensors, changed between calls: each change is seen
+(the next call records again and matches eager) or refused, never replayed stale.
+
+Optimizer hyperparameters of any plain type (tuples: Adam's betas; numpy numbers), optimizer
+step hooks, gradient hooks on parameters, one parameter's optimizer state replaced, and
+Python numbers the step itself changes in plain objects and LR schedulers.
+"""
+
+import copy
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from conftest import assert_close
+
+import gtransform as gt
+
+
+def _pair(make_opt, width=4):
+    """Two identical (model, optimizer, step) triples: eager, and graphified."""
+    torch.manual_seed(0)
+    m1 = nn.Sequential(nn.Linear(width, 8), nn.Tanh(), nn.Linear(8, 2))
+    m2 = copy.deepcopy(m1)
+    out = []
+    for m in (m1, m2):
+        o = make_opt(m.parameters())
+
+        def step(x, y, m=m, o=o):
+            o.zero_grad()
+            loss = F.mse_loss(m(x), y)
+            loss.backward()
+            o.step()
+            return loss
+
+        out.append((m, o, step))
+    (m1, o1, s1), (m2, o2, s2) = out
+    return (m1, o1, s1), (m2, o2, gt.graphify(s2))
+
+
+def _data(i, width=4):
+    g = torch.Generator().manual_seed(100 + i)
+    return torch.randn(8, width, generator=g), torch.randn(8, 2, generator=g)
+
+
+def _same(m1, m2):
+    for p, q in zip(m1.parameters(), m2.parameters()):
+        assert_close(q, p)
+
+
+@pytest.mark.parametrize("case", ["adam_betas", "rprop_etas", "numpy_lr", "numpy_float32_momentum"])
+def test_hyperparameters_of_any_plain_type_are_part_of_the_signature(case):
+    make, change = {
+        "adam_betas": (lambda ps: torch.optim.Adam(ps, lr=0.01, fused=True),
+                       lambda g, i: g.__setitem__("betas", (0.9 - 0.1 * i, 0.999))),
+        "rprop_etas": (lambda ps: torch.optim.Rprop(ps, lr=0.01),
+                       lambda g, i: g.__setitem__("etas", (0.5 - 0.05 * i, 1.2 + 0.1 * i))),
+        # a cosine schedule computed with numpy leaves an np.float64 (a float subclass)
+        "numpy_lr": (lambda ps: torch.optim.SGD(ps, lr=0.1),
+                     lambda g, i: g.__setitem__("lr", 0.05 * (1 + np.cos(np.pi * i / 6)))),
+        "numpy_float32_momentum": (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+                                   lambda g, i: g.__setitem__("momentum", np.float32(0.9 - 0.1 * i))),
+    }[case]
+    (m1, o1, s1), (m2, o2, s2) = _pair(make)
+    for i in range(9):
+        x, y = _data(i)
+        for o in (o1, o2):
+            change(o.param_groups[0], i // 3)
+        assert_close(s2(x, y), s1(x, y))
+        _same(m1, m2)
+    info = s2.cache_info()
+    assert info.hits == 3, info  # each value: run eagerly, recorded again, replayed
+
+
+@pytest.mark.parametrize("kind", ["post", "pre", "global_post"])
+def test_optimizer_step_hooks_added_or_removed_record_again(kind):
+    (m1, o1, s1), (m2, o2, s2) = _pair(lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9))
+
+    def clamp(opt, *args):
+        with torch.no_grad():
+            for g in opt.param_groups:
+                for p in g["params"]:
+                    p.clamp_(-0.05, 0.05)
+
+    handles = []
+    for i in range(6):
+        if i == 2:
+            if kind == "global_post":
+                from torch.optim.optimizer import register_optimizer_step_post_hook
+
+                handles.append(register_optimizer_step_post_hook(clamp))
+            else:
+                for o in (o1, o2):
+                    reg = o.register_step_post_hook if kind == "post" else o.register_step_pre_hook
+                    handles.append(reg(clamp))
+        if i == 4:
+            for h in handles:
+                h.remove()
+        x, y = _data(i)
+        assert_close(s2(x, y), s1(x, y))
+        _same(m1, m2)
+
+
+def _zero_grad(p: torch.Tensor) -> None:
+    p.grad.mul_(0)
+
+
+@pytest.mark.parametrize("kind", ["register_hook", "register_post_accumulate_grad_hook"])
+def test_gradient_hooks_on_parameters_added_or_removed_record_again(kind):
+    (m1, o1, s1), (m2, o2, s2) = _pair(lambda ps: torch.optim.SGD(ps, lr=0.1))
+    handles = []
+    for i in range(9):
+        if i == 2:  # freeze the first layer by zeroing its gradient
+            for m in (m1, m2):
+                w = m[0].weight
+                if kind == "register_hook":
+                    handles.append(w.register_hook(lambda g: g * 0))
+                else:
+                    handles.append(w.register_post_accumulate_grad_hook(_zero_grad))
+        if i == 6:
+            for h in handles:
+                h.remove()
+        x, y = _data(i)
+        assert_close(s2(x, y), s1(x, y))
+        assert_close(m2[0].weight.grad, m1[0].weight.grad)
+        _same(m1, m2)
+    assert s2.cache_info().hits == 3  # still replayed between the changes
+
+
+def test_hooks_on_unrelated_tensors_do_not_record_again():
+    (m1, o1, s1), (m2, o2, s2) = _pair(lambda ps: torch.optim.SGD(ps, lr=0.1))
+    for i in range(6):
+        x, y = _data(i)
+        t = torch.zeros(2, requires_grad=True)
+        t.register_hook(lambda g: g).remove()  # a tensor of the loop, not of the model
+        assert_close(s2(x, y), s1(x, y))
+    assert s2.cache_info().misses == 2  # the first call runs eagerly, the second records
+
+
+def test_one_parameters_optimizer_state_replaced_is_seen():
+    (m1, o1, s1), (m2, o2, s2) = _pair(lambda ps: torch.optim.Adam(ps, lr=0.01, fused=True))
+    for i in range(6):
+        if i == 3:
+            for m, o in ((m1, o1), (m2, o2)):
+                o.state[m[0].weight] = {}  # reset Adam's moments for one re-initialised layer
+        x, y = _data(i)
+        assert_close(s2(x, y), s1(x, y))
+        _same(m1, m2)
+    assert float(o2.state[m2[0].weight]["step"]) == float(o1.state[m1[0].weight]["step"]) == 3.0
+
+
+class _EMA:
+    """A hand-written EMA (YOLOv5's ModelEMA): a Python update counter sets the decay."""
+
+    def __init__(self, model, decay=0.999, tau=2.0):
+        self.ema = copy.deepcopy(model).requires_grad_(False)
+        self.updates = 0
+        self.decay = lambda n: decay * (1 - math.exp(-n / tau))
+
+    def update(self, model):
+        self.updates += 1
+        d = self.decay(self.updates)
+        with torch.no_grad():
+            for e, p in zip(self.ema.parameters(), model.parameters()):
+                e.mul_(d).add_(p, alpha=1 - d)
+
+
+def test_a_python_counter_in_a_plain_object_changed_on_every_call_is_refused():
+    """Before: the trace incremented it once more and replays froze it (wrong EMA weights)."""
+    torch.manual_seed(0)
+    m = nn.Linear(4, 2)
+    ref_m = copy.deepcopy(m)
+    o, ref_o = torch.optim.SGD(m.parameters(), lr=0.1), torch.optim.SGD(ref_m.parameters(), lr=0.1)
+    ema, ref_ema = _EMA(m), _EMA(ref_m)
+
+    def step(x, y):
+        o.zero_grad()
+        loss = F.mse_loss(m(x), y)
+        loss.backward()
+        o.step()
+        ema.update(m)
+        return loss
+
+    g = gt.graphify(step)
+    x, y = _data(0)
+    g(x, y)  # the first call runs eagerly: exactly eager's
+    ref_o.zero_grad()
+    F.mse_loss(ref_m(x), y).backward()
+    ref_o.step()
+    ref_ema.update(ref_m)
+    assert ema.updates == ref_ema.updates == 1
+    assert_close(ema.ema.weight, ref_ema.ema.weight)
+    with pytest.raises(gt.GraphifyError, match=r"(?s)changes Python numbers .*ema\.updates: 1 -> 2.*Fix: keep the value in a tensor"):
+        g(x, y)
+    assert ema.updates == 1  # the refused trace left nothing behind
+
+
+@pytest.mark.parametrize("sched", ["step", "cosine", "exponential"])
+def test_an_lr_scheduler_stepped_inside_the_function_is_refused_after_an_exact_first_call(sched):
+    """Before: the trace stepped the scheduler once more (lr 0.05 instead of 0.1 after call 0),
+    then replays froze it."""
+    make = {
+        "step": lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5),
+        "cosine": lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=10),
+        "exponential": lambda o: torch.optim.lr_scheduler.ExponentialLR(o, gamma=0.9),
+    }[sched]
+    (m1, o1, _), (m2, o2, _) = _pair(lambda ps: torch.optim.SGD(ps, lr=0.1))
+    s1, s2 = make(o1), make(o2)
+
+    def step(x, y):
+        o2.zero_grad()
+        loss = F.mse_loss(m2(x), y)
+        loss.backward()
+        o2.step()
+        s2.step()
+        return loss
+
+    g = gt.graphify(step)
+    x, y = _data(0)
+    g(x, y)
+    o1.zero_grad()
+    F.mse_loss(m1(x), y).backward()
+    o1.step()
+    s1.step()
+    assert s2.last_epoch == s1.last_epoch == 1
+    assert o2.param_groups[0]["lr"] == o1.param_groups[0]["lr"]
+    _same(m1, m2)
+    with pytest.raises(gt.GraphifyError, match=r"(?s)changes Python numbers .*s2\.last_epoch: 1 -> 2"
+                       r".*Fix: call s2\.step\(\) outside the graphified function") as ei:
+        g(x, y)
+    assert s2.last_epoch == 1 and o2.param_groups[0]["lr"] == o1.param_groups[0]["lr"]
+    assert "param_groups[0]['lr']" in str(ei.value)
+
+
+def test_an_lr_scheduler_stepped_outside_records_each_new_lr_and_matches_eager():
+    (m1, o1, st1), (m2, o2, st2) = _pair(lambda ps: torch.optim.SGD(ps, lr=0.1))
+    s1 = torch.optim.lr_scheduler.StepLR(o1, step_size=2, gamma=0.5)
+    s2 = torch.optim.lr_scheduler.StepLR(o2, step_size=2, gamma=0.5)
+    for i in range(6):
+        x, y = _data(i)
+        assert_close(st2(x, y), st1(x, y))
+        s1.step()
+        s2.step()
+        _same(m1, m2)
