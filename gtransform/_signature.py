@@ -221,7 +221,9 @@ class Entry:
         # (and a call none of whose outputs needs grad, e.g. an EMA update that returns
         # nothing, stays a plain call)
         updated = [tensors[i] for i in plan.mutated if i >= self.n_user and rg[i]]
-        updates_params = any(s.kind == "grad" for s in plan.escape_slots)
+        # (a backward the function ran itself, then an update: a training step, also when it
+        # ends with opt.zero_grad(), which leaves no .grad behind)
+        updates_params = plan.ran_backward or any(s.kind == "grad" for s in plan.escape_slots)
         if updated and not updates_params:
             graded = {id(s.obj) for s in plan.state_slots if s is not None and s.kind == "grad"}
             updates_params = any(id(t) in graded for t in updated) or not any(

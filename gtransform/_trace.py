@@ -170,7 +170,7 @@ class Plan:
     py_changes: List[Any] = field(default_factory=list)
     roots: List[Any] = field(default_factory=list)
     attr_reads: Any = None  # _state.AttrReads: the root modules' attributes the function read
-    ran_backward: bool = False
+    ran_backward: bool = False  # the function ran a backward itself (.backward(), autograd.grad)
     # the user's function and how to call it on the flat tensors (for the joint
     # forward+backward trace of _partition)
     fn: Any = None
@@ -782,7 +782,7 @@ def trace(
         hooks=list(fnwatch.hooks),
         custom_grad=box.get("custom_grad", []),
         rg_traced=(any(sp[4] for sp in in_specs) or any(f.requires_grad for f in watch.state_fakes)) and not fnwatch.for_grad,
-        ran_backward=any(s.kind == "grad" for s, _ in scan.escapes) or any(
+        ran_backward=fnwatch.backward_calls > 0 or any(s.kind == "grad" for s, _ in scan.escapes) or any(
             s is not None and s.kind == "grad" for s in state_slots),
         fn=fn,
         rebuild=rebuild,

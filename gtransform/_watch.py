@@ -386,6 +386,7 @@ class _Watch(TorchDispatchMode):
 _DATA_SET = torch._C.TensorBase.__dict__["data"]
 _GRAD_ATTR = torch._C.TensorBase.__dict__["grad"]
 _REGISTER_HOOK = torch.Tensor.register_hook
+_BACKWARDS = (torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad)
 # calls whose result leaves the autograd graph: make_fx may record them as plain aliases
 # (torch 2.14 records x.detach() as aten.alias), which a graph run under autograd would
 # differentiate through; their nodes are marked like no_grad blocks (_tagging_no_grad)
@@ -437,6 +438,7 @@ class _FnWatch(TorchFunctionMode):
         self.layout_used: Set[int] = set()
         self.grad_read: Set[int] = set()
         self.hooks: List[str] = []
+        self.backward_calls = 0  # .backward(), torch.autograd.backward/grad called by the function
         self.for_grad = bool(getattr(FOR_GRAD, "on", False))
         self.inputs: Sequence[Any] = ()  # the trace's input tensors (set by the traced function)
 
@@ -448,7 +450,9 @@ class _FnWatch(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if func is _REGISTER_HOOK and args:
+        if func in _BACKWARDS:
+            self.backward_calls += 1
+        if (func is _REGISTER_HOOK or getattr(func, "__wrapped__", None) is _REGISTER_HOOK) and args:
             self.hooks.append(format_frame(user_frame(traceback.extract_stack())))
             if self.for_grad and isinstance(args[0], torch.Tensor) and not args[0].requires_grad:
                 # under torch.func.grad the tensor requires grad in eager; the trace's

@@ -244,3 +244,31 @@ def test_an_lr_scheduler_stepped_outside_records_each_new_lr_and_matches_eager()
         s1.step()
         s2.step()
         _same(m1, m2)
+
+
+def test_a_step_that_ends_with_zero_grad_and_returns_the_loss_matches_eager():
+    """`loss.backward(); opt.step(); opt.zero_grad(); return loss`: before, call 1 was refused
+    with "updates its inputs in place ... and is being differentiated" (no .grad is left behind,
+    so the update did not look like an optimizer step)."""
+    torch.manual_seed(0)
+    m1 = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    m2 = copy.deepcopy(m1)
+    steps = []
+    for m in (m1, m2):
+        o = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+
+        def step(x, y, m=m, o=o):
+            loss = F.mse_loss(m(x), y)
+            loss.backward()
+            o.step()
+            o.zero_grad()
+            return loss
+
+        steps.append(step)
+    g = gt.graphify(steps[1])
+    for i in range(5):
+        x, y = _data(i)
+        assert_close(g(x, y), steps[0](x, y).detach())
+        _same(m1, m2)
+        assert m2[0].weight.grad is None
+    assert g.cache_info().hits == 3
