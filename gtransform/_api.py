@@ -558,7 +558,9 @@ class Graphified(Generic[P, R]):
                     f"Fix: return it as an output of the function instead, or store a detached copy "
                     f"({kept[0].rsplit('.', 1)[-1]} = h.detach()) if it is only looked at."
                 )
-        if plan.roots:  # a module without tensors (nn.LeakyReLU) has attributes and a training flag too
+        # a module without tensors (nn.LeakyReLU) has attributes and a training flag too; so does
+        # one the function called without the roots leading to it (AttrReads.called)
+        if plan.roots or (plan.attr_reads is not None and plan.attr_reads.called):
             e.env = env_key_fn(plan.roots, plan.attr_reads)
             e.env_val = e.env() if e.env is not None else None
         if not warm:

@@ -29,6 +29,7 @@ The rule (DESIGN semantics 10):
 
 from __future__ import annotations
 
+import enum
 import functools
 import inspect
 import operator
@@ -60,6 +61,8 @@ _NUMBERS = (int, float)
 _MAX_CONTAINER = 4096
 # a module's own tables, covered as parameters, buffers and submodules
 _MODULE_DICTS = frozenset(("_parameters", "_buffers", "_modules"))
+# what every nn.Module has in its __dict__ (hook dicts, flags): watched apart, or not at all
+_MODULE_ATTRS = frozenset(vars(torch.nn.Module()))
 
 
 @dataclass
@@ -254,6 +257,17 @@ def find_roots(fn: Any, extra: Sequence[Tuple[str, Any]] = ()) -> List[Root]:
                     continue
                 if type(v) in (list, dict, tuple) or _plain_object(v):
                     add(f"{path}.{k}", v, 1)
+            # hooks' closures and globals (`acts.append(o)` in a forward hook): what they
+            # store there is seen like what the function stores
+            for hd in (m._forward_hooks, m._forward_pre_hooks):
+                for h in list(hd.values()):
+                    if id(h) not in seen:
+                        seen.add(id(h))
+                        hmore: List[Tuple[str, Any]] = []
+                        _candidates(h, 1, hmore, set(), where)
+                        for name, v in hmore:
+                            if type(v) in (list, dict) or _plain_object(v):
+                                add(f"{path} hook: {name}", v, 1)
             fwd = type(m).__dict__.get("forward")
             if isinstance(fwd, types.FunctionType) and not _is_library_code(fwd) and id(type(m)) not in seen:
                 seen.add(id(type(m)))
@@ -602,8 +616,11 @@ def _opt_params(opt: _Optimizer) -> List[torch.Tensor]:
 # -- the environment part of the signature ------------------------------------------------
 
 
-_PLAIN_TYPES = (int, float, bool, str, type(None))
+_PLAIN_TYPES = (int, float, bool, complex, str, bytes, type(None))
 _READING = threading.local()  # .reads: the AttrReads recording this thread's trace, if any
+# ids of the global forward pre-hooks that traces register while they run (AttrReads): not
+# the user's, so not part of any signature (another thread's trace may hold one at any time)
+_TRACE_HOOKS: Set[int] = set()
 _TRACKERS: Dict[type, type] = {}
 
 
@@ -639,8 +656,27 @@ class AttrReads:
         self.names: Dict[int, Set[str]] = {}
         self.untracked: Set[int] = set()
         self._swapped: List[Tuple[Any, type, type]] = []
+        # modules called while tracing that the roots do not lead to (held by a
+        # functools.partial, three containers deep, in a set...): their training flags,
+        # hooks and attributes are part of the signature all the same
+        self.called: List[Any] = []
+        self._hook: Any = None
+
+    def _seen_call(self, m: Any, args: Any) -> None:
+        if getattr(_READING, "reads", None) is not self:  # a module called in another thread
+            return
+        if id(m) not in self._known:
+            self._known.add(id(m))
+            self.called.append(m)
+            self.untracked.add(id(m))  # its attribute reads are not tracked: all are watched
 
     def __enter__(self) -> AttrReads:
+        self._known = {id(m) for m in self.mods}
+        try:
+            self._hook = torch.nn.modules.module.register_module_forward_pre_hook(self._seen_call)
+            _TRACE_HOOKS.add(self._hook.id)
+        except Exception:  # pragma: no cover - a torch without global module hooks
+            self._hook = None
         for m in self.mods:
             cls = type(m)
             try:
@@ -655,6 +691,10 @@ class AttrReads:
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            _TRACE_HOOKS.discard(self._hook.id)
+            self._hook = None
         _READING.reads = self._outer
         for m, cls, sub in self._swapped:
             if type(m) is sub:  # unless the function gave it another class itself
@@ -668,10 +708,20 @@ class AttrReads:
         return self.names.get(id(m), set())
 
 
+_VALUE_TYPES = (enum.Enum, torch.dtype, torch.device, torch.layout, torch.memory_format,
+                types.FunctionType, types.BuiltinFunctionType, types.MethodType, functools.partial, type)
+
+
 def _plain_scalar(v: Any) -> bool:
+    """A value compared by ``==`` in the signature.
+
+    A number (numpy's, complex), string, None, an enum member, a dtype or device,
+    a function or class (compared by identity).
+    """
     t = type(v)
-    return t in _PLAIN_TYPES or (t.__module__ == "numpy" and getattr(v, "ndim", None) == 0
-                                 and t.__name__ not in ("ndarray", "matrix"))
+    if t in _PLAIN_TYPES or isinstance(v, _VALUE_TYPES):
+        return True
+    return t.__module__ == "numpy" and getattr(v, "ndim", None) == 0 and t.__name__ not in ("ndarray", "matrix")
 
 
 def _plain_attr(v: Any) -> bool:
@@ -681,7 +731,7 @@ def _plain_attr(v: Any) -> bool:
     """
     if _plain_scalar(v):
         return True
-    return type(v) is tuple and len(v) <= 16 and all(_plain_scalar(x) for x in v)
+    return type(v) in (tuple, frozenset) and len(v) <= 64 and all(_plain_scalar(x) for x in v)
 
 
 # -- gradient hooks on state tensors ---------------------------------------------------------
@@ -758,9 +808,24 @@ def env_key_fn(roots: Sequence[Root], reads: Optional[AttrReads] = None) -> Opti
     optimizer's Python-number hyperparameters, parameter groups and state dict as a whole.
     """
     named = root_modules(roots)
+    if reads is not None and reads.called:
+        known = {id(m) for _, m in named}
+        for m in reads.called:
+            for n, sub in m.named_modules(remove_duplicate=False):
+                if id(sub) not in known:
+                    known.add(id(sub))
+                    named.append((f"<{type(m).__name__} called by the function>{'.' + n if n else ''}", sub))
     mods = [m for _, m in named]
     opts = [r.obj for r in roots if isinstance(r.obj, _Optimizer)]
-    if not mods and not opts:
+    # closed-over lists and dicts of tensors (and a plain object's containers): a tensor added
+    # or removed changes what the function reads (`caches.append(t)`, `obj.ts = [new]`)
+    conts = [r.obj for r in roots if type(r.obj) in (list, dict) and any(
+        isinstance(v, torch.Tensor) for v in (r.obj.values() if isinstance(r.obj, dict) else r.obj))]
+    obj_slots = [(vars(r.obj), k, f"{r.name}.{k}") for r in roots
+                 if _plain_object(r.obj) and not isinstance(r.obj, (_Module, _Optimizer))
+                 for k, v in vars(r.obj).items() if type(v) in (list, dict, tuple) and any(
+                     isinstance(x, torch.Tensor) for x in (v.values() if isinstance(v, dict) else v))]
+    if not mods and not opts and not conts and not obj_slots:
         return None
     from torch.nn.modules import module as _mm
 
@@ -788,6 +853,16 @@ def env_key_fn(roots: Sequence[Root], reads: Optional[AttrReads] = None) -> Opti
     # attributes it did not read (`model.step = i` set by the loop) may change freely
     attr_dicts = []
     attr_names: List[Tuple[str, Tuple[str, ...]]] = []
+    # compared by identity (the objects kept alive by env.keep, so no new one takes an id):
+    # containers and other objects among the attributes the trace read (`self.c = [a, b]`
+    # rebound), a parameter or buffer slot that is None (`register_buffer("mask", None)`,
+    # set later) or that holds a tensor found in another slot too (tied weights, untied later)
+    id_slots: List[Tuple[Dict[str, Any], str, str]] = []  # (dict, key, path)
+    # names the trace looked up that no dict held (getattr(self, "extra", 1.0), hasattr):
+    # their appearance records again; class attributes read through the instance: by value
+    absent: List[Tuple[Any, str, str]] = []  # (module, name, path)
+    cls_slots: List[Tuple[Dict[str, Any], str, str]] = []  # (class __dict__, name, path)
+    seen_t: Dict[int, Tuple[Dict[str, Any], str, str]] = {}
     for name, m in named:
         d = m.__dict__
         # `training` among them: one C-level getter per module reads everything
@@ -796,7 +871,51 @@ def env_key_fn(roots: Sequence[Root], reads: Optional[AttrReads] = None) -> Opti
                                    and (read is None or k in read))
         attr_dicts.append((d, operator.itemgetter(*ks)))
         attr_names.append((name, ks))
-    n_attrs = sum(len(ks) - 1 for _, ks in attr_names)
+        if read is not None:
+            for k in read:
+                if k in d:
+                    v = d[k]
+                    if k not in _MODULE_ATTRS and not _plain_attr(v) and not isinstance(v, (torch.Tensor, _Module)):
+                        id_slots.append((d, k, f"{name}.{k}"))
+                elif k not in m._parameters and k not in m._buffers and k not in m._modules:
+                    owner = next((c for c in type(m).__mro__ if k in c.__dict__), None)
+                    if owner is None:
+                        if not k.startswith("__"):
+                            absent.append((m, k, f"{name}.{k}"))
+                    elif (_plain_attr(owner.__dict__[k]) and not callable(owner.__dict__[k])
+                          and owner.__module__.split(".")[0] != "torch"):
+                        cls_slots.append((owner.__dict__, k, f"{type(m).__name__}.{k}"))  # type: ignore[arg-type]
+                        absent.append((m, k, f"{name}.{k}"))  # set on the instance later
+        for dd in (m._parameters, m._buffers):
+            for k, v in dd.items():
+                if v is None:
+                    id_slots.append((dd, k, f"{name}.{k}"))
+                elif id(v) in seen_t:
+                    id_slots.append((dd, k, f"{name}.{k}"))
+                    id_slots.append(seen_t[id(v)])
+                else:
+                    seen_t[id(v)] = (dd, k, f"{name}.{k}")
+    # a root module's forward replaced on the instance (`m.forward = types.MethodType(f, m)`,
+    # as patching libraries do); a submodule's is not watched (a check per module per call)
+    for r in roots:
+        if isinstance(r.obj, _Module) and "forward" not in r.obj.__dict__:
+            absent.append((r.obj, "forward", f"{r.name}.forward"))
+    cls_slots = list({(id(d), k): (d, k, p) for d, k, p in cls_slots}.values())
+    id_slots += obj_slots
+    n_attrs = sum(len(ks) - 1 for _, ks in attr_names) + len(id_slots) + len(absent) + len(cls_slots)
+    # per call, C-level maps only: the dicts and keys side by side
+    id_d, id_k = [d for d, _, _ in id_slots], [k for _, k, _ in id_slots]
+    ab_d = [dd for m, _, _ in absent for dd in (m.__dict__, m._parameters, m._buffers, m._modules)]
+    ab_k = [k for _, k, _ in absent for _ in range(4)]
+    cl_d, cl_k = [d for d, _, _ in cls_slots], [k for _, k, _ in cls_slots]
+    _get: Any = dict.get
+    _cget: Any = types.MappingProxyType.get
+    _has = operator.contains
+
+    def extra() -> Any:
+        return (tuple(map(id, map(_get, id_d, id_k))), tuple(map(_has, ab_d, ab_k)), tuple(map(_cget, cl_d, cl_k)))
+
+    no_extra = not (id_slots or absent or cls_slots)
     # the module tree itself: a submodule replaced (`model.fc = nn.Linear(...)`, `seq[2] = ...`),
     # added (`seq.append(...)`) or removed, or a module's class changed (parametrizations
     # registered or removed swap it) records again; the recording is bound to the old objects.
@@ -815,7 +934,8 @@ def env_key_fn(roots: Sequence[Root], reads: Optional[AttrReads] = None) -> Opti
         return (
             attrs,
             [tuple(d) for d in filter(None, hook_dicts)],
-            [tuple(d) for d in filter(None, gdicts)],
+            # (without the hooks of traces running in other threads: see AttrReads)
+            [t for t in (tuple(k for k in d if k not in _TRACE_HOOKS) for d in filter(None, gdicts)) if t],
             [[g[k] for k in ks] for g, ks in zip(groups, keys)],
             # the optimizers' structure: their groups (add_param_group, one replaced), each
             # group's list of parameters (a new list; one added or removed), and their state
@@ -828,10 +948,13 @@ def env_key_fn(roots: Sequence[Root], reads: Optional[AttrReads] = None) -> Opti
             [tuple(d.values()) for d in sub_dicts],
             list(map(type, mods)),
             epoch[0],  # a gradient hook added to or removed from a parameter (see _HOOK_EPOCH)
+            None if no_extra else extra(),
+            tuple(map(len, conts)) if conts else None,
         )
 
     env.keep = ([o.state for o in opts] + groups + [g["params"] for g in groups]  # type: ignore[attr-defined]
-                + [s for o in opts for s in o.state.values()])  # each parameter's state (opt.state[p] = {})
+                + [s for o in opts for s in o.state.values()]  # each parameter's state (opt.state[p] = {})
+                + [d.get(k) for d, k, _ in id_slots])
 
     def diff(old: Any) -> List[str]:
         """What changed since ``old`` (an earlier value of env()), for the retrace explanation."""
@@ -853,9 +976,19 @@ def env_key_fn(roots: Sequence[Root], reads: Optional[AttrReads] = None) -> Opti
             out.append("module hooks, or an optimizer's hyperparameters, parameter groups or state, changed")
         if old[8] != new[8]:
             out.append("a gradient hook was added to or removed from a parameter (register_hook)")
+        if old[10] != new[10]:
+            out.append("a closed-over list or dict of tensors changed length")
+        if old[9] != new[9]:
+            a, b = old[9], new[9]
+            out += [f"{p} is another object (rebound, set or tied)" for (_, _, p), x, y in zip(id_slots, a[0], b[0]) if x != y]
+            out += [f"{p} {'appeared' if any(b[1][4 * i:4 * i + 4]) else 'was deleted'}"
+                    for i, (_, _, p) in enumerate(absent) if a[1][4 * i:4 * i + 4] != b[1][4 * i:4 * i + 4]]
+            out += [f"class attribute {p}: {x!r} -> {y!r}" for (_, _, p), x, y in zip(cls_slots, a[2], b[2]) if x != y]
         return out
 
     env.diff = diff  # type: ignore[attr-defined]
+    env.watched = ([p for _, _, p in id_slots] + [p for _, _, p in absent]  # type: ignore[attr-defined]
+                   + [p for _, _, p in cls_slots])
 
     env.describe = (  # type: ignore[attr-defined]
         f"{len(mods)} module(s) (training flags, hooks, {n_attrs} Python attributes), {len(opts)} optimizer(s) "
