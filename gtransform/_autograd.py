@@ -192,8 +192,14 @@ class GraphFn(torch.autograd.Function):
             _keep_outputs(box, res[:n])
             # saved activations go to autograd as fresh aliases: if autograd
             # still holds them at the next forward, the forward moves its
-            # outputs instead of writing over them
-            return (*res[:n], *[t.detach() for t in res[n:]])
+            # outputs instead of writing over them. (One may be an input that is
+            # the last call's output fed back, `h = step(h, x)`: its object was
+            # poisoned as this call began, while its memory stays pinned by the
+            # aliases the last forward keeps for its backward; the alias is made
+            # past the poison.)
+            with torch._C.DisableTorchFunctionSubclass():
+                saved = [t.detach() for t in res[n:]]
+            return (*res[:n], *saved)
         if e.plan.hooks:
             raise _recompute_refusal(
                 g._desc, e.plan, f"registers a tensor hook (at {e.plan.hooks[0]})", "hooks do not exist there",
@@ -268,14 +274,30 @@ class GraphFn(torch.autograd.Function):
         return _recompute_backward(ctx, box, grads, need, bwd, create_graph, batched)
 
 
+def _unpoisoned(saved: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    """The saved inputs, an alias for each one that a later call poisoned.
+
+    An input that is an earlier call's output fed back (``h = cell(x, h)``, unrolled for
+    backpropagation through time) is poisoned when the next call begins while the caller
+    still holds it; its memory stays pinned until this backward has run (the aliases
+    ``_keep_outputs`` keeps), so its values are this forward's.
+    """
+    from ._liveness import StaleOutput
+
+    if not any(type(t) is StaleOutput for t in saved):
+        return list(saved)
+    with torch._C.DisableTorchFunctionSubclass():
+        return [t.detach() if type(t) is StaleOutput else t for t in saved]
+
+
 def _recompute_backward(ctx: Any, box: _Box, grads: Sequence[Any], need: Tuple[bool, ...], bwd: Any,
                         create_graph: bool, batched: bool) -> Tuple[Any, ...]:
     if batched:
-        res = _eager_backward(box.entry.plan.gm, ctx.saved_tensors, grads, need)
+        res = _eager_backward(box.entry.plan.gm, _unpoisoned(ctx.saved_tensors), grads, need)
         return (None, *[res.pop(0) if n else None for n in need])
     with no_functorch():
         prims, depth = [], 0
-        for p in ctx.saved_tensors:
+        for p in _unpoisoned(ctx.saved_tensors):
             t, n = unwrap(p)
             prims.append(t)
             depth = max(depth, n)

@@ -138,3 +138,46 @@ def test_a_held_output_still_raises_on_the_autograd_path(device):
     with pytest.raises(gt.OverwrittenOutputError):
         y1 + 1
     assert_close(y2, m(x + 1))
+
+
+@pytest.mark.parametrize("how", ["closure", "module"])
+@pytest.mark.parametrize("T", [1, 3, 6])
+def test_backpropagation_through_time_with_the_output_fed_back(device, how, T):
+    """`h = step(h, x)` unrolled T times, then one backward: eager's gradients. Before, the
+    fed-back output (poisoned when the next call began, while autograd kept it) raised
+    OverwrittenOutputError in the forward (closure) or in .backward() (graphify(GRUCell))."""
+    torch.manual_seed(0)
+    if how == "closure":
+        lin = nn.Linear(4, 4).to(device)
+        ref_lin = copy.deepcopy(lin)
+        step = gt.graphify(lambda h, x: torch.tanh(lin(h) + x))
+
+        def ref(h, x):
+            return torch.tanh(ref_lin(h) + x)
+
+        params, ref_params = list(lin.parameters()), list(ref_lin.parameters())
+    else:
+        cell = nn.GRUCell(4, 4).to(device)
+        ref_cell = copy.deepcopy(cell)
+        g = gt.graphify(cell)
+
+        def step(h, x):
+            return g(x, h)
+
+        def ref(h, x):
+            return ref_cell(x, h)
+
+        params, ref_params = list(cell.parameters()), list(ref_cell.parameters())
+    for _round in range(2):
+        xs = [torch.randn(2, 4, device=device) for _ in range(T)]
+        h = hr = torch.zeros(2, 4, device=device)
+        for p in params + ref_params:
+            p.grad = None
+        for x in xs:
+            h, hr = step(h, x), ref(hr, x)
+        w = torch.arange(4.0, device=device)
+        (h * w).sum().backward()
+        (hr * w).sum().backward()
+        assert_close(h.detach(), hr.detach())
+        for p, q in zip(params, ref_params):
+            assert_close(p.grad, q.grad)
