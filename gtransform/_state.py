@@ -55,6 +55,11 @@ _SCHEDULERS = tuple(c for c in (getattr(torch.optim.lr_scheduler, "LRScheduler",
                                 getattr(torch.optim.lr_scheduler, "_LRScheduler", None),
                                 getattr(torch.optim.lr_scheduler, "ReduceLROnPlateau", None))
                     if isinstance(c, type))
+# ... and a GradScaler, which makes its scale tensor lazily (on its first scale()): the
+# trace's tensor is then written back, not left behind in it (a failed trace leaves no half-state)
+_TORCH_STATE = _SCHEDULERS + tuple(c for c in (getattr(getattr(torch, "amp", None), "GradScaler", None),
+                                               getattr(getattr(torch.cuda, "amp", None), "GradScaler", None))
+                                   if isinstance(c, type))
 _PKG_DIR = os.path.dirname(os.path.abspath(__file__))
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 _NUMBERS = (int, float)
@@ -182,7 +187,7 @@ def _plain_object(v: Any) -> bool:
         return False
     if not hasattr(v, "__dict__"):
         return False
-    if isinstance(v, _SCHEDULERS):
+    if isinstance(v, _TORCH_STATE):
         return True
     mod = type(v).__module__ or ""
     return not (mod.startswith("torch") or mod.startswith("gtransform") or mod == "builtins")

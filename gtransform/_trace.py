@@ -346,15 +346,22 @@ def _data_dependent(desc: str, exc: BaseException, cuda: bool = False) -> Graphi
                 "torch.distributions.Distribution.set_default_validate_args(False) once. The checks "
                 "then do not run: where eager would raise on invalid parameters (NaN logits, a "
                 "negative scale), the recording computes with them.")
-    elif optim:
+    elif optim and os.path.basename(optim[-1].filename) in _STEP_COUNT_OPTIMIZERS:
         if cuda:
-            hint = (" The read is inside torch.optim: construct the optimizer with capturable=True, so its "
-                    "step count stays a tensor on the GPU instead of being read on the host.")
+            hint = (f" The read is inside torch.optim ({format_frame(optim[-1])}): construct the optimizer "
+                    "with capturable=True, so its step count stays a tensor on the GPU instead of being "
+                    "read on the host.")
         else:
-            hint = (" The read is inside torch.optim: Adam-family optimizers read their step count on the "
-                    "host unless capturable=True, which torch supports on GPUs only. On the CPU, keep "
-                    "opt.step() outside the graphified function (graphify the forward, or forward and "
-                    "backward), or use an optimizer without a step count such as SGD.")
+            hint = (f" The read is inside torch.optim ({format_frame(optim[-1])}): Adam-family optimizers "
+                    "read their step count on the host unless capturable=True, which torch supports on GPUs "
+                    "only. On the CPU, keep opt.step() outside the graphified function (graphify the "
+                    "forward, or forward and backward), or use an optimizer without a step count such as SGD.")
+    elif optim:
+        what = {"swa_utils.py": "torch.optim.swa_utils (AveragedModel / SWALR count their updates on the host)",
+                "lbfgs.py": "LBFGS (its line search and stopping tests read values on the host)"}.get(
+            os.path.basename(optim[-1].filename), "torch.optim")
+        hint = (f" The read is inside {what}, at {format_frame(optim[-1])}. Keep that call outside the "
+                "graphified function (after it, on its outputs or the updated parameters).")
     return GraphifyError(
         f"{desc}: operation {op} {op_desc}.\n{where}\n"
         "Why: a recording is made once for each input signature and replayed without Python; "
@@ -364,6 +371,30 @@ def _data_dependent(desc: str, exc: BaseException, cuda: bool = False) -> Graphi
         "(pass a Python number, or mark the argument with static_argnums/static_argnames), "
         "or move this part out of the graphified function." + hint
     )
+
+
+# optimizers whose step count is read on the host unless capturable=True
+_STEP_COUNT_OPTIMIZERS = frozenset(("adam.py", "adamw.py", "adamax.py", "nadam.py", "radam.py", "asgd.py",
+                                    "adagrad.py", "_adafactor.py", "adafactor.py", "sparse_adam.py", "optimizer.py"))
+
+
+def _no_traced_constants(gm: torch.fx.GraphModule, is_ours: Callable[[Any], bool], desc: str) -> None:
+    """Refuse a graph that holds one of the trace's own tensors as a constant.
+
+    A tensor the trace made but lost track of (set as ``p.grad`` on state and read back
+    through torch's C++ accessors, e.g. a gradient from ``torch.autograd.grad`` that is a
+    view) would be a placeholder without data in every replay.
+    """
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and is_ours(getattr(gm, str(node.target), None)):
+            users = ", ".join(str(u.target) for u in list(node.users)[:2])
+            raise GraphifyError(
+                f"{desc}: the recording would read a tensor the trace made but could not follow "
+                f"(used by {users}).\nWhy: it was stored in Python state and read back from there in "
+                "the same call, e.g. a gradient from torch.autograd.grad assigned to p.grad (a view) "
+                "and then read by opt.step(); a replay would find a placeholder without data.\n"
+                "Fix: store a copy (p.grad = g.clone()), or accumulate with loss.backward() instead."
+            )
 
 
 def _register_container(cls: type) -> bool:
@@ -712,6 +743,7 @@ def trace(
                 "(p.register_hook(...) runs when the gradient reaches p)."
             )
     _lift_state(gm, watch.state_fakes)
+    _no_traced_constants(gm, is_ours, desc)
     _drop_profiler_nodes(gm)
     _kernels_in_grad_mode(gm)
     gm.recompile()
@@ -753,6 +785,16 @@ def trace(
         k += 1
     esc_entries: List[OutEntry] = []
     for slot, fake in scan.escapes:
+        if fake.layout != torch.strided:
+            sparse_grad = (" (nn.Embedding(sparse=True) and nn.EmbeddingBag(sparse=True) make sparse "
+                           "gradients)") if slot.kind == "grad" else ""
+            raise GraphifyError(
+                f"{desc}: the function leaves a {fake.layout} tensor in {slot.path}{sparse_grad}.\n"
+                "Why: what the function leaves in Python state is written back from the recording's "
+                "memory after every call, as dense strided tensors.\n"
+                "Fix: use dense tensors there (nn.Embedding(..., sparse=False)), or leave nothing behind "
+                "(call opt.zero_grad() at the end of the function, after opt.step())."
+            )
         ent = entry(fake, slot.path)
         ent.requires_grad = bool(fake.requires_grad)
         esc_entries.append(ent)

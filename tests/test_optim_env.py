@@ -272,3 +272,92 @@ def test_a_step_that_ends_with_zero_grad_and_returns_the_loss_matches_eager():
         _same(m1, m2)
         assert m2[0].weight.grad is None
     assert g.cache_info().hits == 3
+
+
+def test_a_fresh_grad_scaler_inside_the_step_matches_eager_and_is_never_left_with_a_placeholder():
+    """GradScaler makes its scale tensor on its first scale(): before, the trace's placeholder
+    was left in it (broken for eager use too); now it is written back like any state."""
+    torch.manual_seed(0)
+    m1 = nn.Linear(4, 2)
+    m2 = copy.deepcopy(m1)
+    runs = []
+    for m in (m1, m2):
+        o = torch.optim.SGD(m.parameters(), lr=0.1)
+        sc = torch.amp.GradScaler("cpu", init_scale=2.0 ** 4)
+
+        def step(x, y, m=m, o=o, sc=sc):
+            o.zero_grad()
+            loss = F.mse_loss(m(x), y)
+            sc.scale(loss).backward()
+            return loss.detach()
+
+        runs.append((o, sc, step))
+    (o1, sc1, s1), (o2, sc2, s2) = runs
+    g = gt.graphify(s2)
+    for i in range(5):
+        x, y = _data(i)
+        assert_close(g(x, y), s1(x, y))
+        assert type(sc2._scale) is torch.Tensor
+        for o, sc in ((o1, sc1), (o2, sc2)):
+            sc.step(o)
+            sc.update()
+        _same(m1, m2)
+        assert_close(sc2._scale, sc1._scale)
+
+
+def test_host_reads_in_torch_optim_name_the_right_cause():
+    torch.manual_seed(0)
+    m = nn.Linear(4, 2)
+    o = torch.optim.SGD(m.parameters(), lr=0.1)
+    swa = torch.optim.swa_utils.AveragedModel(m)
+
+    def step(x, y):
+        o.zero_grad()
+        F.mse_loss(m(x), y).backward()
+        o.step()
+        swa.update_parameters(m)
+
+    g = gt.graphify(step)
+    x, y = _data(0)
+    with pytest.raises(gt.GraphifyError) as ei:
+        for _ in range(3):
+            g(x, y)
+    msg = str(ei.value)
+    assert "torch.optim.swa_utils" in msg and "swa_utils.py:" in msg, msg
+    assert "Adam" not in msg, msg
+
+
+def test_sparse_gradients_left_in_p_grad_are_a_graphify_error():
+    emb = nn.Embedding(10, 3, sparse=True)
+    o = torch.optim.SGD(emb.parameters(), lr=0.1)
+
+    def step(i):
+        o.zero_grad()
+        loss = emb(i).sum()
+        loss.backward()
+        o.step()
+        return loss.detach()
+
+    with pytest.raises(gt.GraphifyError, match=r"(?s)leaves a torch.sparse_coo tensor in emb.weight.grad.*Fix:"):
+        gt.graphify(step)(torch.tensor([1, 2]))
+    assert emb.weight.grad is None  # nothing left behind
+
+
+def test_a_gradient_view_assigned_to_p_grad_is_refused_when_traced_with_the_fix():
+    torch.manual_seed(0)
+    m = nn.Linear(4, 2)
+    o = torch.optim.SGD(m.parameters(), lr=0.1)
+
+    def step(x, y):
+        loss = F.mse_loss(m(x), y)
+        grads = torch.autograd.grad(loss, list(m.parameters()))
+        for p, gr in zip(m.parameters(), grads):
+            p.grad = gr
+        o.step()
+        return loss.detach()
+
+    g = gt.graphify(step)
+    x, y = _data(0)
+    with pytest.raises(gt.GraphifyError, match=r"(?s)could not follow.*Fix: store a copy \(p.grad = g.clone\(\)\)"):
+        for _ in range(3):
+            g(x, y)
