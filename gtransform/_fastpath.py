@@ -191,8 +191,9 @@ def build_fast_path(owner: Any, entry: Any, rec: Any, pool: Any) -> Any:
     if entry.env is not None:
         checks.append("if ENV() != ENVVAL: return MISS")
     # global settings (grad mode, default dtype, autocast) are part of the signature
-    gm, dt, ac = entry.glob
-    checks.append(f"if _grad_enabled() is not {gm!r} or _default_dtype() is not {g.const(dt)}: return MISS")
+    gm, dt, ac, det = entry.glob
+    checks.append(f"if _grad_enabled() is not {gm!r} or _default_dtype() is not {g.const(dt)} "
+                  f"or _deterministic() is not {det!r}: return MISS")
     checks.append("if _any_autocast(): return MISS" if ac is None else "return MISS")
     if entry.any_rg and gm:
         checks.append("return MISS")
@@ -308,6 +309,7 @@ def build_fast_path(owner: Any, entry: Any, rec: Any, pool: Any) -> Any:
         "_key": static_leaf_key,
         "_grad_enabled": torch.is_grad_enabled,
         "_default_dtype": torch.get_default_dtype,
+        "_deterministic": getattr(torch._C, "_get_deterministic_algorithms", torch.are_deterministic_algorithms_enabled),
         "_any_autocast": getattr(torch._C, "_is_any_autocast_enabled", lambda: True),
         "_alias": alias_pattern,
         "_attrs_key": attrs_key,

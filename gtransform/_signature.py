@@ -37,19 +37,21 @@ except Exception:  # pragma: no cover
 _Parameter = torch.nn.Parameter
 _is_grad_enabled = torch.is_grad_enabled
 _get_default_dtype = torch.get_default_dtype
+_deterministic = getattr(torch._C, "_get_deterministic_algorithms", torch.are_deterministic_algorithms_enabled)
 _any_autocast: Any = getattr(torch._C, "_is_any_autocast_enabled", None)
 
 
 def global_key(grad_mode: Optional[bool] = None) -> Tuple[Any, ...]:
     """The global settings that change what a function computes, like dynamo's global guards.
 
-    Grad mode, the default dtype and the autocast state (per device type).
+    Grad mode, the default dtype, the autocast state (per device type) and
+    ``torch.use_deterministic_algorithms`` (which picks kernels, and which code may branch on).
     """
     gm = _is_grad_enabled() if grad_mode is None else grad_mode
     ac = None
     if _any_autocast is None or _any_autocast():
         ac = tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda"))
-    return (gm, _get_default_dtype(), ac)
+    return (gm, _get_default_dtype(), ac, _deterministic())
 
 
 def dict_orders(tree: Any) -> Tuple[Tuple[Any, ...], ...]:
@@ -377,7 +379,8 @@ def diff_leaves(e: Entry, leaves: Sequence[Any], paths: Sequence[str]) -> List[s
         out.extend((diff(e.env_val) if diff is not None else None) or
                    ["module training flags, attributes, hooks or optimizer hyperparameters changed"])
     glob = global_key()
-    for name, old, new in zip(("grad mode (torch.is_grad_enabled())", "the default dtype", "autocast"), e.glob, glob):
+    for name, old, new in zip(("grad mode (torch.is_grad_enabled())", "the default dtype", "autocast",
+                               "torch.use_deterministic_algorithms"), e.glob, glob):
         if old != new:
             out.append(f"{name}: {old} -> {new}")
     return out

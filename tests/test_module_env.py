@@ -211,3 +211,18 @@ def test_a_forward_hook_that_stores_activations_is_refused_and_leaves_the_list_a
     with pytest.raises(gt.GraphifyError, match=r"(?s)escapes into Python state: .*hook: acts.*Fix:"):
         g(torch.ones(2, 3))
     assert acts == []
+
+
+def test_deterministic_algorithms_flag_is_part_of_the_signature():
+    def f(x):
+        return x * (2 if torch.are_deterministic_algorithms_enabled() else 3)
+
+    g = gt.graphify(f)
+    x = torch.ones(2)
+    try:
+        for i in range(6):
+            torch.use_deterministic_algorithms(i % 4 >= 2)
+            assert_close(g(x), f(x))
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert g.cache_info().hits >= 2
