@@ -84,6 +84,18 @@ except AttributeError:  # pragma: no cover
 _Parameter = torch.nn.Parameter
 
 
+
+class _Strong:
+    """A reference with the call interface of a weak one."""
+
+    __slots__ = ("t",)
+
+    def __init__(self, t: Any) -> None:
+        self.t = t
+
+    def __call__(self) -> Any:
+        return self.t
+
 class CacheInfo(NamedTuple):
     """Cache statistics, shaped like ``functools.lru_cache``'s.
 
@@ -589,7 +601,11 @@ class Graphified(Generic[P, R]):
             static = set(e.must_static) | e.state_static
             static.update(i for i, t in enumerate(tensors) if type(t) is _Parameter)
             rec = e.rec = self._record(e, tensors, static)
-            e.first_refs = [weakref.ref(t) for t in tensors]
+            # weak for the caller's tensors (a batch is not kept alive); the state's and
+            # parameters (held by their modules anyway) directly: a weak reference would
+            # forbid swapping them (torch.utils.swap_tensors, module.to() with swapping)
+            e.first_refs = [_Strong(t) if i >= e.n_user or type(t) is _Parameter else weakref.ref(t)
+                            for i, t in enumerate(tensors)]
         elif e.first_refs is not None:
             # Second call of this signature: inputs passed again as the very
             # same tensors (parameters, persistent state) are read in place.

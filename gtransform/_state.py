@@ -37,7 +37,6 @@ import os
 import sys
 import threading
 import types
-import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
@@ -746,29 +745,22 @@ def _plain_attr(v: Any) -> bool:
 # microseconds per call; instead the two registration methods are wrapped (once, at import)
 # and bump an epoch when the tensor is state of a recording, and so do the handles' remove().
 _HOOK_EPOCH = [0]
-_HOOK_WATCHED: Dict[int, Any] = {}  # id(tensor) -> weakref of state tensors of live recordings
+# ids of state tensors of recordings (not weak references: a tensor with one cannot be
+# swapped, torch.utils.swap_tensors / module.to() with swap_module_params_on_conversion). A
+# dead tensor's id taken by a new one only costs a needless new recording.
+_HOOK_WATCHED: Set[int] = set()
 
 
 def _hook_touched(t: Any) -> None:
-    ref = _HOOK_WATCHED.get(id(t))
-    if ref is not None and ref() is t:
+    if id(t) in _HOOK_WATCHED:
         _HOOK_EPOCH[0] += 1
 
 
-def _forget_hooked(k: int) -> Callable[[Any], None]:
-    def gone(r: Any) -> None:
-        if _HOOK_WATCHED.get(k) is r:
-            del _HOOK_WATCHED[k]
-
-    return gone
-
-
 def _watch_hooks(tensors: Sequence[torch.Tensor]) -> None:
-    for t in tensors:
-        k = id(t)
-        ref = _HOOK_WATCHED.get(k)
-        if ref is None or ref() is not t:
-            _HOOK_WATCHED[k] = weakref.ref(t, _forget_hooked(k))
+    if len(_HOOK_WATCHED) > 1_000_000:  # bounded: ids of long-gone tensors
+        _HOOK_WATCHED.clear()
+        _HOOK_EPOCH[0] += 1
+    _HOOK_WATCHED.update(map(id, tensors))
 
 
 def _wrap_hook_registration(name: str) -> None:
@@ -782,13 +774,12 @@ def _wrap_hook_registration(name: str) -> None:
         _hook_touched(self)
         try:
             remove = handle.remove
-            ref = weakref.ref(self)
+            k = id(self)  # not a weak reference: it would forbid swapping the tensor
 
             def _remove() -> None:
                 remove()
-                t = ref()
-                if t is not None:
-                    _hook_touched(t)
+                if k in _HOOK_WATCHED:
+                    _HOOK_EPOCH[0] += 1
 
             handle.remove = _remove
         except (AttributeError, TypeError):  # pragma: no cover - a handle without remove()

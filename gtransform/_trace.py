@@ -213,7 +213,35 @@ class _TraceMode(FakeTensorMode):
     placeholders.
     """
 
-    closed: Optional[str] = None
+    _closed: Optional[str] = None
+
+    @property
+    def closed(self) -> Optional[str]:
+        return self._closed
+
+    @closed.setter
+    def closed(self, desc: Optional[str]) -> None:
+        self._closed = desc
+        if desc is not None:
+            self._forget_real_tensors()
+
+    def _forget_real_tensors(self) -> None:
+        """Drop the converter's weak references to the real tensors it met (parameters, state).
+
+        A tensor with a weak reference cannot be swapped (torch.utils.swap_tensors,
+        module.to() with swap_module_params_on_conversion); a closed mode converts nothing more.
+        """
+        conv = getattr(self, "fake_tensor_converter", None)
+        meta = getattr(conv, "meta_converter", None)
+        desc = getattr(meta, "describer", None)
+        for owner, name in ((desc, "lookup_tensor"), (desc, "lookup_storage"), (conv, "tensor_memo"),
+                            (meta, "tensor_memo")):
+            d = getattr(owner, name, None)
+            if d is not None and hasattr(d, "clear"):
+                try:
+                    d.clear()
+                except Exception:  # pragma: no cover - another torch's layout
+                    pass
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
         if self.closed is not None:

@@ -226,3 +226,26 @@ def test_deterministic_algorithms_flag_is_part_of_the_signature():
     finally:
         torch.use_deterministic_algorithms(False)
     assert g.cache_info().hits >= 2
+
+
+def test_parameters_stay_swappable_after_graphify_and_the_swap_is_seen():
+    """torch.utils.swap_tensors and module.to() with swap_module_params_on_conversion refuse a
+    tensor with a weak reference: before, the trace's converter (and the hook wrapper) kept one."""
+    torch.manual_seed(0)
+    m = nn.Linear(3, 2)
+    x = torch.randn(4, 3)
+    f = gt.graphify(lambda x: m(x))
+    for _ in range(3):
+        f(x)
+    h = m.weight.register_hook(lambda g: g)
+    torch.utils.swap_tensors(m.weight, nn.Parameter(torch.randn(2, 3)))
+    for _ in range(2):
+        assert_close(f(x), m(x))
+    h.remove()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        m.double()
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(False)
+    for _ in range(2):
+        assert_close(f(x.double()), m(x.double()))
