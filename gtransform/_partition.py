@@ -98,6 +98,11 @@ def build_partition(plan: Any, metas: Sequence[Any], need: Sequence[bool], owner
 
     if plan.fn is None or plan.escape_slots or plan.mutated:
         return None
+    if any(t.grad_fn is not None for t in plan.state):
+        # state with autograd history (a hidden state carried from an earlier call): the
+        # joint trace's backward would run on into that history, which is not the function's;
+        # the recompute path differentiates from the state as a leaf, and autograd goes on
+        return None
     if any(e.kind == "input" for e in plan.out_entries):
         return None  # outputs that alias inputs: the partitioner cannot split them (recompute instead)
     n_user = plan.n_user_in

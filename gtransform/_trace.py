@@ -294,9 +294,14 @@ def _resolved(outs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> L
     return res
 
 
-def _custom_functions(outs: Sequence[torch.Tensor]) -> List[str]:
-    """Names of the custom autograd functions (``torch.autograd.Function``) in the outputs' autograd graph."""
-    seen: Set[Any] = set()
+def _custom_functions(outs: Sequence[torch.Tensor], stop: Sequence[Any] = ()) -> List[str]:
+    """Names of the custom autograd functions (``torch.autograd.Function``) in the outputs' autograd graph.
+
+    ``stop``: nodes not to enter, the history of state tensors (an RNN's carried hidden
+    state ``m.h = out`` of an earlier call): it lies outside the function, and autograd
+    reaches it through the state's gradient, as in eager.
+    """
+    seen: Set[Any] = set(stop)
     names: List[str] = []
     todo: List[Any] = [o.grad_fn for o in outs if o.grad_fn is not None]
     while todo:
@@ -686,7 +691,8 @@ def trace(
                   for x in leaves]
         box["spec"] = spec
         box["leaves"] = leaves
-        box["custom_grad"] = _custom_functions([x for x in leaves if isinstance(x, torch.Tensor)])
+        box["custom_grad"] = _custom_functions([x for x in leaves if isinstance(x, torch.Tensor)],
+                                               [t.grad_fn for t in watch.state if t.grad_fn is not None])
         scan = snap.scan(is_ours)
         slots = {(id(s.obj), s.kind, s.key) for s, _ in scan.escapes}
         for k, t in enumerate(watch.state):

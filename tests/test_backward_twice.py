@@ -181,3 +181,37 @@ def test_backpropagation_through_time_with_the_output_fed_back(device, how, T):
         assert_close(h.detach(), hr.detach())
         for p, q in zip(params, ref_params):
             assert_close(p.grad, q.grad)
+
+
+class _Carry(nn.Module):
+    """An RNN that carries its hidden state in a plain attribute (self.h = out, set by the caller)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.h = torch.zeros(2, 4)
+
+    def forward(self, x):
+        return torch.tanh(self.lin(self.h) + x)
+
+
+def test_state_carrying_an_earlier_calls_output_backpropagates_through_time():
+    """m.h = out after each call: the next call reads state whose history is the graphified
+    function's own node. Before: a GraphifyError about the custom autograd function GraphFn on
+    call 3; now eager's outputs and gradients."""
+    torch.manual_seed(0)
+    m = _Carry()
+    r = copy.deepcopy(m)
+    f = gt.graphify(lambda x: m(x))
+    torch.manual_seed(1)
+    xs = [torch.randn(2, 4) for _ in range(5)]
+    for x in xs:
+        o = f(x)
+        m.h = o
+        ro = r(x)
+        r.h = ro
+        assert_close(o, ro)
+    m.h.sum().backward()
+    r.h.sum().backward()
+    for p, q in zip(m.parameters(), r.parameters()):
+        assert_close(p.grad, q.grad)
