@@ -559,16 +559,29 @@ class Graphified(Generic[P, R]):
             return None
         e = Entry(key, spec, leaves, tpos, statics, plan, cuda)
         if e.any_rg:
-            kept = [s.path for s, o in zip(plan.escape_slots, plan.escape_entries) if s.kind != "grad" and o.requires_grad]
+            kept_slots = [s for s, o in zip(plan.escape_slots, plan.escape_entries) if s.kind != "grad" and o.requires_grad]
+            kept = [s.path for s in kept_slots]
             if kept:
+                owner = kept_slots[0].obj
+                hooks = [h for h in getattr(owner, "_forward_pre_hooks", {}).values()
+                         if (type(h).__module__ or "").startswith("torch.nn.utils")]
+                if hooks:
+                    # torch.nn.utils.prune, the old weight_norm / spectral_norm: a forward pre-hook
+                    # recomputes the weight from its parts and stores it on the module each call
+                    fix = (f"Fix: {type(hooks[0]).__name__} (torch.nn.utils) recomputes {kept[0]} in a forward "
+                           "pre-hook on every call. Use the parametrization API instead "
+                           "(torch.nn.utils.parametrizations.weight_norm / spectral_norm, or "
+                           "torch.nn.utils.parametrize.register_parametrization), make pruning permanent "
+                           "(torch.nn.utils.prune.remove(module, 'weight')), or call it under torch.no_grad().")
+                else:
+                    fix = (f"Fix: return it as an output of the function instead, or store a detached copy "
+                           f"({kept[0].rsplit('.', 1)[-1]} = h.detach()) if it is only looked at.")
                 raise GraphifyError(
                     f"{self._desc}: the function stores a tensor that requires grad in {kept[0]} (Python "
                     "state), and the call is differentiated.\n"
                     "Why: a replay writes that tensor back as plain memory after each call; it cannot "
                     "carry the autograd graph eager attaches to it, so a loss built from it later would "
-                    "silently miss its gradients.\n"
-                    f"Fix: return it as an output of the function instead, or store a detached copy "
-                    f"({kept[0].rsplit('.', 1)[-1]} = h.detach()) if it is only looked at."
+                    "silently miss its gradients.\n" + fix
                 )
         # a module without tensors (nn.LeakyReLU) has attributes and a training flag too; so does
         # one the function called without the roots leading to it (AttrReads.called)

@@ -428,3 +428,20 @@ def test_distribution_argument_validation_names_validate_args():
         got = g(logits)
         torch.manual_seed(i)
         assert torch.equal(got, Categorical(logits=logits).sample())
+
+
+def test_pruning_in_grad_mode_names_the_pre_hook_and_the_parametrization_api():
+    import torch.nn as nn
+    import torch.nn.utils.prune as prune
+
+    m = nn.Sequential(nn.Linear(3, 3))
+    prune.l1_unstructured(m[0], "weight", amount=0.5)
+    g = gt.graphify(lambda x: m(x))
+    x = torch.ones(2, 3)
+    with pytest.raises(gt.GraphifyError, match=r"(?s)requires grad in m\.0\.weight.*L1Unstructured \(torch\.nn\.utils\) "
+                       r"recomputes.*parametrizations\.weight_norm.*prune\.remove"):
+        for _ in range(3):
+            g(x).sum().backward()
+    with torch.no_grad():  # the fix it names
+        for _ in range(3):
+            assert_close(g(x), m(x))
