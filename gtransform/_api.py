@@ -85,6 +85,25 @@ _Parameter = torch.nn.Parameter
 
 
 
+
+class _Static(tuple):
+    """``(where, value, key)`` of a static argument, compared by where and key only.
+
+    ``2 == 2.0 == True`` and ``nan != nan`` in Python; the key tells the first apart and
+    makes every NaN one signature.
+    """
+
+    __slots__ = ()
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Static) and self[0] == other[0] and self[2] == other[2]
+
+    def __ne__(self, other: object) -> bool:
+        return not self.__eq__(other)
+
+    def __hash__(self) -> int:
+        return hash((self[0], self[2]))
+
 class _Strong:
     """A reference with the call interface of a weak one."""
 
@@ -409,9 +428,11 @@ class Graphified(Generic[P, R]):
                 else:
                     kw[k] = v
             kwargs = kw
+        keyed: List[_Static] = []
         for where, v in statics:
             try:
-                hash(v)
+                # the value and its key: 2 == 2.0 == True, but they are three signatures
+                keyed.append(_Static((where, v, static_leaf_key(v))))
             except TypeError:
                 label = f"args[{where}]" if isinstance(where, int) else f"kwargs[{where!r}]"
                 raise TypeError(
@@ -419,11 +440,11 @@ class Graphified(Generic[P, R]):
                     "Static arguments are part of the cache key. Fix: pass a hashable value "
                     "(e.g. a tuple instead of a list), or do not mark it static."
                 ) from None
-        return tuple(dyn), kwargs, tuple(statics)
+        return tuple(dyn), kwargs, tuple(keyed)
 
     def _rebuild_args(self, args: Tuple[Any, ...], statics: Tuple[Any, ...]) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
-        pos = [(w, v) for w, v in statics if isinstance(w, int)]
-        kw = {w: v for w, v in statics if not isinstance(w, int)}
+        pos = [(w, v) for w, v, _k in statics if isinstance(w, int)]
+        kw = {w: v for w, v, _k in statics if not isinstance(w, int)}
         if not pos:
             return args, kw
         out = list(args)
@@ -522,7 +543,7 @@ class Graphified(Generic[P, R]):
         tensors = [leaves[i] for i in tpos]
         specs = [(tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad) for t in tensors]
         extra = [(paths[i], x) for i, x in enumerate(leaves) if not isinstance(x, torch.Tensor)]
-        extra += [(f"static {w}", v) for w, v in statics]
+        extra += [(f"static {w}", v) for w, v, _k in statics]
         roots = find_roots(self._fn, extra)
         try:
             plan = trace(self._fn, rebuild, specs, in_paths, self._desc, cuda, roots, [plain_layout(t) for t in tensors],
@@ -791,7 +812,8 @@ class Graphified(Generic[P, R]):
             return (f"{self._desc}: a new signature (miss): the structure of the arguments differs "
                     f"from every recorded one: {spec} vs {entries[-1].spec}")
         if not best_diff and best.statics != statics:
-            best_diff = [f"static arguments {best.statics!r} -> {statics!r}"]
+            best_diff = [f"static arguments {[(w, v) for w, v, _k in best.statics]!r} -> "
+                         f"{[(w, v) for w, v, _k in statics]!r}"]
         return f"{self._desc}: a new signature (miss): " + "; ".join(best_diff or ["aliasing between inputs"])
 
 

@@ -77,16 +77,29 @@ def static_leaf_key(leaf: Any) -> Hashable:
     Raises:
         TypeError: the leaf is not hashable (the caller adds the leaf path).
     """
-    if type(leaf) is float:
+    t = type(leaf)
+    if t is float:
         if math.isnan(leaf):
             return (float, _NAN)
         # -0.0 == 0.0 in Python, but 1/x tells them apart
         return (float, leaf, math.copysign(1.0, leaf))
+    if t is tuple or t is frozenset:
+        # element by element: (2,) == (2.0,) and frozenset({2}) == frozenset({2.0}) in Python,
+        # but torch.full(..., v[0]) makes int64 from one and float32 from the other
+        hash(leaf)
+        keys = [static_leaf_key(x) for x in leaf]
+        return (t, tuple(keys) if t is tuple else frozenset(keys))
     hash(leaf)
-    if isinstance(leaf, _Number) and leaf != leaf:
-        # NaN of another number type (np.float64("nan"), np.float32, complex)
-        return (type(leaf), _NAN)
-    return (type(leaf), leaf)
+    if isinstance(leaf, _Number):
+        if leaf != leaf:
+            # NaN of another number type (np.float64("nan"), np.float32, complex)
+            return (t, _NAN)
+        if leaf == 0 and not isinstance(leaf, (int, complex)):
+            try:  # numpy's -0.0 (np.float64, np.float32)
+                return (t, leaf, math.copysign(1.0, float(leaf)))  # type: ignore[arg-type]
+            except (TypeError, ValueError):
+                pass
+    return (t, leaf)
 
 
 def tensor_meta(t: torch.Tensor) -> Tuple[Any, ...]:
