@@ -44,6 +44,9 @@ _ALLOWED = frozenset(
 )
 
 
+_increment_version = getattr(torch._C, "_increment_version", None) or torch.autograd.graph.increment_version
+
+
 class StaleOutput(torch.Tensor):
     """Type of an output object that a later call overwrote.
 
@@ -310,7 +313,11 @@ class PoolState:
                     n = 0
                     pins = None
                     for g in h.groups:
+                        objs = g.objs
                         pin = g.poison(msg)
+                        if pin is None or pin is False:
+                            # its memory is written again: see below
+                            _increment_version(objs)
                         if pin is not False:
                             n += 1
                             if pin is not None:
@@ -333,6 +340,13 @@ class PoolState:
                     if log.isEnabledFor(logging.DEBUG):
                         log.debug("%s: call #%d poisoned %d held output group(s) of %s",
                                   desc, self.calls, n, self.last_desc)
+                else:
+                    # the objects are handed out again over memory this call writes: autograd
+                    # may have saved one of them (`loss = (w * y).sum(); del y`), invisibly to
+                    # the reference counts; bumping their version counters makes its backward
+                    # raise "modified by an inplace operation", as eager would, instead of
+                    # computing with the new numbers
+                    _increment_version(h.objs)
             self.outstanding = []
         self.last_desc = desc
 

@@ -582,3 +582,22 @@ def test_views_held_across_calls_of_a_shared_pool_keep_their_values(device):
         views = views[-3:]
         for v, want in views:
             assert_close(v, want)
+
+
+def test_an_output_autograd_saved_and_then_overwritten_is_an_error_not_new_numbers():
+    """`loss = (w * f(x)).sum()` saves f's output inside autograd, where reference counts cannot
+    see it; the next call writes that memory again. Before: loss.backward() silently used the
+    next call's numbers; now autograd raises, as eager does for a tensor changed in place."""
+    g = gt.graphify(lambda x: x * 3)
+    w = torch.ones(2, requires_grad=True)
+    losses = []
+    for b in (torch.tensor([1.0, 2.0]), torch.tensor([10.0, 20.0])):
+        y = g(b)
+        losses.append((w * y).sum())
+        del y
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        losses[0].backward()
+    # the last call's loss is intact
+    w.grad = None
+    losses[1].backward()
+    assert w.grad.tolist() == [30.0, 60.0]
