@@ -14,6 +14,7 @@ import inspect
 import logging
 import threading
 import time
+import warnings
 import weakref
 from typing import (
     Any,
@@ -55,7 +56,7 @@ from ._signature import (
     tensor_attrs,
 )
 from ._state import change_error, env_key_fn, find_roots
-from ._trace import plain_layout, trace, tracing
+from ._trace import plain_layout, register_containers_in, trace, tracing
 from ._tree import flatten, leaf_paths, static_leaf_key, tensor_meta, unflatten
 from ._watch import FOR_GRAD
 
@@ -194,6 +195,10 @@ class Graphified(Generic[P, R]):
     def __init__(self, fn: Callable[P, R], *, static_argnums: Union[int, Sequence[int]] = (), static_argnames: Union[str, Sequence[str]] = (), pool: Optional[GraphPool] = None, maxsize: Optional[int] = 64, fuse: bool = False):
         if not callable(fn):
             raise TypeError(f"graphify(fn): fn must be callable, got {type(fn).__name__}")
+        if static_argnums is None:  # as jax.jit
+            static_argnums = ()
+        if static_argnames is None:
+            static_argnames = ()
         if isinstance(static_argnums, int):
             static_argnums = (static_argnums,)
         if isinstance(static_argnames, str):
@@ -202,9 +207,12 @@ class Graphified(Generic[P, R]):
             nums = tuple(int(i) for i in static_argnums)
         except (TypeError, ValueError):
             raise TypeError(f"graphify(fn, static_argnums=...): expected ints, got {static_argnums!r}") from None
-        names = tuple(static_argnames)
+        try:
+            names = tuple(static_argnames)
+        except TypeError:
+            names = (None,)  # type: ignore[assignment]
         if not all(isinstance(n, str) for n in names):
-            raise TypeError(f"graphify(fn, static_argnames=...): expected strings, got {static_argnames!r}")
+            raise TypeError(f"graphify(fn, static_argnames=...): expected a string or strings, got {static_argnames!r}")
         if maxsize is not None and (not isinstance(maxsize, int) or maxsize < 1):
             raise ValueError(f"graphify(fn, maxsize=...): expected a positive int or None, got {maxsize!r}")
         if not isinstance(fuse, bool):
@@ -254,7 +262,7 @@ class Graphified(Generic[P, R]):
             # called inside another graphified function's trace (its arguments are that
             # trace's fake tensors): inline it, like jax.jit inside jax.jit
             return self._fallback(args, kwargs, statics)
-        leaves, spec = flatten((args, kwargs))
+        leaves, spec = _flatten_args(args, kwargs)
         e, st, tensors = self._entry_for(leaves, spec, statics, (args, kwargs))
         if e is None:
             return self._fallback(args, kwargs, statics)
@@ -265,7 +273,7 @@ class Graphified(Generic[P, R]):
 
     def _call_plain(self, args: Any, kwargs: Any, statics: Any) -> Any:
         """A call that is never differentiated (used for backward passes)."""
-        leaves, spec = flatten((args, kwargs))
+        leaves, spec = _flatten_args(args, kwargs)
         e, st, tensors = self._entry_for(leaves, spec, statics)
         if e is None:  # pragma: no cover - backward halves touch no state
             return self._fallback(args, kwargs, statics)
@@ -314,7 +322,7 @@ class Graphified(Generic[P, R]):
         if tracing():
             return self._fallback(args, kwargs, statics)
         if interp.key() == _GRAD and _only_grad_transforms():
-            leaves, spec = flatten((args, kwargs))
+            leaves, spec = _flatten_args(args, kwargs)
             # the signature is looked up on the tensors under torch.func's wrappers,
             # as the autograd wrapper's forward will see them
             plain = [unwrap_functorch(x)[0] if isinstance(x, torch.Tensor) else x for x in leaves]
@@ -351,7 +359,7 @@ class Graphified(Generic[P, R]):
             args, kwargs, statics = self._split(args, kwargs)  # type: ignore[assignment]
         else:
             statics = ()
-        leaves, spec = flatten((args, kwargs))
+        leaves, spec = _flatten_args(args, kwargs)
         try:
             st = self._tls.state
         except AttributeError:
@@ -789,7 +797,7 @@ class Graphified(Generic[P, R]):
             args, kwargs, statics = self._split(args, kwargs)  # type: ignore[assignment]
         else:
             statics = ()
-        leaves, spec = flatten((args, kwargs))
+        leaves, spec = _flatten_args(args, kwargs)
         st = self._tls.__dict__.get("state")
         entries = list(st.cache.values()) if st is not None else []
         glob, orders = global_key(), dict_orders((args, kwargs))
@@ -840,6 +848,20 @@ class _BoundGraphified:
         self._g.cache_clear()
 
 
+def _flatten_args(args: Any, kwargs: Any) -> Tuple[List[Any], Any]:
+    """Flatten the call's arguments.
+
+    Dataclasses and torch-pytree containers are taken apart (registered on first
+    sight, as outputs are), nested ones too.
+    """
+    leaves, spec = flatten((args, kwargs))
+    for _ in range(8):
+        if not register_containers_in(leaves):
+            break
+        leaves, spec = flatten((args, kwargs))
+    return leaves, spec
+
+
 def _resolve_static(fn: Callable[..., Any], nums: Tuple[int, ...], names: Tuple[str, ...], desc: str) -> Tuple[Tuple[int, ...], Tuple[str, ...]]:
     """Map static_argnums and static_argnames onto each other, like jax.jit."""
     try:
@@ -854,6 +876,12 @@ def _resolve_static(fn: Callable[..., Any], nums: Tuple[int, ...], names: Tuple[
             raise ValueError(f"{desc}: static_argnums={i} is out of range for {len(positional)} positional parameters")
         nums_out.add(j)
     names_out = set(names)
+    if not any(p.kind == p.VAR_KEYWORD for p in params):
+        known = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+        unknown = [n for n in names if n not in known]
+        if unknown:
+            warnings.warn(f"{desc}: static_argnames {unknown} name no parameter of the function "
+                          f"(its parameters: {sorted(known)}); they have no effect.", stacklevel=4)
     for j in list(nums_out):
         if j < len(positional) and positional[j].kind == positional[j].POSITIONAL_OR_KEYWORD:
             names_out.add(positional[j].name)

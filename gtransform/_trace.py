@@ -521,6 +521,33 @@ def _tensor_inside(x: Any, limit: int = 2000) -> Optional[str]:
     return None
 
 
+def register_containers_in(leaves: Sequence[Any]) -> bool:
+    """Register the dataclasses and ``torch.utils._pytree`` types among ``leaves``.
+
+    Returns whether any was new (the tree must then be flattened again). Inputs and
+    outputs take such containers apart alike, whichever the process met first.
+    """
+    import dataclasses
+
+    import torch.utils._pytree as tpytree
+
+    new = False
+    for x in leaves:
+        if isinstance(x, torch.Tensor) or x is None:
+            continue
+        cls = type(x)
+        if cls is torch.Size or cls in _NOT_CONTAINERS:
+            continue
+        if cls in tpytree.SUPPORTED_NODES or (dataclasses.is_dataclass(cls) and not isinstance(x, type)):
+            new = _register_container(cls) or new
+        else:
+            _NOT_CONTAINERS.add(cls)
+    return new
+
+
+_NOT_CONTAINERS: Set[type] = {int, float, bool, str, type(None), complex}
+
+
 def flatten_output(out: Any, desc: str) -> Tuple[List[Any], Any]:
     """Flatten an output tree, taking apart registered containers; refuse opaque ones holding tensors."""
     import dataclasses
@@ -534,6 +561,8 @@ def flatten_output(out: Any, desc: str) -> Tuple[List[Any], Any]:
             if isinstance(x, torch.Tensor) or x is None:
                 continue
             cls = type(x)
+            if cls is torch.Size:  # a leaf: it comes back as a torch.Size (torch's pytree rebuilds a tuple)
+                continue
             if cls in tpytree.SUPPORTED_NODES or (dataclasses.is_dataclass(cls) and not isinstance(x, type)):
                 new = _register_container(cls) or new
         if not new:

@@ -46,3 +46,40 @@ def test_a_nan_static_argument_is_one_signature():
     for _ in range(4):
         g(torch.ones(2), float("nan"))
     assert g.cache_info().currsize == 1
+
+
+def test_a_dataclass_input_is_taken_apart_whatever_the_process_met_first():
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Batch:
+        x: torch.Tensor
+        n: int
+
+    @dataclasses.dataclass
+    class Outer:
+        b: Batch
+        w: torch.Tensor
+
+    f = gt.graphify(lambda o: o.b.x * o.b.n + o.w)
+    for n in (3, 3, 4):
+        o = Outer(Batch(torch.ones(2), n), torch.full((2,), 0.5))
+        assert_close(f(o), torch.full((2,), n + 0.5))
+    assert f.cache_info().hits == 1
+
+
+def test_shape_outputs_come_back_as_torch_size():
+    g = gt.graphify(lambda x: (x + 1, x.shape, x.size()))
+    for _ in range(2):
+        out = g(torch.ones(2, 3))
+        assert type(out[1]) is torch.Size and type(out[2]) is torch.Size
+        assert out[1].numel() == 6
+
+
+def test_static_argnames_none_and_unknown_names():
+    g = gt.graphify(lambda x: x + 1, static_argnames=None, static_argnums=None)
+    assert_close(g(torch.ones(2)), torch.full((2,), 2.0))
+    with pytest.raises(TypeError, match=r"static_argnames=\.\.\.\): expected a string or strings, got 3"):
+        gt.graphify(lambda x: x, static_argnames=3)
+    with pytest.warns(UserWarning, match=r"static_argnames \['nope'\] name no parameter"):
+        gt.graphify(lambda x: x, static_argnames="nope")
