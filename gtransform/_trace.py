@@ -13,6 +13,7 @@ and becomes a :class:`Plan`; ``_inductor`` compiles it for ``fuse=True``.
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import traceback
 import types
@@ -411,6 +412,36 @@ _STEP_COUNT_OPTIMIZERS = frozenset(("adam.py", "adamw.py", "adamax.py", "nadam.p
                                     "adagrad.py", "_adafactor.py", "adafactor.py", "sparse_adam.py", "optimizer.py"))
 
 
+def _host_rng_state() -> List[Tuple[str, Any, Any]]:
+    """The state of numpy's global generator, if numpy is loaded.
+
+    (Python's own ``random`` is not watched: torch.distributed draws from it while
+    tracing, for its own purposes.)
+    """
+    out: List[Tuple[str, Any, Any]] = []
+    np = sys.modules.get("numpy")
+    if np is not None:
+        try:
+            out.append(("numpy.random", np.random, np.random.get_state()))
+        except Exception:  # pragma: no cover - a numpy without the legacy global generator
+            pass
+    return out
+
+
+def _host_rng_restore(saved: List[Tuple[str, Any, Any]]) -> List[str]:
+    """Put the host generators back; the names of those the trace moved."""
+    moved = []
+    for name, mod, st in saved:
+        try:
+            now = mod.get_state()
+            if not (now[2] == st[2] and now[3] == st[3] and bool((now[1] == st[1]).all())):
+                moved.append(name)
+                mod.set_state(st)
+        except Exception:  # pragma: no cover
+            pass
+    return moved
+
+
 def _no_traced_constants(gm: torch.fx.GraphModule, is_ours: Callable[[Any], bool], desc: str) -> None:
     """Refuse a graph that holds one of the trace's own tensors as a constant.
 
@@ -480,7 +511,7 @@ _SCALARS = (int, float, complex, bool, str, bytes, type(None), type, torch.dtype
 
 
 def _tensor_inside(x: Any, limit: int = 2000) -> Optional[str]:
-    """Where an opaque object holds a tensor (``.layers[0].keys``), or ``None``.
+    """Where an opaque object holds a tensor the trace made (``.layers[0].keys``), or ``None``.
 
     Looks through attributes (``__dict__``, ``__slots__``), lists, tuples,
     sets and dicts, breadth first, at most ``limit`` objects, so that a cache
@@ -514,7 +545,9 @@ def _tensor_inside(x: Any, limit: int = 2000) -> Optional[str]:
                         pass
         for v, p in kids:
             if isinstance(v, torch.Tensor):
-                return p
+                if isinstance(v, FakeTensor):  # one the trace made
+                    return p
+                continue  # a real tensor: state the object holds (a StaticCache passed in), fine
             if id(v) not in seen and not isinstance(v, _SCALARS) and not isinstance(v, torch.nn.Module):
                 seen.add(id(v))
                 todo.append((v, p))
@@ -732,6 +765,8 @@ def trace(
         outs = [x for x in leaves if isinstance(x, torch.Tensor)] + [f for _, f in scan.escapes]
         return tuple(_resolved(outs, list(tensors) + list(watch.state_fakes)))
 
+    host_rng = _host_rng_state()
+    host_drew: List[str] = []
     try:
         try:
             # fx tracing keeps global state (its patcher): one trace at a time
@@ -781,6 +816,7 @@ def trace(
             # the trace has no visible effect on the Python state the function reaches
             snap.restore()
             mode.closed = desc
+            host_drew = _host_rng_restore(host_rng)
 
     except GraphifyError as err:
         # the first call of a signature that touches state may fail to trace before
@@ -788,6 +824,17 @@ def trace(
         err.gt_touched_state = bool(watch.state)  # type: ignore[attr-defined]
         raise
 
+    if host_drew:
+        raise GraphifyError(
+            f"{desc}: the function draws random numbers on the host ({' and '.join(host_drew)}).\n"
+            "Why: host random numbers become constants of the recording: every replay would reuse "
+            "the numbers drawn while tracing (torch's random ops draw fresh ones on every call).\n"
+            "Fix: draw them with torch (torch.rand, torch.randint, torch.bernoulli... follow "
+            "torch.manual_seed), or draw them outside and pass them in as tensor arguments. For "
+            "Hugging Face speech models (wav2vec2, HuBERT, WavLM, Whisper), SpecAugment masks time "
+            "steps with numpy: set config.mask_time_prob = config.mask_feature_prob = 0 (or "
+            "apply_spec_augment=False) while graphified."
+        )
     scan = box["scan"]
     if scan.appended:
         made = next((x for x in scan.sites if x), "")

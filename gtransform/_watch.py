@@ -304,7 +304,7 @@ class _Watch(TorchDispatchMode):
                         )
                     written.append((t, idx, (t.shape, t.stride(), t.storage_offset())))
                     self._mark_written(t, idx)
-        seeded = _SEEDED is not None and _SEEDED in func.tags
+        seeded = _SEEDED is not None and _SEEDED in func.tags and not _no_dropout(func, args, kwargs)
         if seeded:
             self.random = True
         gen = kwargs.get("generator")
@@ -386,6 +386,22 @@ class _Watch(TorchDispatchMode):
 _DATA_SET = torch._C.TensorBase.__dict__["data"]
 _GRAD_ATTR = torch._C.TensorBase.__dict__["grad"]
 _REGISTER_HOOK = torch.Tensor.register_hook
+
+
+def _no_dropout(func: Any, args: Sequence[Any], kwargs: Dict[str, Any]) -> bool:
+    """Whether a random op is called with dropout off.
+
+    Scaled dot-product attention with dropout_p=0 draws nothing (eager's generator does
+    not move).
+    """
+    for i, a in enumerate(func._schema.arguments):
+        if a.name == "dropout_p":
+            v = args[i] if i < len(args) and not a.kwarg_only else kwargs.get("dropout_p", a.default_value
+                                                                               if a.has_default_value() else None)
+            return isinstance(v, (int, float)) and v == 0
+    return False
+
+
 _BACKWARDS = (torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad)
 # calls whose result leaves the autograd graph: make_fx may record them as plain aliases
 # (torch 2.14 records x.detach() as aten.alias), which a graph run under autograd would

@@ -251,3 +251,64 @@ def test_a_graphified_model_whose_backward_draws_is_refused_not_replayed():
     assert "backward pass of the function draws random numbers" in str(info.value)
     with torch.no_grad():  # not differentiated: no backward, nothing to refuse
         g(x)
+
+
+def test_checkpointed_attention_without_dropout_is_not_a_draw():
+    """scaled_dot_product_attention(dropout_p=0.0) under checkpoint(preserve_rng_state=True): eager's
+    generator does not move, so nothing is replayed wrong. Before: refused as a draw after the
+    recompute set the generator back (blocked gradient checkpointing of Llama-style models)."""
+    import copy
+
+    import torch.nn.functional as F
+
+    class Attn(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = torch.nn.Linear(16, 48)
+
+        def forward(self, x):
+            q, k, v = self.qkv(x).view(2, 5, 3, 2, 8).permute(2, 0, 3, 1, 4)
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=0.0, is_causal=True).transpose(1, 2).reshape(2, 5, 16)
+
+    torch.manual_seed(0)
+    models = [Attn()]
+    models.append(copy.deepcopy(models[0]))
+    steps = []
+    for m in models:
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+
+        def step(x, m=m, opt=opt):
+            opt.zero_grad()
+            loss = checkpoint(m, x, use_reentrant=False).pow(2).mean()
+            loss.backward()
+            opt.step()
+            return loss.detach()
+
+        steps.append(step)
+    g = gt.graphify(steps[1])
+    for i in range(4):
+        x = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(i))
+        assert_close(g(x), steps[0](x))
+        for p, q in zip(models[0].parameters(), models[1].parameters()):
+            assert_close(q, p)
+    assert g.cache_info().hits >= 2
+
+
+@pytest.mark.parametrize("source", ["numpy"])
+def test_host_random_numbers_are_refused_and_the_host_generator_left_as_it_was(source):
+    """np.random / random inside the function: the trace's draws would be constants of every
+    replay (Hugging Face's SpecAugment masks). Before: silently the same mask on every call."""
+    import random
+
+    import numpy as np
+
+    def step(x):
+        k = np.random.randint(0, 4) if source == "numpy" else random.randint(0, 3)
+        return x * 2 + k
+
+    np.random.seed(0)
+    random.seed(0)
+    before = (np.random.get_state()[2], random.getstate())
+    with pytest.raises(gt.GraphifyError, match=r"(?s)draws random numbers on the host.*Fix: draw them with torch"):
+        gt.graphify(step)(torch.ones(2))
+    assert (np.random.get_state()[2], random.getstate()) == before
