@@ -207,11 +207,15 @@ class GraphFn(torch.autograd.Function):
                 "inputs in place, or apply the hook's change to the gradient outside the function.")
         if e.plan.custom_grad:
             name = e.plan.custom_grad[0]
+            fix = ("do not update inputs or buffers in place in a function you differentiate (return the new "
+                   "values), return a copy (.clone()) of outputs that are inputs, or call it under torch.no_grad().")
+            if name == "CheckpointFunction":  # torch.utils.checkpoint(..., use_reentrant=True)
+                fix = ("pass use_reentrant=False to torch.utils.checkpoint (the reentrant variant runs its "
+                       "own backward, which cannot be recorded), or call it under torch.no_grad().")
             raise _recompute_refusal(
                 g._desc, e.plan, f"uses the custom autograd function {name}",
                 f"they hold {name}.forward's operations, not its backward: the gradients would differ from eager's",
-                "do not update inputs or buffers in place in a function you differentiate (return the new "
-                "values), return a copy (.clone()) of outputs that are inputs, or call it under torch.no_grad().")
+                fix)
         if e.plan.mutated:
             # the backward recomputes the forward from the inputs as they were
             box.pre = {i: tensors[i].detach().clone() for i in e.plan.mutated}

@@ -312,3 +312,20 @@ def test_host_random_numbers_are_refused_and_the_host_generator_left_as_it_was(s
     with pytest.raises(gt.GraphifyError, match=r"(?s)draws random numbers on the host.*Fix: draw them with torch"):
         gt.graphify(step)(torch.ones(2))
     assert (np.random.get_state()[2], random.getstate()) == before
+
+
+def test_reentrant_checkpoint_in_a_graphified_module_names_use_reentrant_false():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(8, 8)
+            self.b = nn.Linear(8, 1)
+
+        def forward(self, x):
+            return self.b(checkpoint(lambda h: torch.tanh(self.a(h)), x, use_reentrant=True))
+
+    gm = gt.graphify(M())
+    x = torch.randn(4, 8, requires_grad=True)
+    with pytest.raises(gt.GraphifyError, match=r"(?s)CheckpointFunction.*Fix: pass use_reentrant=False"):
+        for _ in range(3):
+            gm(x).sum().backward()
