@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import os
 import threading
 import time
 import warnings
@@ -512,6 +513,8 @@ class Graphified(Generic[P, R]):
             real tensors before anything is recorded).
         """
         key, parts, tpos, device, paths = self._key(leaves, spec, args, kwargs, statics, glob if glob is not None else global_key())
+        if record and key in st.eager_only:
+            return None
         e = st.cache.get(key)
         if e is not None:
             state = e.resolve_state() if e.state_src else []
@@ -565,6 +568,19 @@ class Graphified(Generic[P, R]):
                          "eagerly, the next one traces again", self._desc, str(err).splitlines()[0])
                 return None
             raise
+        except Exception as err:
+            if not record or not _raised_by_fake_kernels(err):
+                raise
+            # an error torch's fake or meta kernels raised (a bad view, a shape mismatch: the
+            # user's own, but in their wording and sometimes another type): the call runs
+            # eagerly (the trace left no trace), so eager's exception propagates unchanged; if
+            # eager runs it fine, the kernels could not trace it, and this signature runs eagerly
+            st.eager_only.add(key)
+            log.warning("%s: the trace failed inside torch's fake kernels (%s: %s): the call runs eagerly, "
+                        "so the function's own error is raised as eager raises it; if it runs fine, this "
+                        "signature runs eagerly from now on (not recorded)", self._desc, type(err).__name__,
+                        str(err).splitlines()[0][:200] if str(err) else "")
+            return None
         if device is None and plan.uses_cuda and torch.cuda.is_available():
             cuda = True
         model_changes = [c for c in plan.py_changes if c.model]
@@ -846,6 +862,21 @@ class _BoundGraphified:
 
     def cache_clear(self) -> None:
         self._g.cache_clear()
+
+
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+_FAKE_KERNEL_DIRS = tuple(os.path.join(os.path.dirname(os.path.abspath(torch.__file__)), d)
+                          for d in ("_refs", "_prims", "_meta_registrations.py", "_decomp", "_subclasses",
+                                    "_prims_common"))
+
+
+def _raised_by_fake_kernels(err: BaseException) -> bool:
+    """Whether an exception of the trace comes from torch's fake or meta kernels."""
+    import traceback as _tb
+
+    frames = _tb.extract_tb(err.__traceback__)
+    return (bool(frames) and frames[-1].filename.startswith(_TORCH_DIR)
+            and any(f.filename.startswith(_FAKE_KERNEL_DIRS) for f in frames))
 
 
 def _flatten_args(args: Any, kwargs: Any) -> Tuple[List[Any], Any]:

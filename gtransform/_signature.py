@@ -297,7 +297,7 @@ class Entry:
 class ThreadState:
     """One thread's signature cache of one graphified function."""
 
-    __slots__ = ("cache", "last", "pool", "fast", "fast_rec", "fast_statics", "warmed", "__weakref__")
+    __slots__ = ("cache", "last", "pool", "fast", "fast_rec", "fast_statics", "warmed", "eager_only", "__weakref__")
 
     def __init__(self, pool: PoolState):
         self.cache: OrderedDict[Hashable, Entry] = OrderedDict()
@@ -308,6 +308,8 @@ class ThreadState:
         self.fast_statics: Any = None
         # signatures that touch state and had their eager first call
         self.warmed: Set[Hashable] = set()
+        # signatures whose trace failed inside torch's fake kernels while eager ran fine
+        self.eager_only: Set[Hashable] = set()
 
     def clear(self) -> None:
         for e in self.cache.values():

@@ -412,6 +412,24 @@ _STEP_COUNT_OPTIMIZERS = frozenset(("adam.py", "adamw.py", "adamax.py", "nadam.p
                                     "adagrad.py", "_adafactor.py", "adafactor.py", "sparse_adam.py", "optimizer.py"))
 
 
+class _quiet_fake_log:
+    """Silence torch's fake-tensor logger while tracing.
+
+    It logs every error a fake kernel raises ("failed while attempting to run meta for
+    ..."), with a traceback, at ERROR level; the error itself reaches the caller.
+    """
+
+    def __enter__(self) -> None:
+        import logging
+
+        self.logger = logging.getLogger("torch._subclasses.fake_tensor")
+        self.level = self.logger.level
+        self.logger.setLevel(logging.CRITICAL)
+
+    def __exit__(self, *exc: Any) -> None:
+        self.logger.setLevel(self.level)
+
+
 def _host_rng_state() -> List[Tuple[str, Any, Any]]:
     """The state of numpy's global generator, if numpy is loaded.
 
@@ -770,7 +788,7 @@ def trace(
     try:
         try:
             # fx tracing keeps global state (its patcher): one trace at a time
-            with TRACE_LOCK, _compiling(), _no_seeding(desc), _rnn_weights_as_they_are(), mode:
+            with TRACE_LOCK, _compiling(), _no_seeding(desc), _rnn_weights_as_they_are(), _quiet_fake_log(), mode:
                 _ACTIVE.depth = _ACTIVE.__dict__.get("depth", 0) + 1
                 try:
                     gm = make_fx(flat_fn, tracing_mode="real", _allow_non_fake_inputs=True)(*fakes)

@@ -445,3 +445,25 @@ def test_pruning_in_grad_mode_names_the_pre_hook_and_the_parametrization_api():
     with torch.no_grad():  # the fix it names
         for _ in range(3):
             assert_close(g(x), m(x))
+
+
+_USER_ERRORS = {
+    "view": (lambda a: a[:, :2].view(-1), (torch.ones(3, 4),)),
+    "matmul": (lambda a: a @ a, (torch.ones(2, 3),)),
+    "broadcast": (lambda a, b: a + b, (torch.ones(2, 3), torch.ones(4))),
+    "cat": (lambda a, b: torch.cat([a, b]), (torch.ones(2, 3), torch.ones(2, 2))),
+}
+
+
+@pytest.mark.parametrize("case", list(_USER_ERRORS))
+def test_a_users_own_error_in_a_torch_op_is_eagers_exception(case):
+    """Before: the fake kernels' wording (`a and b must have same reduction dim`) and, for .view,
+    another type (ValueError instead of RuntimeError), with a logged traceback on stderr."""
+    fn, args = _USER_ERRORS[case]
+    with pytest.raises(Exception) as want:
+        fn(*args)
+    g = gt.graphify(fn)
+    for _ in range(2):
+        with pytest.raises(type(want.value)) as got:
+            g(*args)
+        assert str(got.value) == str(want.value)
