@@ -402,6 +402,7 @@ def _no_dropout(func: Any, args: Sequence[Any], kwargs: Dict[str, Any]) -> bool:
     return False
 
 
+_DATA_PTR = torch.Tensor.data_ptr
 _BACKWARDS = (torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad)
 # calls whose result leaves the autograd graph: make_fx may record them as plain aliases
 # (torch 2.14 records x.detach() as aten.alias), which a graph run under autograd would
@@ -466,6 +467,14 @@ class _FnWatch(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if func is _DATA_PTR and args and isinstance(args[0], FakeTensor):
+            self.watch._fail(
+                "the function reads a tensor's memory address (data_ptr()).",
+                "graphify traces with fake tensors, which have no memory (their address reads 0); a "
+                "comparison or a value built from it would be frozen into the recording.",
+                "compare tensors by identity (a is b) or with torch ops, or move this part out of the "
+                "graphified function.",
+            )
         if func in _BACKWARDS:
             self.backward_calls += 1
         if (func is _REGISTER_HOOK or getattr(func, "__wrapped__", None) is _REGISTER_HOOK) and args:

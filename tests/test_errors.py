@@ -467,3 +467,16 @@ def test_a_users_own_error_in_a_torch_op_is_eagers_exception(case):
         with pytest.raises(type(want.value)) as got:
             g(*args)
         assert str(got.value) == str(want.value)
+
+
+def test_reading_a_data_ptr_inside_the_function_is_graphify_error():
+    """Fake tensors read address 0: `y.data_ptr() == x.data_ptr()` was True while tracing and
+    frozen into the recording (silently y + 1 on every call)."""
+    def fn(x):
+        y = x * 1
+        same = y.data_ptr() == x.data_ptr()  # PTR
+        return y + (1.0 if same else 0.0)
+
+    with pytest.raises(gt.GraphifyError, match=r"(?s)memory address \(data_ptr\(\)\).*Fix:") as ei:
+        gt.graphify(fn)(torch.ones(4))
+    assert f"test_errors.py:{line_of(fn, '# PTR')}" in str(ei.value)
