@@ -865,7 +865,7 @@ class _BoundGraphified:
 
 
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
-_FAKE_KERNEL_DIRS = tuple(os.path.join(os.path.dirname(os.path.abspath(torch.__file__)), d)
+_FAKE_KERNEL_DIRS = tuple(_TORCH_DIR + d
                           for d in ("_refs", "_prims", "_meta_registrations.py", "_decomp", "_subclasses",
                                     "_prims_common"))
 

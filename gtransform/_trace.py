@@ -587,36 +587,21 @@ def register_containers_in(leaves: Sequence[Any]) -> bool:
         if isinstance(x, torch.Tensor) or x is None:
             continue
         cls = type(x)
-        if cls is torch.Size or cls in _NOT_CONTAINERS:
+        if cls in _NOT_CONTAINERS:  # torch.Size: a leaf, it comes back as a torch.Size (torch's pytree rebuilds a tuple)
             continue
         if cls in tpytree.SUPPORTED_NODES or (dataclasses.is_dataclass(cls) and not isinstance(x, type)):
             new = _register_container(cls) or new
-        else:
-            _NOT_CONTAINERS.add(cls)
     return new
 
 
-_NOT_CONTAINERS: Set[type] = {int, float, bool, str, type(None), complex}
+_NOT_CONTAINERS = frozenset((int, float, bool, str, type(None), complex, torch.Size))
 
 
 def flatten_output(out: Any, desc: str) -> Tuple[List[Any], Any]:
     """Flatten an output tree, taking apart registered containers; refuse opaque ones holding tensors."""
-    import dataclasses
-
-    import torch.utils._pytree as tpytree
-
     for _ in range(16):
         leaves, spec = flatten(out)
-        new = False
-        for x in leaves:
-            if isinstance(x, torch.Tensor) or x is None:
-                continue
-            cls = type(x)
-            if cls is torch.Size:  # a leaf: it comes back as a torch.Size (torch's pytree rebuilds a tuple)
-                continue
-            if cls in tpytree.SUPPORTED_NODES or (dataclasses.is_dataclass(cls) and not isinstance(x, type)):
-                new = _register_container(cls) or new
-        if not new:
+        if not register_containers_in(leaves):
             break
     for i, x in enumerate(leaves):
         quantized = isinstance(x, torch.Tensor) and (x.is_quantized or x.dtype in _QDTYPES)
