@@ -597,12 +597,103 @@ def register_containers_in(leaves: Sequence[Any]) -> bool:
 _NOT_CONTAINERS = frozenset((int, float, bool, str, type(None), complex, torch.Size))
 
 
+class _Rebuilt:
+    """An opaque output object taken apart by its ``__dict__`` (a Hugging Face ``DynamicCache``).
+
+    Its attribute values are a subtree (tensors become outputs in the recording's memory);
+    every call rebuilds a new instance of ``cls`` from them, the way ``copy.copy`` does
+    (``cls.__new__`` and the attributes set, ``__init__`` not run), as eager returns a new
+    object on every call.
+    """
+
+    __slots__ = ("cls", "keys", "values")
+
+    def __init__(self, cls: type, keys: Tuple[str, ...], values: List[Any]):
+        self.cls, self.keys, self.values = cls, keys, values
+
+
+def _rebuild_object(meta: Tuple[Any, Tuple[str, ...]], values: Any) -> Any:
+    cls, keys = meta
+    obj = object.__new__(cls)
+    obj.__dict__.update(zip(keys, values))
+    return obj
+
+
+def _open_rebuilt(r: _Rebuilt) -> Tuple[List[Any], Tuple[type, Tuple[str, ...]], Tuple[str, ...]]:
+    return r.values, (r.cls, r.keys), r.keys
+
+
+def _register_rebuilt() -> None:
+    import optree
+
+    try:
+        optree.register_pytree_node(
+            _Rebuilt,  # type: ignore[arg-type]
+            _open_rebuilt,  # type: ignore[arg-type]
+            _rebuild_object,  # type: ignore[arg-type]
+            path_entry_type=optree.GetAttrEntry,
+            namespace=NAMESPACE,
+        )
+    except ValueError:  # pragma: no cover - registered already
+        pass
+
+
+_register_rebuilt()
+
+
+def _can_rebuild(x: Any) -> bool:
+    """Whether ``x`` is a plain Python object that ``copy.copy`` would copy by its ``__dict__``."""
+    cls = type(x)
+    d = getattr(x, "__dict__", None)
+    if not isinstance(d, dict) or isinstance(x, (torch.nn.Module, types.ModuleType, type)) or callable(x):
+        return False
+    if any(b.__dict__.get("__slots__") for b in cls.__mro__):
+        return False  # state outside __dict__
+    for name in ("__reduce__", "__reduce_ex__", "__getstate__", "__setstate__", "__copy__", "__getnewargs__",
+                 "__getnewargs_ex__"):
+        if getattr(cls, name, None) is not getattr(object, name, None):
+            return False  # the class copies itself its own way
+    if cls.__new__ is not object.__new__ or cls.__module__ == "builtins":
+        return False
+    return True
+
+
+def _open_objects(leaves: List[Any], seen: set) -> bool:
+    """Replace the opaque objects among ``leaves`` that hold trace-made tensors by ``_Rebuilt`` nodes.
+
+    Returns whether any was replaced. ``seen`` holds the ids already opened: an object met
+    again (a cycle, or one object reached twice) stays as it is and is refused after.
+    """
+    new = False
+    for i, x in enumerate(leaves):
+        if isinstance(x, (torch.Tensor,) + _SCALARS) or id(x) in seen or not _can_rebuild(x):
+            continue
+        if _tensor_inside(x) is None:
+            continue
+        seen.add(id(x))
+        keys = tuple(x.__dict__)
+        leaves[i] = _Rebuilt(type(x), keys, [x.__dict__[k] for k in keys])
+        new = True
+    return new
+
+
 def flatten_output(out: Any, desc: str) -> Tuple[List[Any], Any]:
-    """Flatten an output tree, taking apart registered containers; refuse opaque ones holding tensors."""
-    for _ in range(16):
+    """Flatten an output tree, taking apart containers and plain objects holding trace tensors.
+
+    Registered containers and dataclasses are flattened as pytree nodes, plain objects
+    holding the trace's tensors by their ``__dict__`` (:class:`_Rebuilt`); other opaque
+    objects holding them are refused.
+    """
+    opened: set = set()
+    for _ in range(64):
         leaves, spec = flatten(out)
-        if not register_containers_in(leaves):
+        if register_containers_in(leaves):
+            continue
+        if not _open_objects(leaves, opened):
             break
+        out = unflatten(spec, leaves)
+    else:
+        leaves, spec = flatten(out)
     for i, x in enumerate(leaves):
         quantized = isinstance(x, torch.Tensor) and (x.is_quantized or x.dtype in _QDTYPES)
         if isinstance(x, torch.Tensor) and (x.layout != torch.strided or x.is_nested or quantized):
@@ -621,17 +712,18 @@ def flatten_output(out: Any, desc: str) -> Tuple[List[Any], Any]:
         if inside is not None:
             path = leaf_paths(out, root="output")[i]
             name = type(x).__name__
-            hf = (" For a Hugging Face model's cache (a DynamicCache returned because use_cache is on), "
-                  "pass use_cache=False, or create a StaticCache and pass it in as past_key_values "
-                  "(it is then state, updated in place).") if name.endswith("Cache") else ""
+            why = ("it is reached twice, or holds itself" if id(x) in opened else
+                   "its state is not all in its __dict__, or its class copies itself its own way "
+                   "(__slots__, __reduce__, __getstate__, __copy__ or a custom __new__)")
             raise GraphifyError(
                 f"{desc}: the output {path} is a {name} object that holds tensors ({path}{inside}), and "
-                "gtransform cannot take it apart.\nWhy: outputs are flattened into tensors (which "
-                "live in the recording's memory) and a structure rebuilt on every call; an opaque "
-                "object would carry the trace's placeholders instead of real tensors.\n"
+                f"gtransform cannot take it apart: {why}.\nWhy: outputs are flattened into tensors (which "
+                "live in the recording's memory) and a structure rebuilt on every call; plain objects are "
+                "rebuilt from their __dict__, as copy.copy does, but this one would carry the trace's "
+                "placeholders instead of real tensors.\n"
                 "Fix: return its tensors in a tuple, dict or dataclass (e.g. (dist.loc, dist.scale) "
                 f"and rebuild it outside), or register the type as a pytree node "
-                f"(optree.register_pytree_node(..., namespace='gtransform')).{hf}"
+                f"(optree.register_pytree_node(..., namespace='gtransform'))."
             )
     return leaves, spec
 

@@ -388,12 +388,21 @@ _GRAD_ATTR = torch._C.TensorBase.__dict__["grad"]
 _REGISTER_HOOK = torch.Tensor.register_hook
 
 
+_REPLAYS_SAVED_RNG: Dict[Any, bool] = {}
+
+
 def _no_dropout(func: Any, args: Sequence[Any], kwargs: Dict[str, Any]) -> bool:
     """Whether a random op is called with dropout off.
 
     Scaled dot-product attention with dropout_p=0 draws nothing (eager's generator does
-    not move).
+    not move). Neither does an attention backward that takes the forward's saved
+    ``philox_seed``/``philox_offset`` (tagged seeded, but it replays the forward's mask).
     """
+    names = _REPLAYS_SAVED_RNG.get(func)
+    if names is None:
+        names = _REPLAYS_SAVED_RNG[func] = any(a.name in ("philox_seed", "rng_state") for a in func._schema.arguments)
+    if names:
+        return True
     for i, a in enumerate(func._schema.arguments):
         if a.name == "dropout_p":
             v = args[i] if i < len(args) and not a.kwarg_only else kwargs.get("dropout_p", a.default_value

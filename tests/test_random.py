@@ -181,3 +181,20 @@ def test_dropout_mask_of_a_transposed_activation_under_autograd_is_eagers(device
         want = layer(x)
         torch.manual_seed(i)
         assert_close(gl(x), want)
+
+
+def test_attention_backward_replaying_the_forwards_mask_is_not_a_draw():
+    """CUDA's fused attention backward ops are tagged as seeded but take the forward's saved
+    philox seed and offset: they repeat the forward's dropout mask and draw nothing. Counting
+    them as draws refused every model with attention dropout trained through its recording."""
+    from gtransform._watch import _no_dropout
+
+    aten = torch.ops.aten
+    for op in (aten._scaled_dot_product_efficient_attention_backward.default,
+               aten._scaled_dot_product_cudnn_attention_backward.default):
+        assert torch.Tag.nondeterministic_seeded in op.tags
+        assert _no_dropout(op, (), {"dropout_p": 0.1})
+    fwd = aten._scaled_dot_product_efficient_attention.default
+    q = torch.empty(1, 1, 4, 8, device="meta")
+    assert not _no_dropout(fwd, (q, q, q, None, False, 0.1), {})
+    assert _no_dropout(fwd, (q, q, q, None, False, 0.0), {})

@@ -444,8 +444,30 @@ def test_output_containers(device):
     o = gt.graphify(lambda x: _Out(x * 2, 3))(x)
     assert type(o) is _Out and type(o.a) is torch.Tensor and o.b == 3
     assert_close(o.a, x * 2)
-    with pytest.raises(gt.GraphifyError, match=r"output .* Normal .*holds tensors"):
-        gt.graphify(lambda x: torch.distributions.Normal(x, x.exp(), validate_args=False))(x)
+
+
+def test_distribution_output_is_rebuilt_on_every_call(device):
+    """A plain object made inside (torch.distributions.Normal) comes back as a new object of its
+    class on every call, holding real tensors with eager's values; it was refused."""
+    g = gt.graphify(lambda x: torch.distributions.Normal(x, x.exp(), validate_args=False))
+    seen = []
+    for k in range(3):
+        x = torch.randn(4, device=device)
+        d = g(x)
+        assert type(d) is torch.distributions.Normal and type(d.loc) is torch.Tensor
+        assert_close(d.log_prob(x), torch.distributions.Normal(x, x.exp()).log_prob(x))
+        assert_close(d.scale, x.exp())
+        assert all(d is not s for s, _ in seen)
+        seen.append((d, x))
+    assert g.cache_info().currsize == 1
+    # an older call's object is an output like any other: its own call's numbers, or the
+    # overwritten error, never the latest call's numbers
+    for d, x in seen:
+        try:
+            loc = d.loc + 0
+        except gt.OverwrittenOutputError:
+            continue
+        assert_close(loc, x)
 
 
 def test_torch_pytree_registered_output():
@@ -480,10 +502,10 @@ class _WithCache(collections.OrderedDict):
     pass
 
 
-def test_output_object_holding_tensors_deeper_down_is_refused(device):
+def test_output_object_holding_tensors_deeper_down_is_rebuilt(device):
     """An opaque output object whose tensors sit in a list of objects (a DynamicCache returned
-    with the logits) is refused when traced, naming where the tensor is; before, it came back
-    holding the trace's placeholders."""
+    with the logits) is rebuilt on every call from its attributes, at every depth; before, it
+    came back holding the trace's placeholders, and then it was refused."""
     import torch.utils._pytree as tp
 
     if _WithCache not in tp.SUPPORTED_NODES:
@@ -493,14 +515,22 @@ def test_output_object_holding_tensors_deeper_down_is_refused(device):
     def fn(x):
         c = _Cache()
         c.layers.append(_Layer(x * 2))
+        c.layers.append(_Layer(x * 3))
+        c.seen = 7
         return _WithCache(logits=x + 1, cache=c)
 
-    x = torch.ones(2, device=device)
-    with pytest.raises(gt.GraphifyError) as ei:
-        gt.graphify(fn)(x)
-    msg = str(ei.value)
-    assert "the output output['cache'] is a _Cache object that holds tensors (output['cache'].layers[0].keys)" in msg, msg
-    assert "use_cache=False" in msg and "register_pytree_node" in msg, msg
+    g = gt.graphify(fn)
+    for k in range(3):
+        x = torch.full((2,), float(k), device=device)
+        out = g(x)
+        c = out["cache"]
+        assert type(c) is _Cache and type(c.layers) is list and c.seen == 7
+        assert [type(layer) for layer in c.layers] == [_Layer, _Layer]
+        assert_close(c.layers[0].keys, x * 2)
+        assert_close(c.layers[1].keys, x * 3)
+        assert_close(out["logits"], x + 1)
+        c.layers.append("mine")  # the caller's own object: the next call's is a new one
+    assert g.cache_info().currsize == 1
     # an object holding no tensor is returned as is
     marker = object()
     g = gt.graphify(lambda x: _WithCache(logits=x + 1, cache=marker))
@@ -508,6 +538,45 @@ def test_output_object_holding_tensors_deeper_down_is_refused(device):
         out = g(x)
         assert out["cache"] is marker
         assert_close(out["logits"], x + 1)
+
+
+class _Slotted:
+    __slots__ = ("keys",)
+
+    def __init__(self, k: torch.Tensor):
+        self.keys = k
+
+
+class _OwnCopy:
+    def __init__(self, k: torch.Tensor):
+        self.k = k
+
+    def __reduce__(self):
+        return (_OwnCopy, (self.k,))
+
+
+def test_output_object_that_cannot_be_rebuilt_is_refused(device):
+    """Objects whose state is not all in __dict__, that copy themselves their own way, or that
+    hold themselves are refused, naming where the tensor is and the fix."""
+    x = torch.ones(2, device=device)
+
+    def cyclic(x):
+        c = _Cache()
+        c.layers.append(_Layer(x * 2))
+        c.layers[0].owner = c
+        return c
+
+    cases = [
+        (lambda x: {"c": [_Slotted(x * 2)]}, "output['c'][0] is a _Slotted object", "output['c'][0].keys", "__slots__"),
+        (lambda x: _OwnCopy(x * 2), "output is a _OwnCopy object", "output.k", "__reduce__"),
+        (cyclic, "is a _Cache object", ".layers[0].keys", "holds itself"),
+    ]
+    for fn, what, where, why in cases:
+        with pytest.raises(gt.GraphifyError) as ei:
+            gt.graphify(fn)(x)
+        msg = str(ei.value)
+        assert what in msg and where in msg and why in msg, msg
+        assert "register_pytree_node" in msg, msg
 
 
 def test_traced_tensor_made_in_generated_code_names_the_users_line():
