@@ -41,6 +41,7 @@ from ._errors import GraphifyError, OverwrittenOutputError, describe_fn
 from ._fastpath import MISS, build_fast_path
 from ._liveness import PoolState, StaleOutput
 from ._log import log
+from ._objects import register_containers_in
 from ._pool import GraphPool
 from ._record import Recording, make_recording
 from ._signature import (
@@ -57,7 +58,7 @@ from ._signature import (
     tensor_attrs,
 )
 from ._state import change_error, env_key_fn, find_roots
-from ._trace import plain_layout, register_containers_in, trace, tracing
+from ._trace import plain_layout, trace, tracing
 from ._tree import flatten, leaf_paths, static_leaf_key, tensor_meta, unflatten
 from ._watch import FOR_GRAD
 

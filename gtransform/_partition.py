@@ -91,9 +91,10 @@ def build_partition(plan: Any, metas: Sequence[Any], need: Sequence[bool], owner
     from torch._functorch.partitioners import default_partition
     from torch.fx.experimental.proxy_tensor import make_fx
 
+    from ._objects import flatten_output
     from ._rewrite import _drop_profiler_nodes, _lift_state
     from ._state import StateIndex
-    from ._trace import TRACE_LOCK, _TraceMode, flatten_output
+    from ._trace import TRACE_LOCK, _TraceMode
     from ._watch import _rnn_weights_as_they_are, _RnnScope, _Watch
 
     if plan.fn is None or plan.escape_slots or plan.mutated:

@@ -16,7 +16,6 @@ import os
 import sys
 import threading
 import traceback
-import types
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
@@ -33,9 +32,10 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from ._errors import _PKG_DIR, GraphifyError, format_frame, innermost_frame, user_frame, user_frame_from_exc
 from ._inductor import _Inductor
+from ._objects import flatten_output
 from ._rewrite import _constants_to_device, _drop_profiler_nodes, _kernels_in_grad_mode, _lift_state
 from ._state import AttrReads, Root, Slot, Snapshot, StateIndex, escape_error, leaf_grad
-from ._tree import NAMESPACE, flatten, leaf_paths, unflatten
+from ._tree import unflatten
 from ._watch import (
     TENSOR_ATTR,
     _AsIs,
@@ -54,7 +54,7 @@ try:  # torch >= 2.1
 except ImportError:  # pragma: no cover
     GuardOnDataDependentSymNode = DataDependentOutputException  # type: ignore[misc,assignment]
 
-__all__ = ["Plan", "OutEntry", "trace", "flatten_output", "TRACE_LOCK", "tracing", "plain_layout"]
+__all__ = ["Plan", "OutEntry", "trace", "TRACE_LOCK", "tracing", "plain_layout"]
 
 TRACE_LOCK = threading.RLock()
 _ACTIVE = threading.local()
@@ -479,253 +479,6 @@ def _no_traced_constants(gm: torch.fx.GraphModule, is_ours: Callable[[Any], bool
             )
 
 
-def _register_container(cls: type) -> bool:
-    """Teach our pytree namespace a container type optree does not know.
-
-    Types registered with ``torch.utils._pytree`` (e.g. Hugging Face's
-    ``ModelOutput``) are flattened the way torch does; dataclasses by their
-    fields. Returns whether ``cls`` was newly registered.
-    """
-    import dataclasses
-
-    import optree
-    import torch.utils._pytree as tpytree
-
-    node = tpytree.SUPPORTED_NODES.get(cls)
-    try:
-        if node is not None:
-            flat, unflat = node.flatten_fn, node.unflatten_fn
-
-            def _flat_t(x: Any) -> Any:
-                children, ctx = flat(x)
-                children = list(children)
-                if isinstance(ctx, (list, tuple)) and len(ctx) == len(children) and all(isinstance(k, str) for k in ctx):
-                    return children, ctx, tuple(ctx)  # the keys name the leaves (output.logits)
-                return children, ctx
-
-            optree.register_pytree_node(cls, _flat_t, lambda ctx, ch: unflat(list(ch), ctx), namespace=NAMESPACE)
-            return True
-        if dataclasses.is_dataclass(cls):
-            names = tuple(f.name for f in dataclasses.fields(cls))
-
-            def _flat_d(x: Any) -> Any:
-                return [getattr(x, n) for n in names], names, names
-
-            def _unflat_d(ctx: Any, children: Any) -> Any:
-                obj = object.__new__(cls)
-                for n, v in zip(ctx, children):
-                    object.__setattr__(obj, n, v)
-                return obj
-
-            optree.register_pytree_node(cls, _flat_d, _unflat_d, namespace=NAMESPACE)  # type: ignore[arg-type]
-            return True
-    except ValueError:  # already registered
-        return False
-    return False
-
-
-_QDTYPES = tuple(getattr(torch, n) for n in ("qint8", "quint8", "qint32", "quint4x2", "quint2x4") if hasattr(torch, n))
-_SCALARS = (int, float, complex, bool, str, bytes, type(None), type, torch.dtype, torch.device, torch.Size)
-
-
-def _tensor_inside(x: Any, limit: int = 2000) -> Optional[str]:
-    """Where an opaque object holds a tensor the trace made (``.layers[0].keys``), or ``None``.
-
-    Looks through attributes (``__dict__``, ``__slots__``), lists, tuples,
-    sets and dicts, breadth first, at most ``limit`` objects, so that a cache
-    object holding its tensors a few levels down (Hugging Face's
-    ``DynamicCache``: ``.layers[i].keys``) is found as well as a
-    ``torch.distributions.Normal``'s ``.loc``.
-    """
-    seen = {id(x)}
-    todo: List[Tuple[Any, str]] = [(x, "")]
-    n = 0
-    while todo and n < limit:
-        obj, path = todo.pop(0)
-        n += 1
-        kids: List[Tuple[Any, str]] = []
-        if isinstance(obj, dict):
-            kids = [(v, f"{path}[{k!r}]") for k, v in list(obj.items())[:256]]
-        elif isinstance(obj, (list, tuple)):
-            kids = [(v, f"{path}[{i}]") for i, v in enumerate(obj[:256])]
-        elif isinstance(obj, (set, frozenset)):
-            kids = [(v, f"{path}{{...}}") for v in list(obj)[:256]]
-        elif not isinstance(obj, _SCALARS) and not callable(obj) and not isinstance(obj, types.ModuleType):
-            d = getattr(obj, "__dict__", None)
-            if isinstance(d, dict):
-                kids = [(v, f"{path}.{k}") for k, v in list(d.items())[:256]]
-            for cls in type(obj).__mro__:
-                slots = cls.__dict__.get("__slots__", ())
-                for sl in (slots,) if isinstance(slots, str) else slots:
-                    try:
-                        kids.append((getattr(obj, sl), f"{path}.{sl}"))
-                    except AttributeError:
-                        pass
-        for v, p in kids:
-            if isinstance(v, torch.Tensor):
-                if isinstance(v, FakeTensor):  # one the trace made
-                    return p
-                continue  # a real tensor: state the object holds (a StaticCache passed in), fine
-            if id(v) not in seen and not isinstance(v, _SCALARS) and not isinstance(v, torch.nn.Module):
-                seen.add(id(v))
-                todo.append((v, p))
-    return None
-
-
-def register_containers_in(leaves: Sequence[Any]) -> bool:
-    """Register the dataclasses and ``torch.utils._pytree`` types among ``leaves``.
-
-    Returns whether any was new (the tree must then be flattened again). Inputs and
-    outputs take such containers apart alike, whichever the process met first.
-    """
-    import dataclasses
-
-    import torch.utils._pytree as tpytree
-
-    new = False
-    for x in leaves:
-        if isinstance(x, torch.Tensor) or x is None:
-            continue
-        cls = type(x)
-        if cls in _NOT_CONTAINERS:  # torch.Size: a leaf, it comes back as a torch.Size (torch's pytree rebuilds a tuple)
-            continue
-        if cls in tpytree.SUPPORTED_NODES or (dataclasses.is_dataclass(cls) and not isinstance(x, type)):
-            new = _register_container(cls) or new
-    return new
-
-
-_NOT_CONTAINERS = frozenset((int, float, bool, str, type(None), complex, torch.Size))
-
-
-class _Rebuilt:
-    """An opaque output object taken apart by its ``__dict__`` (a Hugging Face ``DynamicCache``).
-
-    Its attribute values are a subtree (tensors become outputs in the recording's memory);
-    every call rebuilds a new instance of ``cls`` from them, the way ``copy.copy`` does
-    (``cls.__new__`` and the attributes set, ``__init__`` not run), as eager returns a new
-    object on every call.
-    """
-
-    __slots__ = ("cls", "keys", "values")
-
-    def __init__(self, cls: type, keys: Tuple[str, ...], values: List[Any]):
-        self.cls, self.keys, self.values = cls, keys, values
-
-
-def _rebuild_object(meta: Tuple[Any, Tuple[str, ...]], values: Any) -> Any:
-    cls, keys = meta
-    obj = object.__new__(cls)
-    obj.__dict__.update(zip(keys, values))
-    return obj
-
-
-def _open_rebuilt(r: _Rebuilt) -> Tuple[List[Any], Tuple[type, Tuple[str, ...]], Tuple[str, ...]]:
-    return r.values, (r.cls, r.keys), r.keys
-
-
-def _register_rebuilt() -> None:
-    import optree
-
-    try:
-        optree.register_pytree_node(
-            _Rebuilt,  # type: ignore[arg-type]
-            _open_rebuilt,  # type: ignore[arg-type]
-            _rebuild_object,  # type: ignore[arg-type]
-            path_entry_type=optree.GetAttrEntry,
-            namespace=NAMESPACE,
-        )
-    except ValueError:  # pragma: no cover - registered already
-        pass
-
-
-_register_rebuilt()
-
-
-def _can_rebuild(x: Any) -> bool:
-    """Whether ``x`` is a plain Python object that ``copy.copy`` would copy by its ``__dict__``."""
-    cls = type(x)
-    d = getattr(x, "__dict__", None)
-    if not isinstance(d, dict) or isinstance(x, (torch.nn.Module, types.ModuleType, type)) or callable(x):
-        return False
-    if any(b.__dict__.get("__slots__") for b in cls.__mro__):
-        return False  # state outside __dict__
-    for name in ("__reduce__", "__reduce_ex__", "__getstate__", "__setstate__", "__copy__", "__getnewargs__",
-                 "__getnewargs_ex__"):
-        if getattr(cls, name, None) is not getattr(object, name, None):
-            return False  # the class copies itself its own way
-    if cls.__new__ is not object.__new__ or cls.__module__ == "builtins":
-        return False
-    return True
-
-
-def _open_objects(leaves: List[Any], seen: set) -> bool:
-    """Replace the opaque objects among ``leaves`` that hold trace-made tensors by ``_Rebuilt`` nodes.
-
-    Returns whether any was replaced. ``seen`` holds the ids already opened: an object met
-    again (a cycle, or one object reached twice) stays as it is and is refused after.
-    """
-    new = False
-    for i, x in enumerate(leaves):
-        if isinstance(x, (torch.Tensor,) + _SCALARS) or id(x) in seen or not _can_rebuild(x):
-            continue
-        if _tensor_inside(x) is None:
-            continue
-        seen.add(id(x))
-        keys = tuple(x.__dict__)
-        leaves[i] = _Rebuilt(type(x), keys, [x.__dict__[k] for k in keys])
-        new = True
-    return new
-
-
-def flatten_output(out: Any, desc: str) -> Tuple[List[Any], Any]:
-    """Flatten an output tree, taking apart containers and plain objects holding trace tensors.
-
-    Registered containers and dataclasses are flattened as pytree nodes, plain objects
-    holding the trace's tensors by their ``__dict__`` (:class:`_Rebuilt`); other opaque
-    objects holding them are refused.
-    """
-    opened: set = set()
-    for _ in range(64):
-        leaves, spec = flatten(out)
-        if register_containers_in(leaves):
-            continue
-        if not _open_objects(leaves, opened):
-            break
-        out = unflatten(spec, leaves)
-    else:
-        leaves, spec = flatten(out)
-    for i, x in enumerate(leaves):
-        quantized = isinstance(x, torch.Tensor) and (x.is_quantized or x.dtype in _QDTYPES)
-        if isinstance(x, torch.Tensor) and (x.layout != torch.strided or x.is_nested or quantized):
-            path = leaf_paths(out, root="output")[i]
-            what = ("a nested tensor" if x.is_nested else f"a quantized tensor ({x.dtype})" if quantized
-                    else f"a {x.layout} tensor")
-            fix = ("return t.to_dense(), or its parts (t.indices() and t.values() for COO; "
-                   "crow_indices(), col_indices() and values() for CSR) and rebuild it outside"
-                   if x.layout != torch.strided else "return padded dense tensors (t.to_padded_tensor(0.0))"
-                   if x.is_nested else "return t.dequantize(), or t.int_repr() and rebuild it outside")
-            raise GraphifyError(
-                f"{desc}: the output {path} is {what}.\nWhy: outputs are dense strided tensors in the "
-                f"recording's memory.\nFix: {fix}."
-            )
-        inside = None if isinstance(x, (torch.Tensor,) + _SCALARS) else _tensor_inside(x)
-        if inside is not None:
-            path = leaf_paths(out, root="output")[i]
-            name = type(x).__name__
-            why = ("it is reached twice, or holds itself" if id(x) in opened else
-                   "its state is not all in its __dict__, or its class copies itself its own way "
-                   "(__slots__, __reduce__, __getstate__, __copy__ or a custom __new__)")
-            raise GraphifyError(
-                f"{desc}: the output {path} is a {name} object that holds tensors ({path}{inside}), and "
-                f"gtransform cannot take it apart: {why}.\nWhy: outputs are flattened into tensors (which "
-                "live in the recording's memory) and a structure rebuilt on every call; plain objects are "
-                "rebuilt from their __dict__, as copy.copy does, but this one would carry the trace's "
-                "placeholders instead of real tensors.\n"
-                "Fix: return its tensors in a tuple, dict or dataclass (e.g. (dist.loc, dist.scale) "
-                f"and rebuild it outside), or register the type as a pytree node "
-                f"(optree.register_pytree_node(..., namespace='gtransform'))."
-            )
-    return leaves, spec
 
 
 def _backward_hooked_modules(roots: Sequence[Root]) -> List[str]:

@@ -451,7 +451,7 @@ def test_distribution_output_is_rebuilt_on_every_call(device):
     class on every call, holding real tensors with eager's values; it was refused."""
     g = gt.graphify(lambda x: torch.distributions.Normal(x, x.exp(), validate_args=False))
     seen = []
-    for k in range(3):
+    for _ in range(3):
         x = torch.randn(4, device=device)
         d = g(x)
         assert type(d) is torch.distributions.Normal and type(d.loc) is torch.Tensor
@@ -555,6 +555,75 @@ class _OwnCopy:
         return (_OwnCopy, (self.k,))
 
 
+class _Box:
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+class _Scaler:
+    def __init__(self, w: torch.Tensor):
+        self.w = w
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.w
+
+
+def test_objects_inside_a_returned_object_are_new_on_every_call_unless_shared(device):
+    """What the function made (a set, a Counter, an object without tensors, a TanhTransform and
+    its sample cache) is new in every call's object, as in eager: one call's changes never
+    show in the next call's. What the function only refers to (a config, a parameter) stays
+    the same object."""
+    import collections
+
+    config = _Box(name="cfg")
+    lin = torch.nn.Linear(2, 2).to(device)
+
+    def fn(x):
+        return _Box(t=x * 2, tags=set(), meta=_Box(step=0), cnt=collections.Counter(), config=config,
+                    w=lin.weight, scale=_Scaler(x + 1))
+
+    g = gt.graphify(fn)
+    for k in range(3):
+        x = torch.full((2,), float(k), device=device)
+        o = g(x)
+        assert o.tags == set() and o.meta.step == 0 and dict(o.cnt) == {}, (k, o.tags, o.meta.step, o.cnt)
+        assert o.config is config and o.w is lin.weight
+        assert type(o.scale) is _Scaler and type(o.scale.w) is torch.Tensor  # a callable object, rebuilt
+        assert_close(o.scale(x), x * (x + 1))
+        o.tags.add(k)
+        o.meta.step += 1
+        o.cnt["a"] += 1
+
+    # the SAC pattern: a tanh-squashed Normal whose transform caches its last sample
+    D = torch.distributions
+
+    def policy(mu):
+        return D.TransformedDistribution(D.Normal(mu, mu.exp(), validate_args=False),
+                                         [D.transforms.TanhTransform(cache_size=1)], validate_args=False)
+
+    g = gt.graphify(policy)
+    x1, x2 = torch.full((4,), 3.0, device=device), torch.zeros(4, device=device)
+    d1, e1 = g(x1), policy(x1)
+    torch.manual_seed(1)
+    a = d1.rsample()
+    torch.manual_seed(1)
+    assert_close(a, e1.rsample())
+    d2, e2 = g(x2), policy(x2)
+    assert d2.transforms[0] is not d1.transforms[0]
+    torch.testing.assert_close(d2.log_prob(a), e2.log_prob(a), equal_nan=True)  # no cache hit from call 1's sample
+
+
+def test_trace_tensor_found_at_any_position(device):
+    """The search for the trace's tensors does not stop after a few hundred items."""
+    g = gt.graphify(lambda x: _Box(items=[None] * 300 + [x * 2], d={f"k{i}": i for i in range(300)} | {"t": x + 1}))
+    for k in range(3):
+        x = torch.full((2,), float(k), device=device)
+        o = g(x)
+        assert type(o.items[-1]) is torch.Tensor and type(o.d["t"]) is torch.Tensor
+        assert_close(o.items[-1], x * 2)
+        assert_close(o.d["t"], x + 1)
+
+
 def test_output_object_that_cannot_be_rebuilt_is_refused(device):
     """Objects whose state is not all in __dict__, that copy themselves their own way, or that
     hold themselves are refused, naming where the tensor is and the fix."""
@@ -566,10 +635,18 @@ def test_output_object_that_cannot_be_rebuilt_is_refused(device):
         c.layers[0].owner = c
         return c
 
+    import weakref
+
+    def closure(x):
+        y = x * 2
+        return _Box(f=lambda: y)
+
     cases = [
         (lambda x: {"c": [_Slotted(x * 2)]}, "output['c'][0] is a _Slotted object", "output['c'][0].keys", "__slots__"),
         (lambda x: _OwnCopy(x * 2), "output is a _OwnCopy object", "output.k", "__reduce__"),
         (cyclic, "is a _Cache object", ".layers[0].keys", "holds itself"),
+        (closure, "output.f is a function object", "output.f.<closure y>", "closure"),
+        (lambda x: _Box(t=(t := x * 2), r=weakref.ref(t)), "output.r is a ReferenceType", "output.r()", "weak reference"),
     ]
     for fn, what, where, why in cases:
         with pytest.raises(gt.GraphifyError) as ei:
