@@ -123,3 +123,48 @@ def _drop_profiler_nodes(gm: torch.fx.GraphModule) -> None:
     for n in reversed(list(graph.nodes)):
         if n.op == "call_function" and getattr(n.target, "namespace", None) == "profiler" and not n.users:
             graph.erase_node(n)
+
+
+def _reshape_computed_views(gm: torch.fx.GraphModule) -> int:
+    """Record ``aten.view`` of a computed tensor as ``aten.reshape`` where nothing depends on the alias.
+
+    Whether a reshape could be a view was decided on the trace's fake strides. A few of
+    torch's fake kernels give other strides than the real kernel (``softplus_backward`` on
+    the CPU with a transposed gradient), and the recorded view then fails on the real
+    tensor ("view size is not compatible"). ``reshape`` is the same view when the real
+    strides allow one and a copy otherwise; it is used only where the view is not written
+    in place, not an output and not viewed further. Returns how many nodes changed.
+    """
+    view = torch.ops.aten.view.default
+    reshape = torch.ops.aten.reshape.default
+    outputs: set = set()
+    for n in gm.graph.nodes:
+        if n.op == "output":
+            torch.fx.node.map_arg(n.args, outputs.add)
+    def aliases(node: torch.fx.Node) -> bool:
+        s = getattr(node.target, "_schema", None)
+        return s is not None and any(r.alias_info is not None for r in s.returns)
+
+    def of_input(node: Any) -> bool:  # a view (of a view...) of an input or constant
+        while isinstance(node, torch.fx.Node) and node.op == "call_function" and aliases(node):
+            node = node.args[0]
+        return not isinstance(node, torch.fx.Node) or node.op != "call_function"
+
+    def alias_free(node: torch.fx.Node) -> bool:  # nothing writes, returns or keeps the alias
+        for u in node.users:
+            s = getattr(u.target, "_schema", None)
+            if u.op != "call_function" or s is None or s.is_mutable:
+                return False
+            if aliases(u) and (u in outputs or not alias_free(u)):
+                return False
+        return True
+
+    changed = 0
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or n.target is not view or n in outputs:
+            continue
+        if of_input(n.args[0]) or not alias_free(n):
+            continue
+        n.target = reshape
+        changed += 1
+    return changed

@@ -33,7 +33,13 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from ._errors import _PKG_DIR, GraphifyError, format_frame, innermost_frame, user_frame, user_frame_from_exc
 from ._inductor import _Inductor
 from ._objects import flatten_output
-from ._rewrite import _constants_to_device, _drop_profiler_nodes, _kernels_in_grad_mode, _lift_state
+from ._rewrite import (
+    _constants_to_device,
+    _drop_profiler_nodes,
+    _kernels_in_grad_mode,
+    _lift_state,
+    _reshape_computed_views,
+)
 from ._state import AttrReads, Root, Slot, Snapshot, StateIndex, escape_error, leaf_grad
 from ._tree import unflatten
 from ._watch import (
@@ -703,6 +709,7 @@ def trace(
     _lift_state(gm, watch.state_fakes)
     _no_traced_constants(gm, is_ours, desc)
     _drop_profiler_nodes(gm)
+    _reshape_computed_views(gm)
     _kernels_in_grad_mode(gm)
     gm.recompile()
     if cuda:

@@ -314,3 +314,22 @@ def test_a_parameter_returned_as_is_under_autograd_is_that_parameter(device):
         (y.sum() + w.sum()).backward()
         torch.testing.assert_close(got, lin.weight.grad)
         lin.zero_grad()
+
+
+def test_backward_whose_fake_strides_differ_from_the_real_kernels_runs(device):
+    """torch's fake softplus_backward gives other strides than the CPU kernel for a transposed
+    gradient; the recorded backward's view of it (chosen on the fake strides) failed on every
+    real call with "view size is not compatible" (Qwen3-Next training)."""
+    import torch.nn.functional as F
+
+    def f(w, inp, c):
+        h = (inp @ w).view(2, 8, 4)
+        return (F.softplus(h).transpose(1, 2) * c).sum()
+
+    w = torch.randn(5, 4, requires_grad=True, device=device)
+    g = gt.graphify(f)
+    for _ in range(3):
+        inp, c = torch.randn(16, 5, device=device), torch.randn(2, 4, 8, device=device)
+        want, = torch.autograd.grad(f(w, inp, c), w)
+        got, = torch.autograd.grad(g(w, inp, c), w)
+        torch.testing.assert_close(got, want)
