@@ -318,7 +318,6 @@ def _private_objects(out: Any) -> Set[int]:
             continue  # a local variable of a running function (ours)
         for v in gc.get_referents(r):
             private.discard(id(v))
-    del cands, r
     return private
 
 
@@ -335,14 +334,16 @@ def _open_objects(leaves: List[Any], opened: Set[int], private: Set[int]) -> boo
 
     Those are the plain objects holding trace-made tensors, and the private objects
     inside them (:func:`_private_objects`): plain ones rebuilt the same way, others
-    (a ``set``, a ``Counter``) copied with ``copy.copy`` on every call. Returns whether any was replaced. An
-    object met again (a cycle, or one object reached twice) is left as it is.
+    (a ``set``, a ``Counter``) copied with ``copy.copy`` on every call. Returns whether
+    any was replaced. An object met again (a cycle, or one object reached twice) is left
+    as it is.
     """
     new = False
     for i, x in enumerate(leaves):
         if isinstance(x, (torch.Tensor,) + _SCALARS) or id(x) in opened:
             continue
-        holds = _tensor_inside(x) is not None
+        # the private objects hold none of the trace's tensors (_private_objects)
+        holds = id(x) not in private and _tensor_inside(x) is not None
         if not holds and id(x) not in private:
             continue
         if _why_not_rebuilt(x) is None:

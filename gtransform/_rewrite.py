@@ -132,8 +132,9 @@ def _reshape_computed_views(gm: torch.fx.GraphModule) -> int:
     torch's fake kernels give other strides than the real kernel (``softplus_backward`` on
     the CPU with a transposed gradient), and the recorded view then fails on the real
     tensor ("view size is not compatible"). ``reshape`` is the same view when the real
-    strides allow one and a copy otherwise; it is used only where the view is not written
-    in place, not an output and not viewed further. Returns how many nodes changed.
+    strides allow one and a copy otherwise; it is used only where neither the view nor a
+    further view of it is written in place or returned, and where its source is computed
+    (an input's strides are the caller's, known exactly). Returns how many nodes changed.
     """
     view = torch.ops.aten.view.default
     reshape = torch.ops.aten.reshape.default
@@ -141,6 +142,7 @@ def _reshape_computed_views(gm: torch.fx.GraphModule) -> int:
     for n in gm.graph.nodes:
         if n.op == "output":
             torch.fx.node.map_arg(n.args, outputs.add)
+
     def aliases(node: torch.fx.Node) -> bool:
         s = getattr(node.target, "_schema", None)
         return s is not None and any(r.alias_info is not None for r in s.returns)

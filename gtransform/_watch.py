@@ -398,10 +398,10 @@ def _no_dropout(func: Any, args: Sequence[Any], kwargs: Dict[str, Any]) -> bool:
     not move). Neither does an attention backward that takes the forward's saved
     ``philox_seed``/``philox_offset`` (tagged seeded, but it replays the forward's mask).
     """
-    names = _REPLAYS_SAVED_RNG.get(func)
-    if names is None:
-        names = _REPLAYS_SAVED_RNG[func] = any(a.name in ("philox_seed", "rng_state") for a in func._schema.arguments)
-    if names:
+    replays = _REPLAYS_SAVED_RNG.get(func)
+    if replays is None:
+        replays = _REPLAYS_SAVED_RNG[func] = any(a.name in ("philox_seed", "rng_state") for a in func._schema.arguments)
+    if replays:
         return True
     for i, a in enumerate(func._schema.arguments):
         if a.name == "dropout_p":
