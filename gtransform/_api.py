@@ -39,7 +39,7 @@ from ._autograd import call_with_autograd, no_functorch
 from ._autograd import unwrap as unwrap_functorch
 from ._errors import GraphifyError, OverwrittenOutputError, describe_fn
 from ._fastpath import MISS, build_fast_path
-from ._liveness import PoolState, StaleOutput
+from ._liveness import PoolState, StaleOutput, stale_message
 from ._log import log
 from ._objects import register_containers_in
 from ._pool import GraphPool
@@ -926,7 +926,7 @@ def _resolve_static(fn: Callable[..., Any], nums: Tuple[int, ...], names: Tuple[
 
 def _bad_tensor(desc: str, path: str, t: torch.Tensor) -> None:
     if isinstance(t, StaleOutput):
-        msg = t.__dict__.get("_gt_message", "stale output")
+        msg = stale_message(t)
         raise OverwrittenOutputError(f"{msg}\n(passed as input {path} to {desc})")
     if t.layout != torch.strided:
         what, fix = f"a {t.layout} tensor", "pass a dense tensor (t.to_dense())"

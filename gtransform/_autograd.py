@@ -286,10 +286,11 @@ def _unpoisoned(saved: Sequence[torch.Tensor]) -> List[torch.Tensor]:
     still holds it; its memory stays pinned until this backward has run (the aliases
     ``_keep_outputs`` keeps), so its values are this forward's.
     """
-    from ._liveness import StaleOutput
+    from ._liveness import StaleOutput, unseal
 
     if not any(type(t) is StaleOutput for t in saved):
         return list(saved)
+    unseal()  # the aliases made here may outlive the backward
     with torch._C.DisableTorchFunctionSubclass():
         return [t.detach() if type(t) is StaleOutput else t for t in saved]
 

@@ -250,12 +250,13 @@ def build_fast_path(owner: Any, entry: Any, rec: Any, pool: Any) -> Any:
     if rec.groups:
         call.append("POOL.outstanding.append(REC.handout)")
     plan = entry.plan
+    if any(e.kind == "pool" for e in plan.out_entries):
+        call.append("objs = REC.handout.objs")
     for idx, e in enumerate(plan.out_entries):
         if e.kind == "const":
             call.append(f"o{idx} = {g.const(e.value, 'C')}")
         elif e.kind == "pool":
-            gi, m = rec.slots[e.index]  # (group index, member)
-            call.append(f"o{idx} = GROUPS[{gi}].objs[{m}]")
+            call.append(f"o{idx} = objs[{rec.slots[e.index]}]")
         else:
             src = tens[e.index]
             if e.identical:
@@ -296,7 +297,6 @@ def build_fast_path(owner: Any, entry: Any, rec: Any, pool: Any) -> Any:
         "REC": rec,
         "REPLAY": rec._replay,
         "_greplay": _GRAPH_REPLAY,
-        "GROUPS": rec.groups,
         "PTRS": list(rec.static_ptrs),
         "_data_ptr": torch.Tensor.data_ptr,
         "LOCK": pool.lock,

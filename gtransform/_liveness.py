@@ -3,14 +3,17 @@
 A recording's tensor outputs live in memory that the next replay overwrites.
 Outputs that share one storage form an :class:`OutputGroup`. The caller gets
 tensor objects over an *alias* storage of that memory (a second storage
-object over the same bytes, which keeps the bytes alive through DLPack), so:
+object over the same bytes, which keeps the bytes alive through DLPack); the
+objects of all groups of one output memory form a generation of a
+:class:`Handout`, so:
 
-* if the caller dropped every object of the group (and every view derived
-  from them), the next call hands the very same objects out again;
+* if the caller dropped every object (and every view derived from them),
+  the next call hands the very same objects out again;
 * if the caller still holds an object, the next call poisons it: its class
   becomes :class:`StaleOutput`, whose every operation raises
-  :class:`~gtransform.OverwrittenOutputError`. The group then gets fresh
-  objects over a fresh alias storage.
+  :class:`~gtransform.OverwrittenOutputError`. The next call hands out
+  another generation: an earlier one the caller has dropped meanwhile
+  (revived), or new objects over fresh alias storages.
 * views the caller derived from an output (which we cannot reach) pin the
   memory: the recording moves its outputs to new memory before it writes
   them again, so those views keep the values of their own call and are never
@@ -22,6 +25,7 @@ from __future__ import annotations
 import logging
 import sys
 import weakref
+from operator import ne
 from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
@@ -30,7 +34,7 @@ import torch.utils.dlpack as _dlpack
 from ._errors import OverwrittenOutputError
 from ._log import log
 
-__all__ = ["OutputGroup", "StaleOutput", "PoolState", "Pin", "poison_tensor", "live_pins"]
+__all__ = ["Handout", "OutputGroup", "StaleOutput", "PoolState", "Pin", "poison_tensor", "live_pins", "stale_message", "unseal"]
 
 _getrefcount = sys.getrefcount
 _use_count = torch._C._storage_Use_Count
@@ -56,7 +60,7 @@ class StaleOutput(torch.Tensor):
     (``shape``, ``dtype``, ``device``...) still reads.
     """
 
-    _gt_message: Any  # str() gives the message
+    _gt_message: Any  # see stale_message
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
@@ -68,7 +72,7 @@ class StaleOutput(torch.Tensor):
         for a in list(args) + list((kwargs or {}).values()):
             for t in (a if isinstance(a, (list, tuple)) else (a,)):
                 if isinstance(t, StaleOutput):
-                    msg = t.__dict__.get("_gt_message")
+                    msg = stale_message(t)
                     break
             if msg is not None:
                 break
@@ -78,29 +82,49 @@ class StaleOutput(torch.Tensor):
 
     def __repr__(self, *args: Any, **kwargs: Any) -> str:  # type: ignore[override]  # noqa: D105
         raise OverwrittenOutputError(
-            f"{self.__dict__.get('_gt_message') or 'stale gtransform output'}\n(operation: repr)"
+            f"{stale_message(self)}\n(operation: repr)"
         )
 
     def as_subclass(self, cls: Any) -> Any:  # noqa: D102 - would hand out the next call's numbers
         raise OverwrittenOutputError(
-            f"{self.__dict__.get('_gt_message') or 'stale gtransform output'}\n(operation: as_subclass)"
+            f"{stale_message(self)}\n(operation: as_subclass)"
         )
 
     def __str__(self) -> str:  # noqa: D105 - print(), str(), f"{t}": printing reads the numbers
         raise OverwrittenOutputError(
-            f"{self.__dict__.get('_gt_message') or 'stale gtransform output'}\n(operation: print / str)"
+            f"{stale_message(self)}\n(operation: print / str)"
         )
 
     def __format__(self, spec: str) -> str:  # noqa: D105
         raise OverwrittenOutputError(
-            f"{self.__dict__.get('_gt_message') or 'stale gtransform output'}\n(operation: format)"
+            f"{stale_message(self)}\n(operation: format)"
         )
+
+
+def stale_message(obj: torch.Tensor) -> str:
+    """The message of a stale output.
+
+    Stored as a string, or as ``(old_desc, desc, call_no)`` of the call that
+    overwrote it: formatted only when shown, off the per-call path.
+    """
+    msg = obj.__dict__.get("_gt_message")
+    if type(msg) is tuple:
+        return _overwrite_text(*msg)
+    return str(msg) if msg else "stale gtransform output"
 
 
 def poison_tensor(obj: torch.Tensor, message: Any) -> None:
     """Turn ``obj`` into a :class:`StaleOutput` that raises ``message``."""
     obj.__class__ = StaleOutput
     obj.__dict__["_gt_message"] = message
+
+
+def _revive(objs: Any) -> None:
+    """Make the poisoned objects among ``objs`` normal tensors again."""
+    for o in objs:
+        if type(o) is StaleOutput:
+            o.__class__ = torch.Tensor  # type: ignore[assignment]
+            del o._gt_message
 
 
 def _normal_tensors() -> Any:
@@ -117,131 +141,20 @@ def _alias_base(base_u8: torch.Tensor) -> torch.UntypedStorage:
 
 
 class OutputGroup:
-    """Outputs of one recording that share one storage in the pool.
+    """Outputs of one recording that share one storage in the pool: their layout.
 
     Args:
         storage: the pool storage the recording writes (kept alive here).
         members: ``(size, stride, storage_offset, dtype)`` of each output.
     """
 
-    __slots__ = ("base", "members", "device", "storage", "cdata", "objs", "limit", "owner", "spare", "need_fresh")
+    __slots__ = ("base", "members", "device")
 
-    def __init__(self, storage: torch.UntypedStorage, members: Sequence[Tuple[Any, Any, int, torch.dtype]], owner: Any = None):
+    def __init__(self, storage: torch.UntypedStorage, members: Sequence[Tuple[Any, Any, int, torch.dtype]]):
         self.device = storage.device
         with _normal_tensors():
             self.base = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage)
         self.members = list(members)
-        # earlier generations of objects, poisoned, kept to be revived once
-        # the caller has dropped them (the usual `y = f(x)` loop holds the
-        # previous output during the next call)
-        self.spare: List[Tuple[torch.UntypedStorage, int, List[torch.Tensor]]] = []
-        # weak: the pool's list of outstanding groups must not keep a
-        # dropped function's recordings alive
-        self.owner = weakref.ref(owner) if owner is not None else None
-        self.storage: torch.UntypedStorage
-        self.cdata = 0
-        self.objs: List[torch.Tensor] = []
-        self.limit = 0
-        self.need_fresh = False
-        self.fresh()
-
-    def fresh(self) -> None:
-        """Make the tensor objects of the next hand-out.
-
-        A spare generation that nobody holds any more is revived; otherwise
-        new objects are made over a new alias storage.
-        """
-        self.need_fresh = False
-        spare = self.spare
-        for i, (st0, cd0, objs0) in enumerate(spare):
-            if _use_count(cd0) != 1 + len(objs0):
-                continue
-            for o in objs0:
-                if _getrefcount(o) > 3:  # the list, the loop variable and the argument
-                    break
-            else:
-                for o in objs0:
-                    if type(o) is StaleOutput:
-                        o.__class__ = torch.Tensor  # type: ignore[assignment]
-                        o.__dict__.pop("_gt_message", None)
-                del spare[i]
-                self.storage, self.cdata, self.objs = st0, cd0, objs0
-                self.limit = 1 + len(objs0)
-                return
-        dev = self.device
-        objs = []
-        with _normal_tensors():
-            st = _alias_base(self.base)
-            for size, stride, offset, dtype in self.members:
-                objs.append(torch.empty(0, dtype=dtype, device=dev).set_(st, offset, size, stride))
-        self.storage = st
-        self.cdata = st._cdata
-        self.objs = objs
-        # our storage object + one TensorImpl per member object
-        self.limit = 1 + len(objs)
-
-    def poison(self, message: Any) -> Any:
-        """If the caller holds an object of the group, or a view of one, poison them.
-
-        The next objects are then made by ``fresh``. Views the caller derived
-        from the objects cannot be reached. If any are alive, the returned
-        :data:`Pin` says so: the owner must move its outputs to new memory
-        before it next writes them (see ``Recording._retire``), so those views
-        keep the values of their own call.
-
-        Returns:
-            False if nothing was held (nothing done), a :data:`Pin` if views are
-            alive, else None.
-        """
-        storage, cdata, objs = self.storage, self.cdata, self.objs
-        pin = (cdata, self.limit, storage, objs) if _use_count(cdata) > self.limit else None
-        held = pin is not None
-        for o in objs:
-            # the list, the loop variable and getrefcount's argument
-            if _getrefcount(o) > 3:
-                poison_tensor(o, message)
-                held = True
-        if not held:
-            return False
-        spare = self.spare
-        spare.append((storage, cdata, objs))
-        if len(spare) > 2:
-            del spare[0]
-        # the caller (PoolState.begin_call) makes the next objects, unless the
-        # owner moves to another generation before its next replay and makes
-        # them there (see Recording._retire)
-        self.need_fresh = True
-        return pin
-
-    def adopt(self, old: OutputGroup) -> None:
-        """Keep handing out ``old``'s tensor objects, now over this group's memory.
-
-        Used when a signature is recorded again (e.g. when inputs start being
-        read in place): objects the caller dropped keep their identity.
-        """
-        if len(old.objs) != len(self.objs) or _use_count(old.cdata) > old.limit:
-            return
-        free = [type(o) is torch.Tensor and _getrefcount(o) <= 3 for o in old.objs]
-        for m, (o_old, o_new) in enumerate(zip(old.objs, self.objs)):
-            if free[m]:
-                try:
-                    torch.utils.swap_tensors(o_old, o_new)
-                except RuntimeError:
-                    continue
-                self.objs[m] = o_old
-        old.objs = []
-        old.limit = 1
-
-    def detach(self) -> None:
-        """The recording goes away.
-
-        Held objects keep their memory (nothing will overwrite it any more), so there is
-        nothing to poison.
-        """
-        self.objs = []
-        self.spare = []
-        self.limit = 1
-        self.owner = None
 
 
 # An alias storage the caller derived views from: ``(cdata, ours, storage, objects)``.
@@ -256,33 +169,304 @@ def live_pins(pins: List[Pin]) -> List[Pin]:
     return [p for p in pins if _use_count(p[0]) > p[1]]
 
 
-class Handout:
-    """The output groups of one recording, with a batched liveness check.
+class _Generation:
+    """Output objects put aside: poisoned where the caller held them, revived once dropped.
 
-    ``held()`` compares, in two C-level passes, every output object's Python
-    reference count and every group storage's use count with their values
-    when nothing outside gtransform held them.
+    ``poisoned`` says which objects are poisoned: None all, a list their
+    positions, ``SCAN`` look at each object's class. ``sealed``: every object
+    was poisoned while no view of them was alive, so no view can appear (a
+    poisoned object refuses every operation): its storages' use counts need
+    no check before it is revived. It holds the value of the seal epoch then
+    (-1: not sealed); gtransform's own ways past the poison (see
+    :func:`unseal`) end the epoch.
     """
 
-    __slots__ = ("groups", "objs", "cdatas", "rc_base", "uc_base")
+    __slots__ = ("objs", "storages", "cdatas", "rc_base", "poisoned", "sealed")
 
-    def __init__(self, groups: List[OutputGroup]):
+    def __init__(self, objs: List[torch.Tensor], storages: List[torch.UntypedStorage], cdatas: List[int],
+                 rc_base: List[int], poisoned: Any, sealed: int):
+        self.objs, self.storages, self.cdatas, self.rc_base = objs, storages, cdatas, rc_base
+        self.poisoned, self.sealed = poisoned, sealed
+
+
+SCAN = "scan"
+
+_seal_epoch = [0]
+
+
+def unseal() -> None:
+    """A poisoned object was made an alias of, or taken back (gtransform's own code).
+
+    Generations sealed so far (see :class:`_Generation`) get their storages'
+    use counts checked again before they are revived.
+    """
+    _seal_epoch[0] += 1
+
+
+class Handout:
+    """The output objects of one output memory of a recording (a ring slot).
+
+    ``poison`` checks, in two C-level passes, every object's Python reference
+    count and every alias storage's use count against their values when
+    nothing outside gtransform held them. If the caller holds objects, they
+    are poisoned, and ``fresh`` gives their output groups other objects:
+    those of a spare generation the caller has dropped meanwhile (the usual
+    ``y = f(x)`` loop holds the previous output during the next call, so two
+    generations alternate), or new ones. The objects of groups the caller did
+    not hold are handed out again. When every group was held (the usual case)
+    the whole generation is swapped at once: the work per output object is
+    then its class flip and nothing else.
+
+    Args:
+        groups: the output groups (layouts over this memory).
+        owner: the recording (weakly: the pool's list of outstanding handouts
+            must not keep a dropped function's recordings alive).
+    """
+
+    __slots__ = ("groups", "starts", "owner", "objs", "storages", "cdatas", "uc_base", "rc_base",
+                 "poisoned", "sealed", "held_groups", "spare", "need_fresh")
+
+    def __init__(self, groups: List[OutputGroup], owner: Any = None):
         self.groups = groups
-        self.refresh()
+        starts = [0]
+        for g in groups:
+            starts.append(starts[-1] + len(g.members))
+        self.starts = starts
+        self.owner = weakref.ref(owner) if owner is not None else None
+        self.spare: List[_Generation] = []
+        self.need_fresh = False
+        # of the generation handed out: which objects the last poison poisoned
+        # and whether that sealed it (see _Generation), and which groups were
+        # held (None: all)
+        self.poisoned: Any = []
+        self.sealed = -1
+        self.held_groups: Optional[List[int]] = None
+        # our storage object + one TensorImpl per member object
+        self.uc_base = [1 + len(g.members) for g in groups]
+        self.objs, self.storages, self.cdatas, self.rc_base = self._make()
+
+    def _make(self) -> Tuple[List[torch.Tensor], List[torch.UntypedStorage], List[int], List[int]]:
+        """A new generation: new objects over new alias storages."""
+        objs: List[torch.Tensor] = []
+        storages = []
+        with _normal_tensors():
+            for g in self.groups:
+                st = _alias_base(g.base)
+                storages.append(st)
+                dev = g.device
+                for size, stride, offset, dtype in g.members:
+                    objs.append(torch.empty(0, dtype=dtype, device=dev).set_(st, offset, size, stride))
+        return objs, storages, [st._cdata for st in storages], list(map(_getrefcount, objs))
 
     def refresh(self) -> None:
-        """Re-measure the baselines (call when nothing is handed out)."""
-        self.objs = [o for g in self.groups for o in g.objs]
-        self.cdatas = [g.cdata for g in self.groups]
-        self.uc_base = [g.limit for g in self.groups]
+        """Re-measure the reference counts (call when nothing is handed out)."""
         self.rc_base = list(map(_getrefcount, self.objs))
 
-    def held(self) -> bool:
-        """Whether the caller holds any output object, or a view of one."""
-        return (
-            list(map(_getrefcount, self.objs)) != self.rc_base
-            or list(map(_use_count, self.cdatas)) != self.uc_base
-        )
+    def poison(self, old_desc: str, desc: str, call_no: int) -> Any:
+        """Poison the objects the caller still holds; the memory is about to be written.
+
+        ``old_desc`` handed them out; call ``call_no`` of the pool (``desc``)
+        is about to overwrite them.
+
+        Views the caller derived from the objects cannot be reached. If any
+        are alive, the returned :data:`Pin` list says so: the owner must move
+        its outputs to new memory before it next writes them (see
+        ``Recording._maybe_retire``), so those views keep the values of their own
+        call. Objects handed out again over memory that is written get their
+        version counters bumped: autograd may have saved one
+        (``loss = (w * y).sum(); del y``), invisibly to the reference counts,
+        and its backward then raises "modified by an inplace operation", as
+        eager would, instead of computing with the new numbers.
+
+        Returns:
+            False if nothing was held (nothing but the version bump done), a
+            list of :data:`Pin` if views are alive, else None; in the last two
+            cases ``fresh`` must run before the next hand-out.
+        """
+        objs = self.objs
+        rc_base = self.rc_base
+        rcs = list(map(_getrefcount, objs))
+        ucs = list(map(_use_count, self.cdatas))
+        uc_base = self.uc_base
+        if rcs == rc_base and ucs == uc_base:
+            _increment_version(objs)
+            return False
+        held_groups: Optional[List[int]] = None
+        if rcs == rc_base:
+            poisoned: Any = []
+        else:
+            # plain loops: an attribute store costs less than setattr through map
+            message = (old_desc, desc, call_no)  # see stale_message
+            if all(map(ne, rcs, rc_base)):  # every object (the usual `y = f(x)` loop)
+                poisoned = None
+                for o in objs:
+                    o.__class__ = StaleOutput
+                    o._gt_message = message  # type: ignore[attr-defined]
+            else:
+                poisoned = [i for i, (r, b) in enumerate(zip(rcs, rc_base)) if r != b]
+                for i in poisoned:
+                    o = objs[i]
+                    o.__class__ = StaleOutput
+                    o._gt_message = message  # type: ignore[attr-defined]
+        if poisoned is not None:
+            starts = self.starts
+            held_groups = [
+                gi for gi in range(len(ucs))
+                if ucs[gi] != uc_base[gi] or rcs[starts[gi]:starts[gi + 1]] != rc_base[starts[gi]:starts[gi + 1]]
+            ]
+            if len(held_groups) == len(ucs):
+                held_groups = None
+        pins: Optional[List[Pin]] = None
+        if ucs == uc_base:
+            _increment_version(objs)
+        else:
+            pins = []
+            starts = self.starts
+            written: List[torch.Tensor] = []
+            for gi, (u, b) in enumerate(zip(ucs, uc_base)):
+                members = objs[starts[gi]:starts[gi + 1]]
+                if u > b:
+                    pins.append((self.cdatas[gi], b, self.storages[gi], members))
+                else:
+                    written += members
+            _increment_version(written)
+        self.poisoned = poisoned
+        # sealed (see _Generation); -2 - epoch: every object poisoned but views were
+        # alive then (pins), which fresh(views_gone=True) knows are gone
+        if poisoned is None:
+            self.sealed = _seal_epoch[0] if pins is None else -2 - _seal_epoch[0]
+        else:
+            self.sealed = -1
+        self.held_groups = held_groups
+        # the caller (PoolState.begin_call) makes the next objects, unless the
+        # owner moves to another memory before its next replay and makes
+        # them there (see Recording._maybe_retire)
+        self.need_fresh = True
+        return pins or None
+
+    def fresh(self, views_gone: bool = False) -> None:
+        """Give the groups the caller held (see ``poison``) other objects.
+
+        They come from a spare generation whose objects of those groups
+        nobody holds any more (no object, no view), made normal tensors again;
+        otherwise from a new generation. The objects the caller held go to
+        the spare generations.
+
+        Args:
+            views_gone: the views alive when ``poison`` ran (its pins) are gone
+                since (the owner coming back to this memory, see
+                ``Recording._maybe_retire``): the objects handed out last, if
+                the caller dropped them too, are handed out again.
+        """
+        self.need_fresh = False
+        spare = self.spare
+        held_groups = self.held_groups
+        if held_groups is None:
+            if (
+                views_gone
+                and self.poisoned is None
+                and self.sealed == -2 - _seal_epoch[0]
+                and list(map(_getrefcount, self.objs)) == self.rc_base
+            ):
+                # every object was poisoned: no view appeared after the pins
+                for o in self.objs:
+                    o.__class__ = torch.Tensor
+                    del o._gt_message  # type: ignore[attr-defined]
+                return
+            for gen in spare:
+                if list(map(_getrefcount, gen.objs)) != gen.rc_base or (
+                    gen.sealed != _seal_epoch[0] and list(map(_use_count, gen.cdatas)) != self.uc_base
+                ):
+                    continue
+                poisoned = gen.poisoned
+                # (an object copy_back_stale took back has other memory now: the
+                # storage's use count above keeps its generation from coming back)
+                if poisoned is None:
+                    for o in gen.objs:
+                        o.__class__ = torch.Tensor
+                        del o._gt_message  # type: ignore[attr-defined]
+                elif poisoned:
+                    _revive(gen.objs if poisoned is SCAN else map(gen.objs.__getitem__, poisoned))
+                gen.objs, self.objs = self.objs, gen.objs
+                gen.storages, self.storages = self.storages, gen.storages
+                gen.cdatas, self.cdatas = self.cdatas, gen.cdatas
+                gen.rc_base, self.rc_base = self.rc_base, gen.rc_base
+                gen.poisoned, gen.sealed = self.poisoned, self.sealed
+                return
+            objs, storages, cdatas, rc_base = self._make()
+            spare.append(_Generation(self.objs, self.storages, self.cdatas, self.rc_base, self.poisoned, self.sealed))
+            if len(spare) > 2:
+                del spare[0]
+            self.objs, self.storages, self.cdatas, self.rc_base = objs, storages, cdatas, rc_base
+            return
+        # some groups held: only those change objects, one group at a time
+        starts = self.starts
+        for gen in spare:
+            rcs = list(map(_getrefcount, gen.objs))
+            for gi in held_groups:
+                a, b = starts[gi], starts[gi + 1]
+                if _use_count(gen.cdatas[gi]) != self.uc_base[gi] or rcs[a:b] != gen.rc_base[a:b]:
+                    break
+            else:
+                break
+        else:
+            objs, storages, cdatas, rc_base = self._make()
+            gen = _Generation(objs, storages, cdatas, rc_base, [], -1)
+            spare.append(gen)
+            if len(spare) > 2:
+                del spare[0]
+        for gi in held_groups:
+            a, b = starts[gi], starts[gi + 1]
+            got = gen.objs[a:b]
+            _revive(got)
+            gen.objs[a:b], self.objs[a:b] = self.objs[a:b], got
+            gen.rc_base[a:b], self.rc_base[a:b] = self.rc_base[a:b], gen.rc_base[a:b]
+            gen.storages[gi], self.storages[gi] = self.storages[gi], gen.storages[gi]
+            gen.cdatas[gi], self.cdatas[gi] = self.cdatas[gi], gen.cdatas[gi]
+        gen.poisoned, gen.sealed = SCAN, -1
+
+    def adopt(self, old: Handout) -> None:
+        """Keep handing out ``old``'s tensor objects, now over this memory.
+
+        Used when a signature is recorded again (e.g. when inputs start being
+        read in place): objects the caller dropped keep their identity.
+        """
+        objs = self.objs
+        if len(old.objs) != len(objs) or len(old.cdatas) != len(self.cdatas):
+            return
+        old_objs = old.objs
+        rcs = list(map(_getrefcount, old_objs))
+        ucs = list(map(_use_count, old.cdatas))
+        free = [
+            m
+            for gi, (u, b) in enumerate(zip(ucs, old.uc_base))
+            if u <= b  # no view of the group is alive
+            for m in range(self.starts[gi], self.starts[gi + 1])
+            if type(old_objs[m]) is torch.Tensor and rcs[m] == old.rc_base[m]
+        ]
+        old.detach()  # drop its references to the objects
+        for m in free:
+            try:
+                torch.utils.swap_tensors(old_objs[m], objs[m])
+            except RuntimeError:
+                continue
+            objs[m] = old_objs[m]
+        del old_objs
+        self.refresh()
+
+    def detach(self) -> None:
+        """The recording goes away.
+
+        Held objects keep their memory (nothing will overwrite it any more), so there is
+        nothing to poison.
+        """
+        self.objs = []
+        self.storages = []
+        self.cdatas = []
+        self.uc_base = []
+        self.rc_base = []
+        self.spare = []
+        self.owner = None
 
 
 class PoolState:
@@ -308,68 +492,30 @@ class PoolState:
         out = self.outstanding
         if out:
             for h in out:
-                if h.held():
-                    msg = _overwrite_message(self.last_desc, desc, self.calls)
-                    n = 0
-                    pins = None
-                    for g in h.groups:
-                        objs = g.objs
-                        pin = g.poison(msg)
-                        if pin is None or pin is False:
-                            # its memory is written again: see below
-                            _increment_version(objs)
-                        if pin is not False:
-                            n += 1
-                            if pin is not None:
-                                if pins is None:
-                                    pins = [pin]
-                                else:
-                                    pins.append(pin)
-                    owner = h.groups[0].owner
-                    owner = owner() if owner is not None else None
-                    if pins is not None and owner is not None:
-                        owner.pins += pins
-                        owner.must_retire = True
-                    if owner is None or not owner.must_retire:
-                        for g in h.groups:
-                            if g.need_fresh:
-                                g.fresh()
-                        h.refresh()
-                    # else: the owner switches generation before it replays
-                    # (Recording._retire), makes the objects there and refreshes
-                    if log.isEnabledFor(logging.DEBUG):
-                        log.debug("%s: call #%d poisoned %d held output group(s) of %s",
-                                  desc, self.calls, n, self.last_desc)
-                else:
-                    # the objects are handed out again over memory this call writes: autograd
-                    # may have saved one of them (`loss = (w * y).sum(); del y`), invisibly to
-                    # the reference counts; bumping their version counters makes its backward
-                    # raise "modified by an inplace operation", as eager would, instead of
-                    # computing with the new numbers
-                    _increment_version(h.objs)
+                pins = h.poison(self.last_desc, desc, self.calls)
+                if pins is False:
+                    continue
+                ref = h.owner
+                owner = ref() if ref is not None else None
+                if pins is not None and owner is not None:
+                    owner.pins += pins
+                    owner.must_retire = True
+                if owner is None or not owner.must_retire:
+                    h.fresh()
+                # else: the owner switches memory before it replays
+                # (Recording._maybe_retire) and makes the objects there
+                if log.isEnabledFor(logging.DEBUG):
+                    log.debug("%s: call #%d poisoned held outputs of %s", desc, self.calls, self.last_desc)
             self.outstanding = []
         self.last_desc = desc
 
 
-class _OverwriteMessage:
-    """The message of a stale output, formatted only if it is ever shown (off the per-call path)."""
-
-    __slots__ = ("old_desc", "new_desc", "call_no")
-
-    def __init__(self, old_desc: str, new_desc: str, call_no: int):
-        self.old_desc, self.new_desc, self.call_no = old_desc, new_desc, call_no
-
-    def __str__(self) -> str:
-        return (
-            f"{self.old_desc}: this output of pool call #{self.call_no - 1} was overwritten by call "
-            f"#{self.call_no} ({self.new_desc}), "
-            "which reuses the same memory pool. An output stays valid only until the next "
-            "call of the same graphified function in the same thread, or of any function "
-            "sharing its pool. Fix: .clone() the output if you need it after the next call, "
-            "or drop it before calling again."
-        )
-
-    __format__ = lambda self, spec: format(str(self), spec)  # noqa: E731
-
-
-_overwrite_message = _OverwriteMessage
+def _overwrite_text(old_desc: str, new_desc: str, call_no: int) -> str:
+    return (
+        f"{old_desc}: this output of pool call #{call_no - 1} was overwritten by call "
+        f"#{call_no} ({new_desc}), "
+        "which reuses the same memory pool. An output stays valid only until the next "
+        "call of the same graphified function in the same thread, or of any function "
+        "sharing its pool. Fix: .clone() the output if you need it after the next call, "
+        "or drop it before calling again."
+    )

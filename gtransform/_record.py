@@ -23,7 +23,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from . import _distributed
 from ._errors import GraphifyError, RerecordWarning
-from ._liveness import Handout, OutputGroup, Pin, PoolState, StaleOutput, live_pins
+from ._liveness import Handout, OutputGroup, Pin, PoolState, StaleOutput, _use_count, live_pins, unseal
 from ._state import EscapeWriter
 from ._trace import Plan
 
@@ -140,15 +140,15 @@ class Recording:
         self.cb_idx = tuple(i for i, _ in cb)
         self.cb_bufs = [b for _, b in cb]
         self.groups: List[OutputGroup] = []
-        self.handout = Handout(self.groups)
-        self.slots: Dict[int, Tuple[int, int]] = {}  # gm output -> (group index, member)
+        self.handout = Handout([])
+        self.slots: Dict[int, int] = {}  # gm output -> index in the handout's objects
         self.group_keys: List[int] = []  # a gm output index of each group
         self.replays = 0
         self.must_retire = False
         # views of the active generation's outputs that were found alive (see
-        # PoolState.begin_call), for _retire
+        # PoolState.begin_call), for _maybe_retire
         self.pins: List[Pin] = []
-        # Output memory generations (see _retire): the active one is written by
+        # Output memory generations (see _maybe_retire): the active one is written by
         # the replays; the others keep the values of views the caller holds.
         self.ring: List[_Slot] = []
         self.active = 0
@@ -177,6 +177,7 @@ class Recording:
             if t is None:
                 raise GraphifyError(self._undefined_output(e.index))
             by_store.setdefault(StorageWeakRef(t.untyped_storage()), []).append(e.index)
+        start = 0
         for ks in by_store.values():
             members: List[Tuple[Any, Any, int, torch.dtype]] = []
             first: Dict[int, int] = {}
@@ -186,11 +187,11 @@ class Recording:
                 if m is None:
                     m = first[id(t)] = len(members)
                     members.append((tuple(t.shape), t.stride(), int(t.storage_offset()), t.dtype))
-                self.slots[k] = (len(self.groups), m)
-            g = OutputGroup(outs[ks[0]].untyped_storage(), members, owner=self)
-            self.groups.append(g)
+                self.slots[k] = start + m
+            self.groups.append(OutputGroup(outs[ks[0]].untyped_storage(), members))
             self.group_keys.append(ks[0])
-        self.handout.refresh()
+            start += len(members)
+        self.handout = Handout(self.groups, owner=self)
 
     def _undefined_output(self, index: int) -> str:
         """The message for a graph output that ran as an undefined tensor but traced as one."""
@@ -220,16 +221,6 @@ class Recording:
                 return False
         return True
 
-    def _maybe_retire(self) -> None:
-        """Move the outputs to new memory if the caller keeps views of them.
-
-        The caller's views of an earlier call then keep their values instead
-        of being written over.
-        """
-        self.must_retire = False
-        self._retire()
-        self.handout.refresh()
-
     def _replay(self) -> None:  # pragma: no cover - overridden
         raise NotImplementedError
 
@@ -237,23 +228,22 @@ class Recording:
     def _start_ring(self, slot: _Slot) -> None:
         """The first generation: the output groups just bound (see _bind_outputs)."""
         slot.groups = list(self.groups)
-        slot.handout = Handout(slot.groups)
-        self.handout = slot.handout
-        self.handout.refresh()
+        slot.handout = self.handout
         self.ring = [slot]
         self.active = 0
 
-    def _retire(self) -> None:
+    def _maybe_retire(self) -> None:
         """The caller keeps views of the active generation's outputs: write elsewhere.
 
-        A generation whose views were all dropped is used again, with its own
-        output objects (no capture, no new objects); otherwise a new one is
-        made (CUDA: captured into a private pool of its own), up to
-        RING_SLOTS. Beyond that the active generation is replaced by new
-        memory (its old memory stays with the views) and, where that costs a
-        capture per call, a warning says so once.
+        The caller's views of an earlier call then keep their values instead
+        of being written over. A generation whose views were all dropped is
+        used again, with its own output objects (no capture, no new objects);
+        otherwise a new one is made (CUDA: captured into a private pool of its
+        own), up to RING_SLOTS. Beyond that the active generation is replaced
+        by new memory (its old memory stays with the views) and, where that
+        costs a capture per call, a warning says so once.
         """
-        groups = self.groups
+        self.must_retire = False
         ring = self.ring
         cur = ring[self.active]
         # found alive by this call's poison (PoolState.begin_call), or by an
@@ -266,13 +256,16 @@ class Recording:
         for _ in range(n - 1):
             j = j + 1 if j + 1 < n else 0
             slot = ring[j]
-            if not (slot.pins and slot.pinned()):
-                self._use_slot(j)
-                return
+            pins = slot.pins
+            if pins:
+                pins = slot.pins = [p for p in pins if _use_count(p[0]) > p[1]]
+                if pins:
+                    continue
+            self._use_slot(j)
+            return
         if not cur.pinned():  # the views went (e.g. before this call, after another's)
-            for g in groups:
-                if g.need_fresh:
-                    g.fresh()
+            if self.handout.need_fresh:
+                self.handout.fresh(views_gone=True)
             return
         if n < RING_SLOTS:
             ring.append(self._new_slot())
@@ -290,8 +283,7 @@ class Recording:
                 RerecordWarning,
                 stacklevel=4,
             )
-        for g in cur.groups:  # the old memory stays with the caller's views
-            g.detach()
+        cur.handout.detach()  # the old memory stays with the caller's views
         ring[self.active] = self._new_slot(replacing=cur)
         self._use_slot(self.active)
 
@@ -302,19 +294,18 @@ class Recording:
 
     def _slot_groups(self, slot: _Slot, storages: Sequence[torch.UntypedStorage]) -> None:
         """Give a new slot output groups like the active one's, over ``storages``."""
-        slot.groups = [OutputGroup(st, g.members, owner=self) for st, g in zip(storages, self.groups)]
-        slot.handout = Handout(slot.groups)
+        slot.groups = [OutputGroup(st, g.members) for st, g in zip(storages, self.groups)]
+        slot.handout = Handout(slot.groups, owner=self)
 
     def _use_slot(self, j: int) -> None:
         """Write generation ``j`` from now on: its output groups are handed out."""
         slot = self.ring[j]
         self.active = j
-        self.groups[:] = slot.groups  # in place: the fast path holds this list
-        self.handout = slot.handout
-        for g in slot.groups:
-            if g.need_fresh:  # poisoned on its last call: its objects now
-                g.fresh()
-        self._activate(slot)  # the caller refreshes the handout
+        self.groups = slot.groups
+        h = self.handout = slot.handout
+        if h.need_fresh:  # poisoned on its last call: its objects now
+            h.fresh(views_gone=True)
+        self._activate(slot)
 
     def _activate(self, slot: _Slot) -> None:
         """Backend: make ``slot`` the one replays write."""
@@ -348,11 +339,10 @@ class Recording:
             self.pool.outstanding.append(self.handout)
         res: List[torch.Tensor] = []
         slots = self.slots
-        groups = self.groups
+        objs = self.handout.objs
         for e in self.plan.tensor_entries:
             if e.kind == "pool":
-                gi, m = slots[e.index]
-                res.append(groups[gi].objs[m])
+                res.append(objs[slots[e.index]])
             else:
                 t = tensors[e.index]
                 if e.identical:
@@ -377,6 +367,7 @@ class Recording:
         """
         for t in targets:
             if type(t) is StaleOutput:
+                unseal()
                 t.__class__ = torch.Tensor  # type: ignore[assignment]
                 t.__dict__.pop("_gt_message", None)
                 with torch.no_grad():
@@ -405,7 +396,7 @@ class Recording:
         return res
 
     def adopt_outputs(self, old: Recording) -> None:
-        """Hand out ``old``'s output objects from now on (see OutputGroup.adopt).
+        """Hand out ``old``'s output objects from now on (see Handout.adopt).
 
         Done at this recording's first replay, after the pool poisoned what
         the caller still holds of ``old``'s outputs; ``old`` is closed then.
@@ -419,28 +410,20 @@ class Recording:
         self._pending_adopt = None
         if old is None:
             return
-        old.handout = Handout([])  # drop its references to the objects first
-        for slot in old.ring:
-            slot.handout = None
         if len(old.groups) == len(self.groups):
-            for new, og in zip(self.groups, old.groups):
-                new.adopt(og)
-        old.groups = []
-        old.handout = Handout(old.groups)
+            self.handout.adopt(old.handout)
         old.close()
-        self.handout.refresh()
 
     def close(self) -> None:
         """Release the recording; outputs the caller holds stay valid."""
-        for g in self.groups:
-            g.detach()
+        self.handout.detach()
         for slot in self.ring:
-            for g in slot.groups:
-                g.detach()
+            if slot.handout is not None:
+                slot.handout.detach()
             slot.groups = []
             slot.handout = None
         self.groups = []
-        self.handout = Handout(self.groups)
+        self.handout = Handout([])
         self.fast = None
 
 
@@ -491,7 +474,7 @@ class CUDARecording(Recording):
             self.escapes.reuse = True
         self.graph: Optional[torch.cuda.CUDAGraph] = None
         self.device = next((t.device for t in tensors), torch.device("cuda", torch.cuda.current_device()))
-        # Output generations (see Recording._retire): the first is captured in
+        # Output generations (see Recording._maybe_retire): the first is captured in
         # the function's pool, later ones each in a private pool of their own,
         # so that no generation's intermediates overlap another's outputs.
         g, outs = self._capture(warmup=True, pool_id=_pool_id(self.pool, self.device))
