@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import sys
 import weakref
-from operator import ne
+from operator import and_, ne
 from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
@@ -37,6 +37,9 @@ from ._log import log
 __all__ = ["Handout", "OutputGroup", "StaleOutput", "PoolState", "Pin", "poison_tensor", "live_pins", "stale_message", "unseal"]
 
 _getrefcount = sys.getrefcount
+_version = torch.Tensor._version.__get__  # type: ignore[attr-defined]
+_requires_grad = torch.Tensor.requires_grad.__get__  # type: ignore[attr-defined]
+_is_leaf = torch.Tensor.is_leaf.__get__  # type: ignore[attr-defined]
 _use_count = torch._C._storage_Use_Count
 
 # Reads that stay legal on a stale output: metadata, no data.
@@ -224,7 +227,7 @@ class Handout:
     """
 
     __slots__ = ("groups", "starts", "owner", "objs", "storages", "cdatas", "uc_base", "rc_base",
-                 "poisoned", "sealed", "held_groups", "spare", "need_fresh")
+                 "poisoned", "sealed", "held_groups", "spare", "need_fresh", "vsum", "tainted")
 
     def __init__(self, groups: List[OutputGroup], owner: Any = None):
         self.groups = groups
@@ -244,6 +247,10 @@ class Handout:
         # our storage object + one TensorImpl per member object
         self.uc_base = [1 + len(g.members) for g in groups]
         self.objs, self.storages, self.cdatas, self.rc_base = self._make()
+        # the sum of the objects' version counters as handed out, and whether the caller
+        # changed one (see poison)
+        self.vsum = sum(map(_version, self.objs))
+        self.tainted = False
 
     def _make(self) -> Tuple[List[torch.Tensor], List[torch.UntypedStorage], List[int], List[int]]:
         """A new generation: new objects over new alias storages."""
@@ -261,6 +268,7 @@ class Handout:
     def refresh(self) -> None:
         """Re-measure the reference counts (call when nothing is handed out)."""
         self.rc_base = list(map(_getrefcount, self.objs))
+        self.vsum = sum(map(_version, self.objs))
 
     def poison(self, old_desc: str, desc: str, call_no: int) -> Any:
         """Poison the objects the caller still holds; the memory is about to be written.
@@ -288,8 +296,18 @@ class Handout:
         rcs = list(map(_getrefcount, objs))
         ucs = list(map(_use_count, self.cdatas))
         uc_base = self.uc_base
-        if rcs == rc_base and ucs == uc_base:
+        # an object the caller changed in place (its shape: t_(), unsqueeze_(), resize_(); its
+        # values) has a higher version; one made a leaf that requires grad (requires_grad_(),
+        # then a backward accumulating into its .grad) says so: never handed out again.
+        # (Outputs of a differentiated call require grad as non-leaves: they are fine.)
+        if sum(map(_version, objs)) != self.vsum or (
+            any(map(_requires_grad, objs)) and any(map(and_, map(_requires_grad, objs), map(_is_leaf, objs)))
+        ):
+            self.tainted = True
+            rcs = [-1] * len(rcs)  # treated as held: poisoned, and a new generation made
+        elif rcs == rc_base and ucs == uc_base:
             _increment_version(objs)
+            self.vsum += len(objs)
             return False
         held_groups: Optional[List[int]] = None
         if rcs == rc_base:
@@ -345,6 +363,28 @@ class Handout:
         return pins or None
 
     def fresh(self, views_gone: bool = False) -> None:
+        """Give the groups the caller held (see ``poison``) other objects (see ``_fresh``)."""
+        self._fresh(views_gone)
+        self.vsum = sum(map(_version, self.objs))
+
+    def _replace(self) -> None:
+        """The caller changed an object of the generation handed out: a new generation, the old one dropped."""
+        self.tainted = False
+        for i, gen in enumerate(self.spare):
+            if list(map(_getrefcount, gen.objs)) == gen.rc_base and (
+                gen.sealed == _seal_epoch[0] or list(map(_use_count, gen.cdatas)) == self.uc_base
+            ):
+                del self.spare[i]
+                poisoned = gen.poisoned
+                if poisoned is None:
+                    _revive(gen.objs)
+                elif poisoned:
+                    _revive(gen.objs if poisoned is SCAN else map(gen.objs.__getitem__, poisoned))
+                self.objs, self.storages, self.cdatas, self.rc_base = gen.objs, gen.storages, gen.cdatas, gen.rc_base
+                return
+        self.objs, self.storages, self.cdatas, self.rc_base = self._make()
+
+    def _fresh(self, views_gone: bool) -> None:
         """Give the groups the caller held (see ``poison``) other objects.
 
         They come from a spare generation whose objects of those groups
@@ -361,6 +401,9 @@ class Handout:
         self.need_fresh = False
         spare = self.spare
         held_groups = self.held_groups
+        if self.tainted:
+            self._replace()
+            return
         if held_groups is None:
             if (
                 views_gone

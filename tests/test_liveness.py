@@ -420,6 +420,41 @@ def test_a_loop_holding_the_last_output_alternates_two_generations(device, keep)
     assert len(seen) == 2
 
 
+def test_a_dropped_output_made_to_require_grad_is_not_handed_out_again(device):
+    # split backward: `act.requires_grad_()`, a backward into act.grad, act dropped; the next
+    # call's act must start with no .grad (the reused object accumulated across calls)
+    w = torch.randn(3, 2, device=device)
+
+    def f(x):
+        return x.tanh()
+
+    g = gt.graphify(f)
+    for k in range(4):
+        x = torch.randn(2, 3, device=device)
+        act, act_e = g(x), f(x.clone())
+        act.requires_grad_()
+        act_e.requires_grad_()
+        (act @ w).square().sum().backward()
+        (act_e @ w).square().sum().backward()
+        assert_close(act.grad, act_e.grad)
+        del act
+
+
+@pytest.mark.parametrize("change", ["t_", "unsqueeze_", "resize_", "add_"])
+def test_a_dropped_output_changed_in_place_is_not_handed_out_again(device, change):
+    g = gt.graphify(lambda x: x * 10)
+    x = torch.tensor([[0.0, 1.0], [2.0, 0.0]], device=device)
+    out = g(x)
+    {"t_": lambda t: t.t_(), "unsqueeze_": lambda t: t.unsqueeze_(0),
+     "resize_": lambda t: t.resize_(1, 2), "add_": lambda t: t.add_(1)}[change](out)
+    del out
+    for k in range(3):
+        got = g(x + k)
+        assert got.shape == (2, 2)
+        assert_close(got, (x + k) * 10)
+        del got
+
+
 def test_separate_functions_do_not_poison_each_other(device):
     f = gt.graphify(lambda x: x + 1)
     g = gt.graphify(lambda x: x * 3)
