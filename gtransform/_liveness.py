@@ -367,23 +367,6 @@ class Handout:
         self._fresh(views_gone)
         self.vsum = sum(map(_version, self.objs))
 
-    def _replace(self) -> None:
-        """The caller changed an object of the generation handed out: a new generation, the old one dropped."""
-        self.tainted = False
-        for i, gen in enumerate(self.spare):
-            if list(map(_getrefcount, gen.objs)) == gen.rc_base and (
-                gen.sealed == _seal_epoch[0] or list(map(_use_count, gen.cdatas)) == self.uc_base
-            ):
-                del self.spare[i]
-                poisoned = gen.poisoned
-                if poisoned is None:
-                    _revive(gen.objs)
-                elif poisoned:
-                    _revive(gen.objs if poisoned is SCAN else map(gen.objs.__getitem__, poisoned))
-                self.objs, self.storages, self.cdatas, self.rc_base = gen.objs, gen.storages, gen.cdatas, gen.rc_base
-                return
-        self.objs, self.storages, self.cdatas, self.rc_base = self._make()
-
     def _fresh(self, views_gone: bool) -> None:
         """Give the groups the caller held (see ``poison``) other objects.
 
@@ -401,12 +384,12 @@ class Handout:
         self.need_fresh = False
         spare = self.spare
         held_groups = self.held_groups
-        if self.tainted:
-            self._replace()
-            return
-        if held_groups is None:
+        # the caller changed an object (see poison): this generation is dropped, not kept
+        tainted, self.tainted = self.tainted, False
+        if held_groups is None:  # (always, when tainted)
             if (
                 views_gone
+                and not tainted
                 and self.poisoned is None
                 and self.sealed == -2 - _seal_epoch[0]
                 and list(map(_getrefcount, self.objs)) == self.rc_base
@@ -430,6 +413,10 @@ class Handout:
                         del o._gt_message  # type: ignore[attr-defined]
                 elif poisoned:
                     _revive(gen.objs if poisoned is SCAN else map(gen.objs.__getitem__, poisoned))
+                if tainted:
+                    spare.remove(gen)
+                    self.objs, self.storages, self.cdatas, self.rc_base = gen.objs, gen.storages, gen.cdatas, gen.rc_base
+                    return
                 gen.objs, self.objs = self.objs, gen.objs
                 gen.storages, self.storages = self.storages, gen.storages
                 gen.cdatas, self.cdatas = self.cdatas, gen.cdatas
@@ -437,9 +424,10 @@ class Handout:
                 gen.poisoned, gen.sealed = self.poisoned, self.sealed
                 return
             objs, storages, cdatas, rc_base = self._make()
-            spare.append(_Generation(self.objs, self.storages, self.cdatas, self.rc_base, self.poisoned, self.sealed))
-            if len(spare) > 2:
-                del spare[0]
+            if not tainted:
+                spare.append(_Generation(self.objs, self.storages, self.cdatas, self.rc_base, self.poisoned, self.sealed))
+                if len(spare) > 2:
+                    del spare[0]
             self.objs, self.storages, self.cdatas, self.rc_base = objs, storages, cdatas, rc_base
             return
         # some groups held: only those change objects, one group at a time
