@@ -39,6 +39,7 @@ from ._autograd import call_with_autograd, no_functorch
 from ._autograd import unwrap as unwrap_functorch
 from ._errors import GraphifyError, OverwrittenOutputError, describe_fn
 from ._fastpath import MISS, build_fast_path
+from ._inductor import warm_pool
 from ._liveness import PoolState, StaleOutput, stale_message
 from ._log import log
 from ._objects import register_containers_in
@@ -54,6 +55,7 @@ from ._signature import (
     diff_leaves,
     global_key,
     has_grad,
+    reusable_after_eager,
     sig_brief,
     tensor_attrs,
 )
@@ -537,6 +539,21 @@ class Graphified(Generic[P, R]):
         if not paths:
             paths = leaf_paths((args, kwargs))
         self._storm.note(spec, parts, paths, statics, stacklevel=5)
+        if st.pending:
+            e = st.pending.pop(key, None)
+            if e is not None and record:
+                # the second call of a signature that touches state: the first call's trace,
+                # if this call matches it (not traced again: for a model, most of a second's
+                # worth of first call on a GPU host)
+                state = e.resolve_state() if e.state_src else []
+                # (state with autograd history, such as a cache written outside no_grad by the
+                # eager call, is not in the guards: traced again, where it is refused)
+                if (state is not None and e.match(leaves, statics, state)
+                        and not any(t.grad_fn is not None for t in state)):
+                    self._insert(st, key, e)
+                    return e, state
+                log.info("%s: the first call's trace no longer matches (the eager call changed what it "
+                         "reads); tracing again", self._desc)
         in_paths = [paths[i] for i in tpos]
         cuda = device is not None and device.type == "cuda"
         template = list(leaves)
@@ -557,6 +574,8 @@ class Graphified(Generic[P, R]):
         extra = [(paths[i], x) for i, x in enumerate(leaves) if not isinstance(x, torch.Tensor)]
         extra += [(f"static {w}", v) for w, v, _k in statics]
         roots = find_roots(self._fn, extra)
+        if self._fuse and cuda and record:
+            warm_pool()  # inductor's compile workers start while the function is traced
         try:
             plan = trace(self._fn, rebuild, specs, in_paths, self._desc, cuda, roots, [plain_layout(t) for t in tensors],
                          [has_grad(t) for t in tensors], [tensor_attrs(t) for t in tensors])
@@ -602,7 +621,35 @@ class Graphified(Generic[P, R]):
                 log.info("%s: this signature touches state (%d state tensors, %d written back, %d Python "
                          "values changed): its first call runs eagerly, the next one is recorded",
                          self._desc, len(plan.state), len(plan.escape_slots), len(model_changes))
+            if not model_changes and reusable_after_eager(plan):
+                try:
+                    st.pending[key] = self._new_entry(key, spec, leaves, tpos, statics, plan, cuda)
+                except GraphifyError:
+                    pass  # raised by the second call's own trace
             return None
+        e = self._new_entry(key, spec, leaves, tpos, statics, plan, cuda)
+        if not warm:
+            return e, list(plan.state)  # f.trace(...) before the first call: not kept
+        self._insert(st, key, e)
+        return e, list(plan.state)
+
+    def _insert(self, st: ThreadState, key: Any, e: Entry) -> None:
+        """Cache a new signature (the least recently used one goes beyond maxsize)."""
+        st.cache[key] = e
+        if self._maxsize is not None:
+            while len(st.cache) > self._maxsize:
+                _, old = st.cache.popitem(last=False)
+                if old.rec is not None:
+                    if st.fast_rec is old.rec:
+                        st.drop_fast()
+                    old.rec.close()
+                if st.last is old:
+                    st.last = None
+        st.last = e
+
+    def _new_entry(self, key: Any, spec: Any, leaves: List[Any], tpos: List[int], statics: Any, plan: Any,
+                   cuda: bool) -> Entry:
+        """The signature of a trace, refused when a replay could not do what eager does."""
         e = Entry(key, spec, leaves, tpos, statics, plan, cuda)
         if e.any_rg:
             kept_slots = [s for s, o in zip(plan.escape_slots, plan.escape_entries) if s.kind != "grad" and o.requires_grad]
@@ -634,20 +681,7 @@ class Graphified(Generic[P, R]):
         if plan.roots or (plan.attr_reads is not None and plan.attr_reads.called):
             e.env = env_key_fn(plan.roots, plan.attr_reads)
             e.env_val = e.env() if e.env is not None else None
-        if not warm:
-            return e, list(plan.state)  # f.trace(...) before the first call: not kept
-        st.cache[key] = e
-        if self._maxsize is not None:
-            while len(st.cache) > self._maxsize:
-                _, old = st.cache.popitem(last=False)
-                if old.rec is not None:
-                    if st.fast_rec is old.rec:
-                        st.drop_fast()
-                    old.rec.close()
-                if st.last is old:
-                    st.last = None
-        st.last = e
-        return e, list(plan.state)
+        return e
 
     def _run(self, e: Entry, tensors: List[torch.Tensor]) -> Any:
         rec = e.rec

@@ -12,6 +12,53 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+# Inductor settings for fuse=True (applied where present in the installed torch).
+# fallback_random: random ops follow eager's numbers. triton.cudagraphs: the
+# recording is ours. One Triton configuration per kernel, no run-time autotuning
+# among several: inductor compiles each candidate configuration and times them all
+# at the first launch, which is most of a cold first call for kernels this small
+# (launch-bound graphs: the configuration hardly changes their time).
+_CONFIG = {
+    "fallback_random": True,
+    "triton.cudagraphs": False,
+    "triton.autotune_pointwise": False,
+    "test_configs.force_filter_reduction_configs": True,
+}
+
+
+def config() -> dict:
+    """The part of :data:`_CONFIG` the installed inductor knows."""
+    import torch._inductor.config as c
+
+    out = {}
+    for k, v in _CONFIG.items():
+        obj, *path = k.split(".")
+        cur = c
+        try:
+            for part in [obj, *path][:-1]:
+                cur = getattr(cur, part)
+            getattr(cur, k.rsplit(".", 1)[-1])
+        except AttributeError:
+            continue
+        out[k] = v
+    return out
+
+
+def warm_pool() -> None:
+    """Start inductor's compile workers now, as torch.compile does before it compiles.
+
+    They come up while the function is traced; otherwise the first kernels compile one
+    by one in this process while the pool starts.
+    """
+    try:
+        from torch._inductor.async_compile import maybe_warm_pool
+    except ImportError:  # pragma: no cover - older or newer torch
+        return
+    try:
+        maybe_warm_pool()
+    except Exception:  # pragma: no cover - the compile falls back to this process
+        pass
+
 
 class _Inductor:
     """A traced graph compiled by TorchInductor on its first call (that call's tensors are the examples).
@@ -52,7 +99,7 @@ class _Inductor:
                 building = _gemm.precompile(launches)  # in threads, while inductor compiles
             fake = FakeTensorMode(shape_env=ShapeEnv(), static_shapes=True, allow_non_fake_inputs=True)
             examples = [fake.from_tensor(a, static_shapes=True) if isinstance(a, torch.Tensor) else a for a in args]
-            with tracing(TracingContext(fake)), torch._inductor.config.patch({"fallback_random": True, "triton.cudagraphs": False}):
+            with tracing(TracingContext(fake)), torch._inductor.config.patch(config()):
                 fn = self.fn = compile_fx(gm, examples)
             for job in building:
                 if job.exception() is not None:  # waits; the launch will compile it and report

@@ -294,10 +294,27 @@ class Entry:
         return True
 
 
+def reusable_after_eager(plan: Plan) -> bool:
+    """Whether the trace made by the eager first call of a signature can serve its second.
+
+    The second call must still match it as any cached signature must (its guards, the
+    state it reads, the Python attributes it keys on).
+
+    Only when the trace left Python state as it found it: it changed no Python value and
+    wrote tensors back only where it read state tensors. Then the eager call, which runs the
+    same operations, creates nothing the trace did not see (no optimizer moment, no cache
+    allocated on first use, no attribute set): those make a second trace.
+    """
+    if plan.py_changes:
+        return False
+    read = {_place(s) for s in plan.state_slots if s is not None}
+    return all(_place(s) in read for s in plan.escape_slots)
+
+
 class ThreadState:
     """One thread's signature cache of one graphified function."""
 
-    __slots__ = ("cache", "last", "pool", "fast", "fast_rec", "fast_statics", "warmed", "eager_only", "__weakref__")
+    __slots__ = ("cache", "last", "pool", "fast", "fast_rec", "fast_statics", "warmed", "eager_only", "pending", "__weakref__")
 
     def __init__(self, pool: PoolState):
         self.cache: OrderedDict[Hashable, Entry] = OrderedDict()
@@ -310,6 +327,9 @@ class ThreadState:
         self.warmed: Set[Hashable] = set()
         # signatures whose trace failed inside torch's fake kernels while eager ran fine
         self.eager_only: Set[Hashable] = set()
+        # the first call's trace of a signature that touches state, kept for its second call
+        # (see reusable_after_eager); checked there as any cached signature is
+        self.pending: Dict[Hashable, Entry] = {}
 
     def clear(self) -> None:
         for e in self.cache.values():
@@ -317,6 +337,7 @@ class ThreadState:
                 e.rec.close()
         self.cache.clear()
         self.warmed.clear()
+        self.pending.clear()
         self.last = None
         self.drop_fast()
 

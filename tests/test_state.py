@@ -877,6 +877,87 @@ def test_describe_shows_state_and_first_call_policy():
     assert "lin.weight" in d and "state" in d and "eagerly" in d
 
 
+def _count_traces(monkeypatch):
+    import gtransform._api as api
+
+    n = {"n": 0}
+    orig = api.trace
+
+    def counted(*a, **k):
+        n["n"] += 1
+        return orig(*a, **k)
+
+    monkeypatch.setattr(api, "trace", counted)
+    return n
+
+
+def test_second_call_of_a_stateful_signature_records_the_first_calls_trace(device, monkeypatch):
+    """A decode step with a KV cache in buffers (state, updated in place), under no_grad: the
+    first call runs eagerly, the second records the first call's trace instead of tracing
+    again (most of a model's first call on a GPU host), and every call is eager's."""
+    n = _count_traces(monkeypatch)
+    torch.manual_seed(0)
+    d, ref = _Dec().to(device), _Dec().to(device)
+    ref.load_state_dict(d.state_dict())
+    f = gt.graphify(d)
+    with torch.no_grad():
+        for t in range(6):
+            x, pos = torch.randn(1, 1, 8, device=device), torch.tensor([t], device=device)
+            assert_close(f(x, pos), ref(x, pos))
+    assert n["n"] == 1
+    assert f.cache_info().misses == 2 and f.cache_info().hits == 4  # as before: call 2 is a miss
+    assert_close(d.k, ref.k)
+    assert_close(d.v, ref.v)
+
+
+class _LazyAcc(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.acc = None
+
+    def forward(self, x):
+        if self.acc is None:  # allocated on first use
+            self.acc = torch.zeros(4, device=x.device)
+        self.acc.add_(self.lin(x).sum(0))
+        return self.acc * 1
+
+
+@pytest.mark.parametrize("between", ["nothing", "eval", "new_buffer"])
+def test_what_the_eager_first_call_or_the_caller_changed_is_traced_again(device, monkeypatch, between):
+    """The first call's trace is kept for the second only when nothing it read changed: state
+    the eager call allocated (an attribute set on first use), the training flag flipped, a
+    buffer replaced between the calls: traced again, and eager's numbers on every call."""
+    n = _count_traces(monkeypatch)
+    torch.manual_seed(0)
+    if between == "nothing":
+        m = _LazyAcc().to(device)
+    else:
+        m = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)).to(device)
+    ref = type(m)() if between == "nothing" else nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    ref = ref.to(device)
+    ref.load_state_dict(m.state_dict())
+    if between != "nothing":
+        m.eval()
+        ref.eval()
+    f = gt.graphify(m)
+    xs = [torch.randn(3, 4, device=device) for _ in range(5)]
+    with torch.no_grad():
+        assert_close(f(xs[0]), ref(xs[0]))
+        if between == "eval":
+            m.train()
+            ref.train()
+        elif between == "new_buffer":
+            m[1].running_mean = torch.full((4,), 0.5, device=device)
+            ref[1].running_mean = torch.full((4,), 0.5, device=device)
+        for x in xs[1:]:
+            assert_close(f(x), ref(x))
+    assert n["n"] == 2
+    assert_close(m.state_dict(), ref.state_dict())
+    if between == "nothing":
+        assert_close(m.acc, ref.acc)
+
+
 def test_pure_functions_are_still_recorded_on_the_first_call():
     f = gt.graphify(lambda x: x * 2)
     a = f(torch.ones(2))
