@@ -429,7 +429,7 @@ def test_a_dropped_output_made_to_require_grad_is_not_handed_out_again(device):
         return x.tanh()
 
     g = gt.graphify(f)
-    for k in range(4):
+    for _ in range(4):
         x = torch.randn(2, 3, device=device)
         act, act_e = g(x), f(x.clone())
         act.requires_grad_()
