@@ -1041,6 +1041,9 @@ def graphify(fn: Optional[Callable[P, R]] = None, *, static_argnums: Union[int, 
             way to beat the kernel count of eager PyTorch). The first call of
             each signature then takes seconds instead of milliseconds. Random
             ops still follow eager's random numbers (``fallback_random``).
+            Each kernel is built in one Triton configuration, not autotuned
+            among several at its first launch (shorter first call; the
+            kernels of launch-bound graphs run alike in any of them).
             Small float32 matrix products on CUDA run as a kernel of
             gtransform's with their bias and ReLU, equal to eager's to float32
             rounding (``GTRANSFORM_GEMM=0`` in the environment: cuBLAS's).
