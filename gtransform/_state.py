@@ -61,7 +61,9 @@ _TORCH_STATE = _SCHEDULERS + tuple(c for c in (getattr(getattr(torch, "amp", Non
                                    if isinstance(c, type))
 _PKG_DIR = os.path.dirname(os.path.abspath(__file__))
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
-_NUMBERS = (int, float)
+# Python values whose change by a trace is seen (undone in modules and objects; a change on
+# every call refused): numbers, and flags and names (`self.initialized = True`, a mode string)
+_NUMBERS = (int, float, bool, str, type(None), complex, bytes)
 _MAX_CONTAINER = 4096
 # a module's own tables, covered as parameters, buffers and submodules
 _MODULE_DICTS = frozenset(("_parameters", "_buffers", "_modules"))
@@ -343,8 +345,22 @@ class Change:
 
     def undo(self) -> None:
         """Put the old value back, unless something else changed it since."""
-        if self.where is not None and self.where.get(self.key, _MISSING) == self.new:
+        if self.where is None:
+            return
+        cur = self.where.get(self.key, _MISSING)
+        if cur is self.new or (not isinstance(cur, torch.Tensor) and not isinstance(self.new, torch.Tensor)
+                               and cur == self.new):
             self.where[self.key] = self.old
+
+    @property
+    def rebinds(self) -> bool:
+        """A tensor slot bound to another existing tensor (``self.a, self.b = self.b, self.a``)."""
+        return isinstance(self.new, torch.Tensor)
+
+    def text(self) -> str:
+        if self.rebinds:
+            return f"{self.path}: bound to another tensor"
+        return f"{self.path}: {self.old!r} -> {self.new!r}"
 
 
 @dataclass
@@ -408,6 +424,8 @@ class Snapshot:
                     res.escapes.append((Slot("attr", obj, k, f"{path}.{k}"), v))
                 elif type(v) in _NUMBERS and k in old and type(old[k]) in _NUMBERS and old[k] != v:
                     res.changes.append(Change(f"{path}.{k}", old[k], v, now, k, model, obj))
+                elif _rebound(v, old.get(k)):
+                    res.changes.append(Change(f"{path}.{k}", old[k], v, now, k, True, obj))
 
         for kind, path, obj, saved in self.items:
             if kind == "module":
@@ -424,6 +442,8 @@ class Snapshot:
                 for n, b in obj._buffers.items():
                     if is_fake(b):
                         res.escapes.append((Slot("item", obj._buffers, n, f"{path}.{n}"), b))
+                    elif _rebound(b, bufs.get(n)):
+                        res.changes.append(Change(f"{path}.{n}", bufs[n], b, obj._buffers, n, True, obj))
             elif kind == "optimizer":
                 d, st, groups = saved
                 for s in obj.state.values():
@@ -459,6 +479,8 @@ class Snapshot:
                         res.escapes.append((Slot("item", obj, k, f"{path}[{k!r}]"), v))
                     elif type(v) in _NUMBERS and type(saved.get(k)) in _NUMBERS and saved[k] != v:
                         res.changes.append(Change(f"{path}[{k!r}]", saved[k], v, obj, k))
+                    elif _rebound(v, saved.get(k)):
+                        res.changes.append(Change(f"{path}[{k!r}]", saved[k], v, obj, k, True))
             elif kind == "object":
                 # a Python number in an object's attributes (a hand-written EMA's
                 # `self.updates += 1`, an LR scheduler's last_epoch) is read back by later
@@ -510,6 +532,15 @@ class Snapshot:
 
 
 _MISSING = object()
+
+
+def _rebound(now: Any, old: Any) -> bool:
+    """Whether a slot that held a tensor now holds another tensor that existed before.
+
+    (A trace's own results are seen first, as escapes.) A replay, which runs tensor work
+    only, would not bind it again.
+    """
+    return isinstance(now, torch.Tensor) and isinstance(old, torch.Tensor) and now is not old
 
 
 def _tensors_changed(d: Dict[Any, Any], saved: Dict[Any, Any]) -> bool:
@@ -1076,8 +1107,8 @@ def escape_error(desc: str, where: List[str], site: str) -> GraphifyError:
 
 
 def change_error(desc: str, changes: Sequence[Change]) -> GraphifyError:
-    """The function changes Python numbers in reachable state on every call."""
-    listing = "; ".join(f"{c.path}: {c.old!r} -> {c.new!r}" for c in changes[:4])
+    """The function changes Python values in reachable state on every call."""
+    listing = "; ".join(c.text() for c in changes[:4])
     where = ""
     for c in changes:
         fwd = getattr(type(c.owner), "forward", None) if isinstance(c.owner, _Module) else None
@@ -1086,12 +1117,23 @@ def change_error(desc: str, changes: Sequence[Change]) -> GraphifyError:
             where = f"  in {type(c.owner).__name__}.forward at {code.co_filename}:{code.co_firstlineno}\n"
             break
     sched = next((c for c in changes if isinstance(c.owner, _SCHEDULERS)), None)
+    rebind = next((c for c in changes if c.rebinds), None)
     fix = ("Fix: keep the value in a tensor updated in place (e.g. self.register_buffer('n', "
            "torch.zeros(())) and self.n += 1), or move the update out of the graphified function.")
-    if sched is not None:
+    if rebind is not None:
+        fix = (f"Fix: keep {rebind.path} bound to one tensor and change its values in place instead "
+               "(for double buffers: copy_ the new values into it, or keep both in one stacked "
+               "buffer indexed by a step counter tensor).")
+    elif sched is not None:
         fix = (f"Fix: call {sched.path.rsplit('.', 1)[0]}.step() outside the graphified function, after "
                "each call: the learning rate it sets is read by the next call (a new Python-float lr "
                "records again; a tensor lr with an optimizer that supports it is read in place).")
+    if rebind is not None:
+        return GraphifyError(
+            f"{desc}: the function binds state to other tensors on every call ({listing}).\n{where}"
+            "Why: a recording replays tensor work only; the binding would happen once, while "
+            "tracing, and never again, and later calls would read and write the wrong tensors.\n" + fix
+        )
     return GraphifyError(
         f"{desc}: the function changes Python numbers in the state it reaches ({listing}).\n{where}"
         "Why: a recording replays tensor work only; a Python-side update would happen once, "

@@ -958,6 +958,97 @@ def test_what_the_eager_first_call_or_the_caller_changed_is_traced_again(device,
         assert_close(m.acc, ref.acc)
 
 
+class _ActNorm(nn.Module):
+    """Data-dependent initialisation on the first call, guarded by a bool flag."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("off", torch.zeros(4))
+        self.initialized = False
+
+    def forward(self, x):
+        if not self.initialized:
+            self.off.copy_(x.mean(0))
+            self.initialized = True
+        return x - self.off
+
+
+@pytest.mark.parametrize("holder", ["module", "namespace", "dict"])
+def test_a_flag_set_by_the_first_call_is_eagers(device, holder):
+    """A bool flag set while tracing (ActNorm's `self.initialized = True`, or a flag next to a
+    tensor in a plain object or dict) is undone like a changed number: the first call runs
+    eagerly and initialises, the next ones skip it, as in eager. (A flag left set by the trace
+    made the eager first call skip the initialisation; kept in a plain object, the first
+    call's trace, initialisation included, was replayed on every call.)"""
+    torch.manual_seed(0)
+    xs = [torch.randn(5, 4, device=device) for _ in range(5)]
+    if holder == "module":
+        m, ref = _ActNorm().to(device), _ActNorm().to(device)
+        f = gt.graphify(m)
+        with torch.no_grad():
+            for x in xs:
+                assert_close(f(x), ref(x))
+        assert_close(m.off, ref.off)
+        assert m.initialized and ref.initialized
+        return
+
+    def make():
+        if holder == "dict":
+            d = {"shift": torch.zeros(4, device=device), "ready": False}
+
+            def fn(x):
+                if not d["ready"]:
+                    d["shift"] = d["shift"] + x.mean(0)
+                    d["ready"] = True
+                return x - d["shift"]
+            return fn, lambda: d["shift"]
+        ns = types.SimpleNamespace(shift=torch.zeros(4, device=device), ready=False)
+
+        def fn(x):
+            if not ns.ready:
+                ns.shift = ns.shift + x.mean(0)
+                ns.ready = True
+            return x - ns.shift
+        return fn, lambda: ns.shift
+
+    (fg, shift_g), (fe, shift_e) = make(), make()
+    f = gt.graphify(fg)
+    for x in xs:
+        assert_close(f(x), fe(x))
+    assert_close(shift_g(), shift_e())
+
+
+class _PingPong(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("a", torch.zeros(2, 4))
+        self.register_buffer("b", torch.ones(2, 4))
+
+    def forward(self, x):
+        torch.add(self.fc(x), self.a, out=self.b)
+        self.a, self.b = self.b, self.a
+        return self.a * 1
+
+
+def test_double_buffers_swapped_every_call_are_refused_after_an_exact_first_call(device):
+    """Swapping two buffers (`self.a, self.b = self.b, self.a`) binds state to other tensors on
+    every call, which a replay cannot do (it gave wrong numbers from the third call): the
+    first call runs eagerly and is eager's, the next is a clear error with the fix."""
+    torch.manual_seed(0)
+    m, ref = _PingPong().to(device), _PingPong().to(device)
+    ref.load_state_dict(m.state_dict())
+    f = gt.graphify(m)
+    x = torch.randn(2, 4, device=device)
+    with torch.no_grad():
+        assert_close(f(x), ref(x))
+        with pytest.raises(gt.GraphifyError, match=r"(?s)binds state to other tensors.*module\.a: bound to another "
+                                                   r"tensor.*PingPong\.forward.*Fix: keep module\.a bound to one tensor"):
+            f(x)
+    assert_close(m.a, ref.a)
+    assert_close(m.b, ref.b)
+
+
 def test_pure_functions_are_still_recorded_on_the_first_call():
     f = gt.graphify(lambda x: x * 2)
     a = f(torch.ones(2))
