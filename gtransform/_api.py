@@ -638,13 +638,7 @@ class Graphified(Generic[P, R]):
         st.cache[key] = e
         if self._maxsize is not None:
             while len(st.cache) > self._maxsize:
-                _, old = st.cache.popitem(last=False)
-                if old.rec is not None:
-                    if st.fast_rec is old.rec:
-                        st.drop_fast()
-                    old.rec.close()
-                if st.last is old:
-                    st.last = None
+                st.drop(next(iter(st.cache.values())))
         st.last = e
 
     def _new_entry(self, key: Any, spec: Any, leaves: List[Any], tpos: List[int], statics: Any, plan: Any,

@@ -7,6 +7,7 @@ on its first call only, so tracing and recording never load it unless asked.
 from __future__ import annotations
 
 import copy
+import functools
 from typing import Any
 
 import torch
@@ -30,18 +31,14 @@ def config() -> dict:
     """The part of :data:`_CONFIG` the installed inductor knows."""
     import torch._inductor.config as c
 
-    out = {}
-    for k, v in _CONFIG.items():
-        obj, *path = k.split(".")
-        cur = c
+    def known(key: str) -> bool:
         try:
-            for part in [obj, *path][:-1]:
-                cur = getattr(cur, part)
-            getattr(cur, k.rsplit(".", 1)[-1])
+            functools.reduce(getattr, key.split("."), c)
         except AttributeError:
-            continue
-        out[k] = v
-    return out
+            return False
+        return True
+
+    return {k: v for k, v in _CONFIG.items() if known(k)}
 
 
 def warm_pool() -> None:
@@ -52,11 +49,9 @@ def warm_pool() -> None:
     """
     try:
         from torch._inductor.async_compile import maybe_warm_pool
-    except ImportError:  # pragma: no cover - older or newer torch
-        return
-    try:
+
         maybe_warm_pool()
-    except Exception:  # pragma: no cover - the compile falls back to this process
+    except Exception:  # pragma: no cover - older or newer torch; the compile then starts them
         pass
 
 

@@ -1121,19 +1121,18 @@ def change_error(desc: str, changes: Sequence[Change]) -> GraphifyError:
     fix = ("Fix: keep the value in a tensor updated in place (e.g. self.register_buffer('n', "
            "torch.zeros(())) and self.n += 1), or move the update out of the graphified function.")
     if rebind is not None:
-        fix = (f"Fix: keep {rebind.path} bound to one tensor and change its values in place instead "
-               "(for double buffers: copy_ the new values into it, or keep both in one stacked "
-               "buffer indexed by a step counter tensor).")
-    elif sched is not None:
-        fix = (f"Fix: call {sched.path.rsplit('.', 1)[0]}.step() outside the graphified function, after "
-               "each call: the learning rate it sets is read by the next call (a new Python-float lr "
-               "records again; a tensor lr with an optimizer that supports it is read in place).")
-    if rebind is not None:
         return GraphifyError(
             f"{desc}: the function binds state to other tensors on every call ({listing}).\n{where}"
             "Why: a recording replays tensor work only; the binding would happen once, while "
-            "tracing, and never again, and later calls would read and write the wrong tensors.\n" + fix
+            "tracing, and never again, and later calls would read and write the wrong tensors.\n"
+            f"Fix: keep {rebind.path} bound to one tensor and change its values in place instead "
+            "(for double buffers: copy_ the new values into it, or keep both in one stacked "
+            "buffer indexed by a step counter tensor)."
         )
+    if sched is not None:
+        fix = (f"Fix: call {sched.path.rsplit('.', 1)[0]}.step() outside the graphified function, after "
+               "each call: the learning rate it sets is read by the next call (a new Python-float lr "
+               "records again; a tensor lr with an optimizer that supports it is read in place).")
     return GraphifyError(
         f"{desc}: the function changes Python numbers in the state it reaches ({listing}).\n{where}"
         "Why: a recording replays tensor work only; a Python-side update would happen once, "
