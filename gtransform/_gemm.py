@@ -71,6 +71,9 @@ def pick_config(m: int, n: int, k: int) -> Config:
 
 @functools.cache
 def _kernel() -> Any:
+    from ._inductor import use_inductors_ptxas
+
+    use_inductors_ptxas()  # before Triton first computes a cache key in this process
     import triton
     import triton.language as tl
 

@@ -41,12 +41,34 @@ def config() -> dict:
     return {k: v for k, v in _CONFIG.items() if known(k)}
 
 
-def warm_pool() -> None:
-    """Start inductor's compile workers now, as torch.compile does before it compiles.
+def use_inductors_ptxas() -> None:
+    """Point Triton at the ptxas inductor uses (torch's own), as its compile workers do.
 
-    They come up while the function is traced; otherwise the first kernels compile one
-    by one in this process while the pool starts.
+    Triton keys its on-disk kernel cache on the ptxas version, read once per process
+    when it first computes a key. Inductor sets ``TRITON_PTXAS_PATH`` only when it
+    first compiles a kernel in this process, so which ptxas the keys name depended on
+    what ran first: a second process whose inductor kernels all came from the cache
+    keyed fuse=True's matrix-product kernels to another ptxas, missed the entries the
+    first process wrote and compiled them again (0.6-1.4 s each on an H100,
+    benchmarks/NOTES.md). Set before the first compile, the keys are the same in
+    every process that runs the same program. A path the user set is kept.
     """
+    try:
+        from torch._inductor.runtime.compile_tasks import _set_triton_ptxas_path
+    except ImportError:  # pragma: no cover - another torch: Triton's own choice
+        return
+    _set_triton_ptxas_path()
+
+
+def warm_pool() -> None:
+    """Get ready for a fuse=True compile: Triton's ptxas fixed, compile workers started.
+
+    The ptxas as :func:`use_inductors_ptxas` says. The workers start now, as
+    torch.compile starts them before it compiles: they come up while the function is
+    traced; otherwise the first kernels compile one by one in this process while the
+    pool starts.
+    """
+    use_inductors_ptxas()
     try:
         from torch._inductor.async_compile import maybe_warm_pool
 

@@ -270,3 +270,51 @@ def test_fused_module_training_step_matches_eager(launches):
     for a, b in zip(m.parameters(), m_ref.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     assert launches[0] > 0
+
+
+_TWO_PROCESSES = r'''
+import os, sys, torch
+sys.path.insert(0, os.environ["GT_TEST_TESTS"])
+import gtransform as gt
+from test_gemm import mlp, mlp_args
+torch.backends.cuda.matmul.allow_tf32 = False
+if sys.argv[1] == "first":
+    # what inductor does when it compiles a kernel in this process (here: before ours),
+    # not when all its kernels come from the cache: point Triton at torch's ptxas
+    from torch._inductor.runtime.compile_tasks import _set_triton_ptxas_path
+    _set_triton_ptxas_path()
+p, x = mlp_args("cuda", batch=64, width=512)
+f = gt.graphify(torch.func.grad(lambda p, x: mlp(p, x).pow(2).mean()), fuse=True)
+f(p, x)
+torch.cuda.synchronize()
+'''
+
+
+@pytest.mark.cuda
+@cuda
+def test_a_second_process_with_the_same_caches_compiles_no_kernel_again(tmp_path):
+    """The kernel's Triton cache entries are found again by a process whose inductor
+    kernels all come from the cache. Triton keys them on the ptxas version, and inductor
+    points Triton at torch's ptxas only when it compiles in the process: the second
+    process keyed them to Triton's own ptxas, missed, and built them again (0.6-1.4 s
+    each on an H100)."""
+    import os
+    import subprocess
+    import sys
+
+    cache = tmp_path / "cache"
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache), "TRITON_CACHE_DIR": str(cache / "triton"),
+           "GT_TEST_TESTS": os.path.dirname(__file__)}
+    env.pop("TRITON_PTXAS_PATH", None)
+    script = tmp_path / "run.py"
+    script.write_text(_TWO_PROCESSES)
+
+    def run(which):
+        r = subprocess.run([sys.executable, str(script), which], env=env, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return {d.name for d in (cache / "triton").iterdir()}
+
+    first = run("first")
+    second = run("second")
+    new = sorted(f.name for d in second - first for f in (cache / "triton" / d).iterdir())
+    assert second == first, f"the second process built Triton kernel(s) again: {new}"
