@@ -1041,6 +1041,9 @@ def graphify(fn: Optional[Callable[P, R]] = None, *, static_argnums: Union[int, 
             Small float32 matrix products on CUDA run as a kernel of
             gtransform's with their bias and ReLU, equal to eager's to float32
             rounding (``GTRANSFORM_GEMM=0`` in the environment: cuBLAS's).
+            Before its first CUDA compile it sets ``TRITON_PTXAS_PATH`` to
+            torch's own ptxas, as inductor does (unless already set), so that
+            a later process finds the kernels in the compile caches.
 
     Returns:
         A :class:`Graphified` callable (or a decorator, if ``fn`` is omitted).
