@@ -59,7 +59,7 @@ from ._signature import (
     sig_brief,
     tensor_attrs,
 )
-from ._state import change_error, env_key_fn, find_roots
+from ._state import change_error, env_key_fn, find_roots, lazy_error, uninitialized_modules
 from ._trace import plain_layout, trace, tracing
 from ._tree import flatten, leaf_paths, static_leaf_key, tensor_meta, unflatten
 from ._watch import FOR_GRAD
@@ -574,6 +574,15 @@ class Graphified(Generic[P, R]):
         extra = [(paths[i], x) for i, x in enumerate(leaves) if not isinstance(x, torch.Tensor)]
         extra += [(f"static {w}", v) for w, v, _k in statics]
         roots = find_roots(self._fn, extra)
+        lazy = uninitialized_modules(roots)
+        if lazy:
+            # lazy modules (nn.LazyLinear) create their parameters in their first forward:
+            # that call runs eagerly, and the next one traces the initialised modules
+            if not record:
+                raise lazy_error(self._desc, lazy)
+            log.info("%s: %s not initialised yet: this call runs eagerly, the next one is traced",
+                     self._desc, ", ".join(lazy[:4]))
+            return None
         if self._fuse and cuda and record:
             warm_pool()  # inductor's compile workers start while the function is traced
         try:

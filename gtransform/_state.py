@@ -1106,6 +1106,36 @@ def escape_error(desc: str, where: List[str], site: str) -> GraphifyError:
     )
 
 
+def uninitialized_modules(roots: Sequence[Root]) -> List[str]:
+    """Paths of the lazy modules (``nn.LazyLinear``...) under ``roots`` not initialised yet.
+
+    Their first forward creates the parameters, which a trace must not do: it would leave
+    the module with parameters made under the trace (no data) and its hook gone.
+    """
+    from torch.nn.modules.lazy import LazyModuleMixin
+
+    found: List[str] = []
+    for r in roots:
+        if not isinstance(r.obj, _Module):
+            continue
+        for name, m in r.obj.named_modules():
+            if isinstance(m, LazyModuleMixin) and m.has_uninitialized_params():  # type: ignore[misc]
+                found.append(f"{r.name}.{name}" if name else r.name)
+    return found
+
+
+def lazy_error(desc: str, paths: Sequence[str]) -> GraphifyError:
+    """``f.trace(...)`` before a lazy module's first forward."""
+    return GraphifyError(
+        f"{desc}: the function reaches lazy modules whose parameters do not exist yet "
+        f"({', '.join(paths[:4])}).\n"
+        "Why: their first forward creates the parameters; tracing it would create them under the "
+        "trace, without data, and leave the module so.\n"
+        "Fix: call the function once (its first call runs eagerly and creates them), or run one "
+        "forward of the model on an example input, before tracing it."
+    )
+
+
 def change_error(desc: str, changes: Sequence[Change]) -> GraphifyError:
     """The function changes Python values in reachable state on every call."""
     listing = "; ".join(c.text() for c in changes[:4])

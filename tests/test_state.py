@@ -1655,3 +1655,49 @@ def test_a_parameter_replaced_between_calls_is_traced_again(device, in_optimizer
     assert (ma.weight.grad is None) == (mb.weight.grad is None)
     if mb.weight.grad is not None:
         assert_close(ma.weight.grad, mb.weight.grad)
+
+
+def _lazy_net():
+    return nn.Sequential(nn.LazyLinear(8), nn.ReLU(), nn.LazyBatchNorm1d(), nn.Linear(8, 2))
+
+
+@pytest.mark.parametrize("how", ["closure", "module"])
+def test_lazy_modules_create_their_parameters_eagerly_then_are_recorded(device, monkeypatch, how):
+    """nn.LazyLinear / LazyBatchNorm1d create their parameters in their first forward. The
+    trace used to run that forward: the parameters were made under the trace (no data), the
+    module was left so, and every later call failed ("Cannot copy out of meta tensor"), eager
+    included. Now the first call runs eagerly and the next one is traced, with eager's
+    numbers on every call and the modules as eager leaves them."""
+    n = _count_traces(monkeypatch)
+    torch.manual_seed(0)
+    m = _lazy_net().to(device)
+    torch.manual_seed(0)
+    ref = _lazy_net().to(device)
+    f = gt.graphify(m) if how == "module" else gt.graphify(lambda x: m(x))
+    gen = torch.Generator().manual_seed(1)
+    for i in range(5):
+        x = torch.randn(6, 5, generator=gen).to(device)
+        torch.manual_seed(i)  # the first forward draws the initial parameters
+        out = f(x)
+        torch.manual_seed(i)
+        assert_close(out, ref(x))
+    assert n["n"] == 1
+    # call 1: the lazy modules' first forward, eager; call 2: traced, run eagerly (BatchNorm's
+    # running statistics are state); call 3 records that trace; calls 4-5 replay it
+    assert f.cache_info().hits == 2 and f.cache_info().misses == 3
+    assert type(m[0]) is nn.Linear and m[0].weight.shape == (8, 5)
+    for (name, a), (_, b) in zip(m.state_dict().items(), ref.state_dict().items()):
+        assert_close(a, b), name
+
+
+def test_tracing_a_lazy_module_before_its_first_call_says_to_call_it_first():
+    m = _lazy_net()
+    f = gt.graphify(lambda x: m(x))
+    with pytest.raises(gt.GraphifyError) as ei:
+        f.trace(torch.randn(6, 5))
+    msg = str(ei.value)
+    assert "lazy modules" in msg and "m.0" in msg and "Fix: call the function once" in msg
+    assert m[0].has_uninitialized_params()  # left untouched
+    f(torch.randn(6, 5))  # the first call creates them
+    assert type(m[0]) is nn.Linear  # materialized: no longer lazy
+    assert "addmm" in f.trace(torch.randn(6, 5)).code
