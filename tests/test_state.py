@@ -1701,3 +1701,39 @@ def test_tracing_a_lazy_module_before_its_first_call_says_to_call_it_first():
     f(torch.randn(6, 5))  # the first call creates them
     assert type(m[0]) is nn.Linear  # materialized: no longer lazy
     assert "addmm" in f.trace(torch.randn(6, 5)).code
+
+
+class _Ema(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("ema", torch.zeros(4))
+
+    def forward(self, x):
+        y = self.lin(x)
+        self.ema.mul_(0.9).add_(0.1 * y.mean(0))  # in grad mode: the buffer takes y's history
+        return y + self.ema
+
+
+def test_a_trace_in_grad_mode_leaves_no_autograd_history_on_state(device):
+    """Autograd runs above the trace: an in-place write of a grad-requiring value into a
+    buffer gave the real buffer a grad_fn over the trace's tensors. The first call (eager)
+    extended that history, and its backward failed with "a tensor made while tracing it was
+    used after the trace"; f.trace alone left the buffer requiring grad."""
+    torch.manual_seed(0)
+    m, ref = _Ema().to(device), _Ema().to(device)
+    ref.load_state_dict(m.state_dict())
+    x = torch.randn(2, 4, device=device)
+    gt.graphify(m).trace(x)
+    assert not m.ema.requires_grad and m.ema.grad_fn is None
+    f = gt.graphify(m)
+    out, r = f(x), ref(x)
+    out.sum().backward()
+    r.sum().backward()
+    assert_close(out, r)
+    assert_close(m.ema, ref.ema)
+    assert_close(m.lin.weight.grad, ref.lin.weight.grad)
+    # the next call would extend the buffer's history, as eager does (whose backward then
+    # fails): refused, with the fix
+    with pytest.raises(gt.GraphifyError, match="carries autograd history"):
+        f(x)
