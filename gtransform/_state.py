@@ -380,10 +380,6 @@ class Snapshot:
 
     def __init__(self, roots: Sequence[Root]):
         self.items: List[Tuple[str, str, Any, Any]] = []  # (kind, path, obj, saved)
-        # tensors with no autograd history (buffers, caches): an in-place write in grad mode
-        # during the trace gives the real tensor a grad_fn over the trace's tensors (autograd
-        # runs above the trace's dispatch mode), which restore takes off again
-        self.plain: List[torch.Tensor] = []
         seen: Set[int] = set()
         for r in roots:
             obj = r.obj
@@ -393,7 +389,6 @@ class Snapshot:
                         continue
                     seen.add(id(m))
                     grads = {n: p.grad for n, p in m._parameters.items() if p is not None}
-                    self.plain.extend(b for b in m._buffers.values() if isinstance(b, torch.Tensor) and not b.requires_grad)
                     self.items.append(("module", path, m, (dict(m.__dict__), dict(m._parameters), dict(m._buffers), dict(m._modules), grads)))
             elif isinstance(obj, _Optimizer):
                 if id(obj) in seen:
@@ -407,16 +402,12 @@ class Snapshot:
                     continue
                 seen.add(id(obj))
                 self.items.append(("tensor", r.name, obj, (leaf_grad(obj), r.slot)))
-                if not obj.requires_grad:
-                    self.plain.append(obj)
             elif isinstance(obj, list):
                 seen.add(id(obj))
                 self.items.append(("list", r.name, obj, list(obj)))
-                self.plain.extend(v for v in obj if isinstance(v, torch.Tensor) and not v.requires_grad)
             elif isinstance(obj, dict):
                 seen.add(id(obj))
                 self.items.append(("dict", r.name, obj, dict(obj)))
-                self.plain.extend(v for v in obj.values() if isinstance(v, torch.Tensor) and not v.requires_grad)
             elif hasattr(obj, "__dict__"):
                 seen.add(id(obj))
                 self.items.append(("object", r.name, obj, dict(vars(obj))))
@@ -499,12 +490,6 @@ class Snapshot:
 
     def restore(self) -> None:
         """Put every root back as it was when the snapshot was taken."""
-        for t in self.plain:
-            if t.requires_grad:  # history the trace gave it (see __init__)
-                try:
-                    t.detach_()
-                except RuntimeError:  # pragma: no cover - a view: left; a later call refuses it
-                    pass
         for kind, _path, obj, saved in self.items:
             try:
                 if kind == "module":

@@ -53,6 +53,7 @@ from ._watch import (
     _TensorAttr,
     _tensors_in,
     _Watch,
+    drop_history,
 )
 
 try:  # torch >= 2.1
@@ -667,8 +668,10 @@ def trace(
                 "shape rule (meta kernel).\nFix: move this operation out of the graphified function."
             ) from None
         finally:
-            # the trace has no visible effect on the Python state the function reaches
+            # the trace has no visible effect on the Python state the function reaches,
+            # nor on its tensors' autograd history
             snap.restore()
+            drop_history(watch.no_history)
             mode.closed = desc
             host_drew = _host_rng_restore(host_rng)
 

@@ -132,6 +132,10 @@ class _Watch(TorchDispatchMode):
         self.generators: List[torch.Generator] = []  # explicit generators used by random ops
         self.state: List[torch.Tensor] = []
         self.state_fakes: List[FakeTensor] = []
+        # state tensors without autograd history when first seen: an in-place write of a value
+        # that requires grad, in grad mode, gives the real tensor a grad_fn over the trace's
+        # tensors (autograd runs above this mode); the trace takes it off again (drop_history)
+        self.no_history: List[torch.Tensor] = []
         self._fake_of: Dict[int, FakeTensor] = {}
         self.overlapping: Set[int] = set()  # caller's inputs whose elements share memory
         # state tensors by storage, where several share one (an LSTM's weights packed by
@@ -194,6 +198,8 @@ class _Watch(TorchDispatchMode):
                 f.requires_grad_(True)
             self._fake_of[id(t)] = f
             self.state.append(t)
+            if not t.requires_grad:
+                self.no_history.append(t)
             self.state_fakes.append(f)
             key = StorageWeakRef(f.untyped_storage())
             self.inputs.setdefault(key, self.n_in + k)
@@ -220,6 +226,39 @@ class _Watch(TorchDispatchMode):
                 hit.append(j)
         self.mutated.update(hit or (idx,))
 
+    def _no_history_on_views(self, func: Any, real_args: Sequence[Any], real_kwargs: Dict[str, Any],
+                             args: Sequence[Any], kwargs: Dict[str, Any]) -> None:
+        """Refuse a grad-requiring write into a state view without history, before autograd sees it.
+
+        Such a view: ``register_buffer("lo", self.big[:4])``. Autograd would give the real view a history over the trace's tensors; unlike a whole
+        tensor's (see :func:`drop_history`), a view's cannot be taken off again, and the
+        module would fail from then on, in eager too. Refused, the first call runs eagerly.
+        """
+        sources = [t for t in _tensors_in(list(args) + list(kwargs.values())) if t.requires_grad]
+        if not sources:
+            return
+        for i, a in enumerate(func._schema.arguments):
+            if a.alias_info is None or not a.alias_info.is_write:
+                continue
+            v = real_args[i] if (i < len(real_args) and not a.kwarg_only) else real_kwargs.get(a.name)
+            for t in _tensors_in(v):
+                if type(t) is FakeTensor or t.requires_grad or not t._is_view():
+                    continue
+                fake = self._fake_of.get(id(t))
+                if fake is None:
+                    continue
+                k = next((j for j, f in enumerate(self.state_fakes) if f is fake), None)
+                name = self.paths[self.n_in + k] if k is not None else "a tensor in state"
+                self._fail(
+                    f"{func} writes a value that requires grad into {name}, a view of another "
+                    "tensor in state, in grad mode.",
+                    "eager gives that view autograd history (and grows it on every call); the trace "
+                    "cannot take history off a view again, and a recording keeps state as plain "
+                    "memory.",
+                    "write detached values (value.detach()), or call the function under "
+                    "torch.no_grad() (or torch.inference_mode()).",
+                )
+
     def _swap(self, v: Any) -> Any:
         if isinstance(v, torch.Tensor):
             return v if isinstance(v, FakeTensor) else self._fake(v)
@@ -233,9 +272,12 @@ class _Watch(TorchDispatchMode):
         if func not in _LIFTS:
             host_read = func is _LOCAL_SCALAR and bool(args) and isinstance(args[0], torch.Tensor) \
                 and type(args[0]) is not FakeTensor
+            real_args, real_kwargs = args, kwargs
             args = [self._swap(a) for a in args]
             if kwargs:
                 kwargs = {k: self._swap(v) for k, v in kwargs.items()}
+            if func._schema.is_mutable and torch.is_grad_enabled():
+                self._no_history_on_views(func, real_args, real_kwargs, args, kwargs)
             if host_read:
                 # a host read of state (float(self.num_batches_tracked)), its stand-in made (the
                 # state is touched: a first call then runs eagerly): refused here, not left to
@@ -1008,3 +1050,14 @@ class _compiling:
 
         if self.old is not None:
             tc._is_compiling_flag = self.old
+
+
+def drop_history(tensors: Sequence[torch.Tensor]) -> None:
+    """Take off the autograd history a trace gave state tensors (see ``_Watch.no_history``).
+
+    A view cannot be detached in place; writes that would give one history are refused
+    while tracing (``_Watch._no_history_on_views``).
+    """
+    for t in tensors:
+        if t.requires_grad and not t._is_view():
+            t.detach_()
