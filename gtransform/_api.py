@@ -237,6 +237,7 @@ class Graphified(Generic[P, R]):
         self._states: weakref.WeakSet[ThreadState] = weakref.WeakSet()
         self._hits = 0
         self._misses = 0
+        self._lazy_calls = 0  # calls run eagerly because a reachable lazy module is not initialised
         self._storm = StormDetector(self._desc)
         # __wrapped__, __name__, __qualname__, __doc__, __module__ (not __dict__:
         # fn may be an nn.Module)
@@ -580,8 +581,16 @@ class Graphified(Generic[P, R]):
             # that call runs eagerly, and the next one traces the initialised modules
             if not record:
                 raise lazy_error(self._desc, lazy)
-            log.info("%s: %s not initialised yet: this call runs eagerly, the next one is traced",
-                     self._desc, ", ".join(lazy[:4]))
+            self._lazy_calls += 1
+            if self._lazy_calls == 2:
+                # a lazy module the calls never run (an unused head): never recorded, silently
+                log.warning("%s: %s still not initialised after %d calls: every call runs eagerly (nothing "
+                            "is recorded) until they are. Fix: run each lazy module once (a forward on an "
+                            "example input) or replace it by its non-lazy form.",
+                            self._desc, ", ".join(lazy[:4]), self._lazy_calls)
+            else:
+                log.info("%s: %s not initialised yet: this call runs eagerly, the next one is traced",
+                         self._desc, ", ".join(lazy[:4]))
             return None
         if self._fuse and cuda and record:
             warm_pool()  # inductor's compile workers start while the function is traced

@@ -1756,3 +1756,18 @@ def test_a_trace_in_grad_mode_leaves_no_autograd_history_on_state(device, where)
     # fails): refused, with the fix
     with pytest.raises(gt.GraphifyError, match="carries autograd history"):
         f(x)
+
+
+def test_a_lazy_module_the_calls_never_initialise_is_warned_about(caplog):
+    """A reachable lazy module that the function never runs (an unused head) keeps every call
+    eager: said once, with the fix, instead of a silent loss of the recording."""
+    body, head = nn.Linear(5, 3), nn.LazyLinear(2)
+    model = nn.ModuleDict({"body": body, "head": head})
+    f = gt.graphify(lambda x: model["body"](x))
+    with caplog.at_level("WARNING", logger="gtransform"):
+        for _ in range(4):
+            x = torch.randn(2, 5)
+            assert_close(f(x), body(x))
+    warned = [r for r in caplog.records if "still not initialised" in r.getMessage()]
+    assert len(warned) == 1 and "model.head" in warned[0].getMessage() and "Fix:" in warned[0].getMessage()
+    assert f.cache_info().hits == 0
