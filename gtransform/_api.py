@@ -521,8 +521,8 @@ class Graphified(Generic[P, R]):
             return None
         e = st.cache.get(key)
         if e is not None:
-            state = e.resolve_state() if e.state_src else []
-            if state is not None and e.match(leaves, statics, state):
+            state = e.matching_state(leaves, statics)
+            if state is not None:
                 st.cache.move_to_end(key)
                 if record:
                     self._hits += 1
@@ -546,11 +546,10 @@ class Graphified(Generic[P, R]):
                 # the second call of a signature that touches state: the first call's trace,
                 # if this call matches it (not traced again: for a model, most of a second's
                 # worth of first call on a GPU host)
-                state = e.resolve_state() if e.state_src else []
+                state = e.matching_state(leaves, statics)
                 # (state with autograd history, such as a cache written outside no_grad by the
                 # eager call, is not in the guards: traced again, where it is refused)
-                if (state is not None and e.match(leaves, statics, state)
-                        and not any(t.grad_fn is not None for t in state)):
+                if state is not None and not any(t.grad_fn is not None for t in state):
                     self._insert(st, key, e)
                     return e, state
                 log.info("%s: the first call's trace no longer matches (the eager call changed what it "

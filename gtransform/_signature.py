@@ -257,6 +257,11 @@ class Entry:
             out.append(v)
         return out
 
+    def matching_state(self, leaves: Sequence[Any], statics: Any) -> Optional[List[torch.Tensor]]:
+        """The call's state tensors if the call replays this signature, else ``None``."""
+        state = self.resolve_state() if self.state_src else []
+        return state if state is not None and self.match(leaves, statics, state) else None
+
     def match(self, leaves: Sequence[Any], statics: Any, state: Sequence[torch.Tensor] = ()) -> bool:
         """Whether a call with these leaves (and state) replays this signature."""
         if len(leaves) != self.n_leaves or statics != self.statics:

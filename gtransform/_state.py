@@ -1114,14 +1114,8 @@ def uninitialized_modules(roots: Sequence[Root]) -> List[str]:
     """
     from torch.nn.modules.lazy import LazyModuleMixin
 
-    found: List[str] = []
-    for r in roots:
-        if not isinstance(r.obj, _Module):
-            continue
-        for name, m in r.obj.named_modules():
-            if isinstance(m, LazyModuleMixin) and m.has_uninitialized_params():  # type: ignore[misc]
-                found.append(f"{r.name}.{name}" if name else r.name)
-    return found
+    return [path for path, m in root_modules(roots)
+            if isinstance(m, LazyModuleMixin) and m.has_uninitialized_params()]  # type: ignore[misc]
 
 
 def lazy_error(desc: str, paths: Sequence[str]) -> GraphifyError:

@@ -230,28 +230,24 @@ class _Watch(TorchDispatchMode):
                              args: Sequence[Any], kwargs: Dict[str, Any]) -> None:
         """Refuse a grad-requiring write into a state view without history, before autograd sees it.
 
-        Such a view: ``register_buffer("lo", self.big[:4])``. Autograd would give the real view a history over the trace's tensors; unlike a whole
-        tensor's (see :func:`drop_history`), a view's cannot be taken off again, and the
-        module would fail from then on, in eager too. Refused, the first call runs eagerly.
+        Such a view: ``register_buffer("lo", self.big[:4])``. Autograd would give the real
+        view a history over the trace's tensors; unlike a whole tensor's (see
+        :func:`drop_history`), a view's cannot be taken off again, and the module would fail
+        from then on, in eager too. Refused, the first call runs eagerly.
         """
-        sources = [t for t in _tensors_in(list(args) + list(kwargs.values())) if t.requires_grad]
-        if not sources:
-            return
         for i, a in enumerate(func._schema.arguments):
             if a.alias_info is None or not a.alias_info.is_write:
                 continue
             v = real_args[i] if (i < len(real_args) and not a.kwarg_only) else real_kwargs.get(a.name)
             for t in _tensors_in(v):
-                if type(t) is FakeTensor or t.requires_grad or not t._is_view():
+                if type(t) is FakeTensor or t.requires_grad or not t._is_view() or id(t) not in self._fake_of:
                     continue
-                fake = self._fake_of.get(id(t))
-                if fake is None:
-                    continue
-                k = next((j for j, f in enumerate(self.state_fakes) if f is fake), None)
-                name = self.paths[self.n_in + k] if k is not None else "a tensor in state"
+                if not any(x.requires_grad for x in _tensors_in(list(args) + list(kwargs.values()))):
+                    return
+                k = next(j for j, s in enumerate(self.state) if s is t)
                 self._fail(
-                    f"{func} writes a value that requires grad into {name}, a view of another "
-                    "tensor in state, in grad mode.",
+                    f"{func} writes a value that requires grad into {self.paths[self.n_in + k]}, a view "
+                    "of another tensor in state, in grad mode.",
                     "eager gives that view autograd history (and grows it on every call); the trace "
                     "cannot take history off a view again, and a recording keeps state as plain "
                     "memory.",
