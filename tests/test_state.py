@@ -1706,18 +1706,18 @@ def test_tracing_a_lazy_module_before_its_first_call_says_to_call_it_first():
 class _Ema(nn.Module):
     """A running mean of activations in state, where users keep it."""
 
-    def __init__(self, where):
+    def __init__(self, where, device):
         super().__init__()
         self.where = where
-        self.lin = nn.Linear(4, 4)
+        self.lin = nn.Linear(4, 4, device=device)
         if where == "buffer":
-            self.register_buffer("ema", torch.zeros(4))
-        elif where == "attribute":
-            self.ema = torch.zeros(4)
+            self.register_buffer("ema", torch.zeros(4, device=device))
+        elif where == "attribute":  # not moved by .to(): made where it lives
+            self.ema = torch.zeros(4, device=device)
         elif where == "nested":
-            self.cache = {"layers": [[torch.zeros(4)]]}
+            self.cache = {"layers": [[torch.zeros(4, device=device)]]}
         else:  # a view of another buffer
-            self.register_buffer("big", torch.zeros(8))
+            self.register_buffer("big", torch.zeros(8, device=device))
             self.register_buffer("ema", self.big[:4])
 
     def state(self):
@@ -1737,7 +1737,7 @@ def test_a_trace_in_grad_mode_leaves_no_autograd_history_on_state(device, where)
     the trace"; f.trace alone left the state requiring grad; on a view, the module failed from
     then on, eager included. Now the first call and its backward are eager's."""
     torch.manual_seed(0)
-    m, ref = _Ema(where).to(device), _Ema(where).to(device)
+    m, ref = _Ema(where, device), _Ema(where, device)
     ref.load_state_dict(m.state_dict())
     x = torch.randn(2, 4, device=device)
     try:
