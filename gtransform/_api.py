@@ -295,6 +295,8 @@ class Graphified(Generic[P, R]):
             st = self._tls.state
         except AttributeError:
             st = self._new_state()
+        if st.clear_requested:  # cache_clear() in another thread (see there)
+            st.clear()
         glob = global_key(grad_mode)
         if tree is None:
             tree = unflatten(spec, leaves)
@@ -383,13 +385,15 @@ class Graphified(Generic[P, R]):
             >>> f.cache_info()
             CacheInfo(hits=1, misses=1, maxsize=64, currsize=1)
         """
-        size = sum(len(s.cache) for s in list(self._states))
+        size = sum(len(s.cache) for s in list(self._states) if not s.clear_requested)
         return CacheInfo(self._hits, self._misses, self._maxsize, size)
 
     def cache_clear(self) -> None:
         """Drop every recording of this function, in every thread.
 
         Outputs already handed out stay valid (nothing will overwrite them).
+        Another thread's recordings are released at that thread's next call of
+        the function (one of its calls may be replaying them right now).
 
         Examples:
             >>> import torch, gtransform as gt
@@ -399,8 +403,13 @@ class Graphified(Generic[P, R]):
             >>> f.cache_info().currsize, y
             (0, tensor([2., 2.]))
         """
+        mine = self._tls.__dict__.get("state")
         for s in list(self._states):
-            s.clear()
+            if s is mine:
+                s.clear()
+            else:
+                s.drop_fast()  # its next call takes the generic path, which clears it first
+                s.clear_requested = True
         self._hits = 0
         self._misses = 0
 
@@ -606,6 +615,18 @@ class Graphified(Generic[P, R]):
                 return None
             raise
         except Exception as err:
+            if isinstance(err, RuntimeError) and "leaf Variable that requires grad is being used in an in-place" in str(err):
+                # the trace's stand-ins of inputs that require grad are leaves; the caller's may not be
+                # (an eager backbone's output), where eager updates them in place
+                nonleaf = [in_paths[i] for i, t in enumerate(tensors) if t.requires_grad and not t.is_leaf]
+                if nonleaf:
+                    raise GraphifyError(
+                        f"{self._desc}: the function updates an input that requires grad in place "
+                        f"({', '.join(nonleaf)}, an output of earlier differentiable work: "
+                        f"{str(err).splitlines()[0]}).\nWhy: in-place updates of inputs are not supported "
+                        "through the autograd wrapper of a recording.\nFix: make the update out of place "
+                        "(nn.ReLU(inplace=False), x = x + 1 instead of x += 1), or call the function under "
+                        "torch.no_grad() if no gradient is needed.") from None
             if not record or not _raised_by_fake_kernels(err):
                 raise
             # an error torch's fake or meta kernels raised (a bad view, a shape mismatch: the

@@ -102,10 +102,29 @@ def _higher_order(desc: str) -> GraphifyError:
     )
 
 
+def _differentiated_again() -> bool:
+    """Whether a torch.func grad or jvp level runs over this (vmapped) backward.
+
+    ``jacrev(jacrev(g))``: the inner jacrev's backward runs under vmap, inside the outer
+    grad level, which would see the recording's saved values as constants (a zero Hessian).
+    """
+    try:
+        from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+    except ImportError:  # pragma: no cover
+        return False
+    return any(i.key() != _VMAP for i in retrieve_all_functorch_interpreters())
+
+
+try:
+    _VMAP: Any = torch._C._functorch.TransformType.Vmap
+except AttributeError:  # pragma: no cover
+    _VMAP = None
+
+
 class _Box:
     """Per-call carrier between ``forward`` and ``backward`` (not a tensor)."""
 
-    __slots__ = ("g", "template", "spec", "tpos", "statics", "entry", "need", "part", "pre", "grad_mode", "rng", "keep")
+    __slots__ = ("g", "template", "spec", "tpos", "statics", "entry", "need", "part", "pre", "grad_mode", "rng", "keep", "outer")
 
     def __init__(self, g: Any, template: List[Any], spec: Any, tpos: List[int], statics: Any, need: Tuple[bool, ...]):
         self.g = g
@@ -120,6 +139,8 @@ class _Box:
         self.grad_mode = torch.is_grad_enabled()  # the caller's (forward runs with grad off)
         self.rng: Any = None  # generator states before a random forward (the recompute draws them again)
         self.keep: Any = None  # aliases of the outputs until the backward has run (see _keep_outputs)
+        # the plain tensors under torch.func's wrappers that require grad (see _outer_graph)
+        self.outer: List[torch.Tensor] = []
 
 
 def partition_for(e: Any, need: Tuple[bool, ...], owner: Any) -> Any:
@@ -298,8 +319,10 @@ def _unpoisoned(saved: Sequence[torch.Tensor]) -> List[torch.Tensor]:
 def _recompute_backward(ctx: Any, box: _Box, grads: Sequence[Any], need: Tuple[bool, ...], bwd: Any,
                         create_graph: bool, batched: bool) -> Tuple[Any, ...]:
     if batched:
-        res = _eager_backward(box.entry.plan.gm, _unpoisoned(ctx.saved_tensors), grads, need)
-        return (None, *[res.pop(0) if n else None for n in need])
+        if _differentiated_again() or (box.outer and torch.is_grad_enabled()):
+            raise _higher_order(box.g._desc)
+        got = _eager_backward(box.entry.plan.gm, _unpoisoned(ctx.saved_tensors), grads, need)
+        return (None, *[got.pop(0) if n else None for n in need])
     with no_functorch():
         prims, depth = [], 0
         for p in _unpoisoned(ctx.saved_tensors):
@@ -315,7 +338,15 @@ def _recompute_backward(ctx: Any, box: _Box, grads: Sequence[Any], need: Tuple[b
         # once; plain autograd with create_graph=True has plain tangents
         if depth > 1 or (depth == 0 and create_graph):
             raise _higher_order(box.g._desc)
-        res = _to_autograd(bwd._call_plain((prims, tangents), {}, ()))
+        res: Optional[List[Any]]
+        try:
+            res = _outer_graph(box, _to_autograd(bwd._call_plain((prims, tangents), {}, ())))
+        except NotImplementedError as e:
+            if "BatchedTensorImpl" not in str(e):
+                raise
+            res = None  # is_grads_batched=True (see _partitioned_backward)
+    if res is None:
+        res = _eager_backward(box.entry.plan.gm, _unpoisoned(ctx.saved_tensors), grads, need)
     out: List[Any] = [None]
     j = 0
     for n in need:
@@ -330,9 +361,12 @@ def _recompute_backward(ctx: Any, box: _Box, grads: Sequence[Any], need: Tuple[b
 def _partitioned_backward(box: _Box, saved: Sequence[torch.Tensor], grads: Sequence[Any], need: Sequence[bool]) -> List[Any]:
     part = box.part
     tangents = [grads[i] for i in part.tan_idx]
+    res: Optional[List[Any]] = None
     if any(unwrap(t)[1] < 0 for t in list(saved) + list(tangents)):
         # vmap over the backward (jacrev): the backward graph, eagerly
-        res = list(part.bw_gm(*saved, *tangents))
+        if _differentiated_again() or (box.outer and torch.is_grad_enabled()):
+            raise _higher_order(box.g._desc)
+        res = _to_autograd(list(part.bw_gm(*saved, *tangents)))
     else:
         create_graph = torch.is_grad_enabled()
         with no_functorch():
@@ -343,11 +377,62 @@ def _partitioned_backward(box: _Box, saved: Sequence[torch.Tensor], grads: Seque
                 depth = max(depth, n)
             if depth > 1 or (depth == 0 and create_graph):
                 raise _higher_order(box.g._desc)
-            res = list(part.bw._call_plain(tuple(plain), {}, ()))
+            try:
+                res = _outer_graph(box, _to_autograd(list(part.bw._call_plain(tuple(plain), {}, ()))))
+            except NotImplementedError as e:
+                if "BatchedTensorImpl" not in str(e):
+                    raise
+                # torch.autograd.grad(..., is_grads_batched=True): the older vmap's batched
+                # tangents, which torch.func cannot see: the backward graph, eagerly
+                res = None
+        if res is None:
+            res = list(part.bw_gm(*saved, *tangents))
     # the backward returns the gradients that exist; eager's None stays None
-    it = iter(_to_autograd(res))
+    it = iter(res or ())
     flags = iter(part.grad_none)
     return [None if not n or next(flags) else next(it) for n in need]
+
+
+def _bottom(t: torch.Tensor) -> Optional[torch.Tensor]:
+    """The plain tensor under torch.func's wrappers (or ``t`` itself), if it requires grad.
+
+    Called under a torch.func transform: a plain tensor that requires grad there (a
+    closed-over parameter) is a constant of the transform and a variable of the
+    autograd graph outside it.
+    """
+    while _is_wrapped(t):
+        t = _get_unwrapped(t)
+    return t if t.requires_grad else None
+
+
+class _NotDifferentiable(torch.autograd.Function):
+    """A gradient that eager could differentiate again, and whose backward refuses to."""
+
+    @staticmethod
+    def forward(ctx: Any, desc: str, r: torch.Tensor, *deps: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.desc = desc
+        return r.view_as(r)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:  # type: ignore[override]
+        raise _higher_order(ctx.desc)
+
+
+def _outer_graph(box: _Box, res: List[Any]) -> List[Any]:
+    """Gradients computed under torch.func (grad, vjp) whose inputs also require grad outside it.
+
+    ``torch.func.grad(g)(w)`` with ``w`` a parameter: eager's gradient depends on ``w``
+    again (it requires grad, a second-order graph). The recording's does not: without
+    this it would not require grad, and a backward through it (a gradient penalty) would
+    silently leave its term out. Here it requires grad as eager's does, and a backward
+    through it raises the higher-order error.
+    """
+    if not box.outer or not torch.is_grad_enabled():
+        return res
+    desc = box.g._desc
+    with torch.enable_grad():
+        return [_NotDifferentiable.apply(desc, r, *box.outer)
+                if isinstance(r, torch.Tensor) and (r.is_floating_point() or r.is_complex()) else r for r in res]
 
 
 def _keep_outputs(box: _Box, outs: Sequence[Any]) -> None:
@@ -451,6 +536,8 @@ def call_with_autograd(g: Any, e: Any, leaves: List[Any], spec: Any, statics: An
     """
     need = tuple(bool(t.requires_grad and (t.is_floating_point() or t.is_complex())) for t in tensors)
     box = _Box(g, leaves, spec, e.tpos, statics, need)
+    if box.grad_mode and _is_wrapped is not None and _peek() is not None:
+        box.outer = [b for b in map(_bottom, tensors) if b is not None]
     outs = GraphFn.apply(box, *tensors)
     if box.part is not None:
         outs = outs[: box.part.n_out]

@@ -26,6 +26,7 @@ import optree
 import torch
 
 from . import _record
+from ._liveness import StaleOutput
 from ._signature import alias_pattern, attrs_key, has_grad
 from ._trace import plain_layout
 from ._tree import flatten, static_leaf_key
@@ -229,11 +230,22 @@ def build_fast_path(owner: Any, entry: Any, rec: Any, pool: Any) -> Any:
             call.append("_copy(BUFS, REC.copy_sources([" + ", ".join(tens) + "]))")
         else:
             call.append(f"_copy(BUFS, [{', '.join(tens[i] for i in rec.copy_idx)}])")
+    cuda_replay = _GRAPH_REPLAY is not None and type(rec)._replay is _record.CUDARecording._replay
+    bind = [f"ARGS[{i}] = {tens[i]}" for i in rec.static_idx]  # see Recording.bind_statics
+    if bind and not cuda_replay:
+        call += bind  # the CPU replay runs on them
     call.append("POOL.begin_call(DESC)")
-    call.append("if REC.must_retire: REC._maybe_retire()")
+    for i in rec.returned_inputs:  # see Recording.rescue_returned
+        call.append(f"if type({tens[i]}) is _Stale: REC.rescue_returned([{', '.join(tens)}])")
+        break
+    if bind and cuda_replay:
+        # (a new output generation is captured on them)
+        call += ["if REC.must_retire:"] + ["    " + b for b in bind] + ["    REC._maybe_retire()"]
+    else:
+        call.append("if REC.must_retire: REC._maybe_retire()")
     if esc:
         call.append("ESC.before_replay()")
-    if _GRAPH_REPLAY is not None and type(rec)._replay is _record.CUDARecording._replay:
+    if cuda_replay:
         # CUDAGraph.replay's C method on the active generation's graph: the
         # Python wrappers (Recording._replay, CUDAGraph.replay) cost ~0.5 us
         call.append("_greplay(REC.graph)")
@@ -296,6 +308,8 @@ def build_fast_path(owner: Any, entry: Any, rec: Any, pool: Any) -> Any:
         "DESC": owner._desc,
         "REC": rec,
         "REPLAY": rec._replay,
+        "ARGS": rec.gm_args,
+        "_Stale": StaleOutput,
         "_greplay": _GRAPH_REPLAY,
         "PTRS": list(rec.static_ptrs),
         "_data_ptr": torch.Tensor.data_ptr,

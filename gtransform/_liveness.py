@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import sys
 import weakref
-from operator import and_, ne
+from operator import ne
 from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
@@ -52,6 +52,22 @@ _ALLOWED = frozenset(
 
 
 _increment_version = getattr(torch._C, "_increment_version", None) or torch.autograd.graph.increment_version
+
+
+def _autograd_changed(objs: Sequence[torch.Tensor]) -> bool:
+    """Whether the caller gave an output object autograd state of its own.
+
+    A leaf that requires grad (``requires_grad_()``, then a backward accumulating into
+    its ``.grad``), a hook (``o.register_hook``: torch keeps the object's hook dict and
+    registers it with a new ``grad_fn`` only when the dict is made) or ``retain_grad()``
+    (a no-op on an object that already retains): handed out again, the next call's
+    ``grad_fn`` would miss the hooks the caller registers then, and ``.grad`` would keep
+    an old call's gradient. Such objects are not handed out again.
+    """
+    for o in objs:
+        if _requires_grad(o) and (_is_leaf(o) or o._backward_hooks is not None or o.retains_grad):
+            return True
+    return False
 
 
 class StaleOutput(torch.Tensor):
@@ -300,9 +316,7 @@ class Handout:
         # values) has a higher version; one made a leaf that requires grad (requires_grad_(),
         # then a backward accumulating into its .grad) says so: never handed out again.
         # (Outputs of a differentiated call require grad as non-leaves: they are fine.)
-        if sum(map(_version, objs)) != self.vsum or (
-            any(map(_requires_grad, objs)) and any(map(and_, map(_requires_grad, objs), map(_is_leaf, objs)))
-        ):
+        if sum(map(_version, objs)) != self.vsum or (any(map(_requires_grad, objs)) and _autograd_changed(objs)):
             self.tainted = True
             rcs = [-1] * len(rcs)  # treated as held: poisoned, and a new generation made
         elif rcs == rc_base and ucs == uc_base:

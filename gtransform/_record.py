@@ -159,6 +159,8 @@ class Recording:
         # tensors left in Python state (p.grad...): written back after each replay
         self.escapes: Optional[EscapeWriter] = EscapeWriter(plan.escape_slots, desc) if plan.escape_slots else None
         self.last_outs: Sequence[torch.Tensor] = ()
+        # inputs the function returns, or views of (see rescue_returned)
+        self.returned_inputs = sorted({e.index for e in plan.tensor_entries if e.kind == "input"})
 
     def copy_sources(self, tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
         """What the copy-in reads: the copied inputs, broadcast ones narrowed."""
@@ -318,7 +320,11 @@ class Recording:
         """
         if self.copy_idx:
             _foreach_copy(self.bufs, self.copy_sources(tensors))
+        if self.static_idx:
+            self.bind_statics(tensors)
         self.pool.begin_call(self.desc)
+        if self.returned_inputs:
+            self.rescue_returned(tensors)
         if self.must_retire:
             self._maybe_retire()
         esc = self.escapes
@@ -351,6 +357,38 @@ class Recording:
                     v = t.as_strided(e.size, e.stride, t.storage_offset() + e.rel_offset)
                     res.append(_toggle_bits(v, e) if e.conj or e.neg else v)
         return res
+
+    def bind_statics(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Make the in-place inputs this call's tensors (at the recorded addresses, see statics_ok).
+
+        A capture (CUDA: a new output generation) and the CPU replay run on these
+        objects; the ones of an earlier call may be stale outputs since, or have
+        other memory (``w.data = ...``) while this call's tensor sits at the
+        recorded address: a CUDA graph reads the address, and so must they.
+        """
+        args = self.gm_args
+        for i in self.static_idx:
+            args[i] = tensors[i]
+
+    def rescue_returned(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Give inputs that this call returns (or views of them) their values in memory of their own.
+
+        An earlier output fed back in and returned (``a, b = f(a, b)`` with
+        ``return b, a + b``) was poisoned as this call began (the caller holds
+        it), and this replay may write its memory. Eager returns that very
+        tensor with its values: it is copied to memory of its own before the
+        replay, and made a normal tensor again.
+        """
+        for i in self.returned_inputs:
+            t = tensors[i]
+            if type(t) is StaleOutput:
+                unseal()
+                t.__class__ = torch.Tensor  # type: ignore[assignment]
+                t.__dict__.pop("_gt_message", None)
+                with torch.no_grad():
+                    own = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+                    own.copy_(t)
+                    t.set_(own.untyped_storage(), 0, t.shape, t.stride())
 
     def copy_back_stale(self, targets: Sequence[torch.Tensor]) -> None:
         """Copy back in-place updates into inputs that this call's start made stale.

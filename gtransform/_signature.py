@@ -225,7 +225,13 @@ class Entry:
         updated = [tensors[i] for i in plan.mutated if i >= self.n_user and rg[i]]
         # (a backward the function ran itself, then an update: a training step, also when it
         # ends with opt.zero_grad(), which leaves no .grad behind)
-        updates_params = plan.ran_backward or any(s.kind == "grad" for s in plan.escape_slots)
+        # (a backward that only returns gradients, torch.autograd.grad(..., create_graph=True) for
+        # a gradient penalty, writes no .grad and updates nothing: its outputs that require grad
+        # in the trace do so in eager, and the call is differentiated)
+        touches_grads = any(s.kind == "grad" for s in plan.escape_slots) or any(
+            s is not None and s.kind == "grad" for s in plan.state_slots)
+        updates_params = touches_grads or (plan.ran_backward and (bool(updated) or not any(
+            e.requires_grad for e in plan.tensor_entries)))
         if updated and not updates_params:
             graded = {id(s.obj) for s in plan.state_slots if s is not None and s.kind == "grad"}
             updates_params = any(id(t) in graded for t in updated) or not any(
@@ -319,7 +325,8 @@ def reusable_after_eager(plan: Plan) -> bool:
 class ThreadState:
     """One thread's signature cache of one graphified function."""
 
-    __slots__ = ("cache", "last", "pool", "fast", "fast_rec", "fast_statics", "warmed", "eager_only", "pending", "__weakref__")
+    __slots__ = ("cache", "last", "pool", "fast", "fast_rec", "fast_statics", "warmed", "eager_only", "pending",
+                 "clear_requested", "__weakref__")
 
     def __init__(self, pool: PoolState):
         self.cache: OrderedDict[Hashable, Entry] = OrderedDict()
@@ -335,8 +342,10 @@ class ThreadState:
         # the first call's trace of a signature that touches state, kept for its second call
         # (see reusable_after_eager); checked there as any cached signature is
         self.pending: Dict[Hashable, Entry] = {}
+        self.clear_requested = False  # by cache_clear() in another thread
 
     def clear(self) -> None:
+        self.clear_requested = False
         for e in self.cache.values():
             if e.rec is not None:
                 e.rec.close()

@@ -13,6 +13,7 @@ and becomes a :class:`Plan`; ``_inductor`` compiles it for ``fuse=True``.
 from __future__ import annotations
 
 import os
+import re
 import sys
 import threading
 import traceback
@@ -375,7 +376,7 @@ def _data_dependent(desc: str, exc: BaseException, cuda: bool = False) -> Graphi
         hint = (f" The read is BatchNorm's cumulative moving average ({at}:{bn[-1].lineno}): with "
                 "momentum=None it divides by its batch count, read on the host. Give the layer a "
                 "momentum (e.g. momentum=0.1), or run it in eval mode (model.eval()).")
-    elif optim and "lr" in (optim[-1].line or "") and "step" not in (optim[-1].line or ""):
+    elif optim and re.search(r"\blr\b", optim[-1].line or "") and "step" not in (optim[-1].line or ""):
         hint = (f" The read is inside torch.optim ({format_frame(optim[-1])}): this optimizer reads a "
                 "tensor learning rate on the host. Pass lr as a Python float (a scheduler that changes "
                 "it then records once per value), or keep opt.step() outside the graphified function.")
@@ -393,7 +394,7 @@ def _data_dependent(desc: str, exc: BaseException, cuda: bool = False) -> Graphi
                     "with capturable=True, so its step count stays a tensor on the GPU instead of being "
                     "read on the host.")
         else:
-            hint = (f" The read is inside torch.optim ({format_frame(optim[-1])}): Adam-family optimizers "
+            hint = (f" The read is inside torch.optim ({format_frame(optim[-1])}): optimizers with a step count (Adam family, Adagrad...) "
                     "read their step count on the host unless capturable=True, which torch supports on GPUs "
                     "only. On the CPU, keep opt.step() outside the graphified function (graphify the "
                     "forward, or forward and backward), or use an optimizer without a step count such as SGD.")
@@ -531,6 +532,20 @@ def _internal_failure(desc: str, exc: BaseException, cuda: bool) -> Optional[Gra
     )
 
 
+def _grad_of_argument(desc: str, path: str, where: str) -> None:
+    """Refuse a backward inside the function that fills the .grad of an argument."""
+    raise GraphifyError(
+        f"{desc}: a backward pass inside the function (loss.backward()) writes {path}.grad, the "
+        f"gradient of a tensor the function takes as an argument.\n  at {where or '?'}\n"
+        "Why: a recording writes gradients only into state the function reaches without taking it "
+        "as an argument (a module's parameters); an argument may be another tensor on every call, "
+        "so its .grad would be left unset (as None) on every call.\n"
+        "Fix: close over the parameters (call a module, or read a list or dict of them that the "
+        "function does not take as an argument), or return the gradients instead: "
+        "torch.autograd.grad(loss, params), or graphify(torch.func.grad(loss_fn))."
+    )
+
+
 def trace(
     fn: Callable[..., Any],
     rebuild: Callable[[Sequence[torch.Tensor]], Tuple[Tuple[Any, ...], Dict[str, Any]]],
@@ -610,6 +625,9 @@ def trace(
         box["leaves"] = leaves
         box["custom_grad"] = _custom_functions([x for x in leaves if isinstance(x, torch.Tensor)],
                                                [t.grad_fn for t in watch.state if t.grad_fn is not None])
+        for i, t in enumerate(tensors):
+            if t.requires_grad and is_ours(leaf_grad(t)):
+                _grad_of_argument(desc, paths[i], fnwatch.backward_at)
         scan = snap.scan(is_ours)
         slots = {(id(s.obj), s.kind, s.key) for s, _ in scan.escapes}
         for k, t in enumerate(watch.state):

@@ -1,0 +1,263 @@
+"""Programs as users write them that a probe of the ninth session found wrong or refused.
+
+Each test names what it did before: silent wrong numbers, an internal error, or a
+refusal of something eager handles.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+import pytest
+import torch
+import torch.func as tf
+import torch.nn as nn
+from torch.testing import assert_close
+
+import gtransform as gt
+
+
+def test_backward_inside_filling_the_grad_of_an_argument_is_refused(device):
+    """Before: `.grad` of a tensor argument stayed None on every call (SGD then skipped it)."""
+    def step(w, x):
+        loss = (x @ w).tanh().sum()
+        loss.backward()
+        return loss.detach()
+
+    g = gt.graphify(step)
+    w = nn.Parameter(torch.randn(4, 2, device=device))
+    with pytest.raises(gt.GraphifyError) as ei:
+        g(w, torch.randn(3, 4, device=device))
+    msg = str(ei.value)
+    assert "args[0].grad" in msg and "loss.backward()" in msg and "Fix: close over the parameters" in msg
+    assert w.grad is None
+    # closed over, the same step fills .grad as eager does
+    g2 = gt.graphify(lambda x: step(w, x))
+    we = nn.Parameter(w.detach().clone())
+    for _ in range(3):
+        x = torch.randn(3, 4, device=device)
+        g2(x)
+        step(we, x)
+    assert_close(w.grad, we.grad)
+
+
+def test_jacrev_of_jacrev_is_refused_not_zero(device):
+    """Before: a zero Hessian, silently."""
+    h = lambda x: (x.sin() * x.prod()).sum()  # noqa: E731
+    g = gt.graphify(h)
+    x = torch.randn(3, device=device)
+    with pytest.raises(gt.GraphifyError, match="higher-order differentiation"):
+        tf.jacrev(tf.jacrev(g))(x)
+    assert_close(tf.jacrev(g)(x), tf.jacrev(h)(x))  # first order still works
+
+
+def test_torch_func_grad_over_tensors_that_require_grad_stays_differentiable_or_refuses(device):
+    """Before: tf.grad(graphify(f))(w) with w requiring grad gave a gradient that did not require
+    grad: a backward through it (a gradient penalty) silently left its term out."""
+    f = lambda w, x: ((x @ w) ** 2).sum()  # noqa: E731
+    g = gt.graphify(f)
+    w = torch.randn(3, requires_grad=True, device=device)
+    for _ in range(3):
+        x = torch.randn(4, 3, device=device)
+        got, ref = tf.grad(g)(w, x), tf.grad(f)(w, x)
+        assert_close(got, ref)
+        assert got.requires_grad and ref.requires_grad
+        with pytest.raises(gt.GraphifyError, match="higher-order differentiation"):
+            got.sum().backward()
+    # a closed-over parameter, grad over the input
+    m = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)).to(device)
+    pen = tf.grad(gt.graphify(lambda x: m(x).sum()))
+    pen(torch.randn(2, 4, device=device)).pow(2).sum().backward()  # the first call runs eagerly
+    for _ in range(2):
+        out = pen(torch.randn(2, 4, device=device))
+        assert out.requires_grad
+        with pytest.raises(gt.GraphifyError, match="higher-order differentiation"):
+            out.pow(2).sum().backward()
+
+
+def test_a_gradient_penalty_inside_the_function_is_differentiated(device):
+    """autograd.grad(create_graph=True) inside, parameters closed over (WGAN-GP). Before: from the
+    second call the output no longer required grad and the penalty's term was left out of D's .grad."""
+    torch.manual_seed(0)
+    D = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)).to(device)
+    De = copy.deepcopy(D)
+
+    def penalty(model, x):
+        x = x.detach().requires_grad_(True)
+        (gx,) = torch.autograd.grad(model(x).sum(), x, create_graph=True)
+        return gx.pow(2).sum()
+
+    gp = gt.graphify(lambda x: penalty(D, x))
+    for _ in range(4):
+        x = torch.randn(2, 4, device=device)
+        D.zero_grad()
+        De.zero_grad()
+        out = gp(x)
+        assert out.requires_grad
+        (D(x).sum() + out).backward()
+        (De(x).sum() + penalty(De, x)).backward()
+        for p, q in zip(D.parameters(), De.parameters()):
+            assert_close(p.grad, q.grad)
+
+
+@pytest.mark.parametrize("how", ["hook", "retain_grad"])
+def test_hooks_on_a_reused_output_act_on_their_call(device, how):
+    """Before: from the second call a hook registered on the handed-back object never ran, and
+    retain_grad() kept the first call's gradient."""
+    g = gt.graphify(lambda x: x.sin())
+    for _ in range(4):
+        x = torch.randn(3, device=device, requires_grad=True)
+        xe = x.detach().clone().requires_grad_(True)
+        outs = []
+        for fn, inp in ((g, x), (torch.sin, xe)):
+            o = fn(inp)
+            if how == "hook":
+                o.register_hook(lambda gr: -2 * gr)
+            else:
+                o.retain_grad()
+            (o * o).sum().backward()
+            outs.append(o.grad if how == "retain_grad" else None)
+            del o
+        assert_close(x.grad, xe.grad)
+        if how == "retain_grad":
+            assert_close(outs[0], outs[1])
+
+
+def test_an_input_returned_after_being_fed_back_keeps_its_values(device):
+    """`a, b = f(a, b)` with `return b, a + b`. Before: the returned `a` was the previous output,
+    poisoned when the call began and overwritten by it (OverwrittenOutputError on touch)."""
+    f = gt.graphify(lambda a, b: (b, a + b))
+    ref = lambda a, b: (b, a + b)  # noqa: E731
+    a = b = None
+    a, b = torch.zeros(2, device=device), torch.ones(2, device=device)
+    ra, rb = a.clone(), b.clone()
+    for _ in range(6):
+        a, b = f(a, b)
+        ra, rb = ref(ra, rb)
+        assert_close(a, ra)
+        assert_close(b, rb)
+    # the previous value kept next to the new one, and a view of a fed-back input
+    s = {"x": torch.zeros(2, device=device)}
+    step = gt.graphify(lambda s: {"x": s["x"] + 1, "prev": s["x"]})
+    for k in range(4):
+        s = step(s)
+        assert_close(s["prev"], torch.full((2,), float(k), device=device))
+    head = gt.graphify(lambda x: (x + 1, x[:1]))
+    x = torch.zeros(2, device=device)
+    for k in range(4):
+        x, h = head(x)
+        assert_close(h, torch.full((1,), float(k), device=device))
+
+
+def test_one_output_fed_to_two_calls_of_another_function(device):
+    """Before: from the second step every call of `dec` raised OverwrittenOutputError (CPU: the
+    recording kept the first step's `z` object, read in place, which `enc` had poisoned)."""
+    enc = gt.graphify(lambda x: x.tanh())
+    dec = gt.graphify(lambda z, q: (z @ q).sum(-1))
+    for _ in range(5):
+        x = torch.randn(4, 4, device=device)
+        q1, q2 = torch.randn(4, 2, device=device), torch.randn(4, 2, device=device)
+        z = enc(x)
+        assert_close(dec(z, q1), (x.tanh() @ q1).sum(-1))
+        assert_close(dec(z, q2), (x.tanh() @ q2).sum(-1))
+        del z
+
+
+def test_a_tensor_read_in_place_is_the_one_at_the_recorded_address(device):
+    """The recording reads the memory at the recorded address (a CUDA graph does): a tensor whose
+    memory was swapped away (`w.data = ...`) and another one at its old address give eager's
+    numbers. Before, on the CPU, the replay read the kept object's new memory."""
+    f = gt.graphify(lambda w, x: x * w)
+    x = torch.ones(64, device=device)
+    w = torch.full((64,), 1.0, device=device)
+    f(w, x)
+    f(w, x)  # read in place from now on
+    storage = w.untyped_storage()
+    w.data = torch.full((64,), 5.0, device=device)
+    v = torch.empty(0, device=device).set_(storage, 0, (64,), (1,))  # another tensor at the old address
+    v.fill_(3.0)
+    assert_close(f(v, x), x * v)
+    assert_close(f(w, x), x * w)
+
+
+def test_an_in_place_op_on_a_non_leaf_input_of_a_differentiated_call_says_what_to_do(device):
+    """Before: torch's raw "a leaf Variable that requires grad is being used in an in-place
+    operation" (the input is not a leaf) from inside the trace."""
+    backbone = nn.Linear(4, 8).to(device)
+    head = gt.graphify(nn.Sequential(nn.ReLU(inplace=True), nn.Linear(8, 2)).to(device))
+    with pytest.raises(gt.GraphifyError) as ei:
+        head(backbone(torch.randn(5, 4, device=device)))
+    msg = str(ei.value)
+    assert "in place" in msg and "args[0]" in msg and "inplace=False" in msg
+    with torch.no_grad():  # still usable
+        head(backbone(torch.randn(5, 4, device=device)))
+
+
+def test_batched_gradients_through_a_graphified_function(device):
+    """torch.autograd.grad(..., is_grads_batched=True). Before: NotImplementedError "Cannot access
+    storage of BatchedTensorImpl" from gtransform's signature code."""
+    h = lambda x: x.sin() * 2  # noqa: E731
+    g = gt.graphify(h)
+    for _ in range(3):
+        x = torch.randn(3, device=device, requires_grad=True)
+        v = torch.randn(5, 3, device=device)
+        (got,) = torch.autograd.grad(g(x), x, v, is_grads_batched=True)
+        (ref,) = torch.autograd.grad(h(x), x, v, is_grads_batched=True)
+        assert_close(got, ref)
+
+
+def test_cache_clear_while_other_threads_call(device):
+    """Before: calls in other threads failed with an internal IndexError (their recording was
+    closed under them). Now other threads release theirs at their next call."""
+    f = gt.graphify(lambda x: (x @ x.T).sum(1))
+    stop, errors = threading.Event(), []
+    # (inputs drawn up front: an eager random op in one thread while another captures a CUDA
+    # graph fails inside torch, "Offset increment outside graph capture")
+    xs = [torch.randn(8, 8, device=device) for _ in range(16)]
+
+    def work() -> None:
+        k = 0
+        while not stop.is_set():
+            k += 1
+            x = xs[k % len(xs)]
+            try:
+                r = f(x)
+                if not torch.allclose(r, (x @ x.T).sum(1), atol=1e-4):
+                    errors.append("wrong numbers")
+            except Exception as e:  # pragma: no cover - the failure this test is about
+                errors.append(repr(e))
+
+    threads = [threading.Thread(target=work) for _ in range(3)]
+    for t in threads:
+        t.start()
+    try:
+        for _ in range(20):
+            f.cache_clear()
+            stop.wait(0.01)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert errors == []
+    f.cache_clear()
+    assert f.cache_info().currsize == 0
+
+
+def test_an_adagrad_step_inside_names_the_step_count_not_the_learning_rate():
+    """Before: "reads a tensor learning rate on the host. Pass lr as a Python float" for an lr
+    that already was one (the line `value=-clr` matched "lr")."""
+    m = nn.Linear(3, 1)
+    opt = torch.optim.Adagrad(m.parameters(), lr=0.05)
+
+    def step(x):
+        opt.zero_grad()
+        m(x).pow(2).mean().backward()
+        opt.step()
+
+    g = gt.graphify(step)
+    with pytest.raises(gt.GraphifyError) as ei:
+        for _ in range(3):
+            g(torch.randn(4, 3))
+    msg = str(ei.value)
+    assert "step count" in msg and "Pass lr as a Python float" not in msg
