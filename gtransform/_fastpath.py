@@ -235,9 +235,9 @@ def build_fast_path(owner: Any, entry: Any, rec: Any, pool: Any) -> Any:
     if bind and not cuda_replay:
         call += bind  # the CPU replay runs on them
     call.append("POOL.begin_call(DESC)")
-    for i in rec.returned_inputs:  # see Recording.rescue_returned
-        call.append(f"if type({tens[i]}) is _Stale: REC.rescue_returned([{', '.join(tens)}])")
-        break
+    if rec.returned_inputs:  # see Recording.rescue_returned
+        stale = " or ".join(f"type({tens[i]}) is _Stale" for i in rec.returned_inputs)
+        call.append(f"if {stale}: REC.rescue_returned([{', '.join(tens)}])")
     if bind and cuda_replay:
         # (a new output generation is captured on them)
         call += ["if REC.must_retire:"] + ["    " + b for b in bind] + ["    REC._maybe_retire()"]

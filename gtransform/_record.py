@@ -380,15 +380,8 @@ class Recording:
         replay, and made a normal tensor again.
         """
         for i in self.returned_inputs:
-            t = tensors[i]
-            if type(t) is StaleOutput:
-                unseal()
-                t.__class__ = torch.Tensor  # type: ignore[assignment]
-                t.__dict__.pop("_gt_message", None)
-                with torch.no_grad():
-                    own = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
-                    own.copy_(t)
-                    t.set_(own.untyped_storage(), 0, t.shape, t.stride())
+            if type(tensors[i]) is StaleOutput:
+                _take_back(tensors[i], keep_values=True)
 
     def copy_back_stale(self, targets: Sequence[torch.Tensor]) -> None:
         """Copy back in-place updates into inputs that this call's start made stale.
@@ -405,12 +398,7 @@ class Recording:
         """
         for t in targets:
             if type(t) is StaleOutput:
-                unseal()
-                t.__class__ = torch.Tensor  # type: ignore[assignment]
-                t.__dict__.pop("_gt_message", None)
-                with torch.no_grad():
-                    own = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
-                    t.set_(own.untyped_storage(), 0, t.shape, t.stride())
+                _take_back(t, keep_values=False)
         if any(t.is_conj() or t.is_neg() for t in targets):
             for t, b in zip(targets, self.cb_bufs):
                 t.copy_(b)
@@ -463,6 +451,18 @@ class Recording:
         self.groups = []
         self.handout = Handout([])
         self.fast = None
+
+
+def _take_back(t: torch.Tensor, keep_values: bool) -> None:
+    """Make a stale output a normal tensor again, over memory of its own (its values copied or not)."""
+    unseal()
+    t.__class__ = torch.Tensor  # type: ignore[assignment]
+    t.__dict__.pop("_gt_message", None)
+    with torch.no_grad():
+        own = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+        if keep_values:
+            own.copy_(t)
+        t.set_(own.untyped_storage(), 0, t.shape, t.stride())
 
 
 class CPURecording(Recording):
