@@ -677,6 +677,15 @@ def _tracker(cls: type) -> type:
     return sub
 
 
+def plain_object_roots(roots: Sequence[Root]) -> List[Tuple[str, Any]]:
+    """The plain objects among ``roots`` whose Python attributes are keyed (see env_key_fn).
+
+    Not torch's own objects kept as state (LR schedulers, a GradScaler: handled as state).
+    """
+    return [(r.name, r.obj) for r in roots if type(r.obj) not in (list, dict, tuple) and _plain_object(r.obj)
+            and not isinstance(r.obj, (_Module, _Optimizer) + _TORCH_STATE)]
+
+
 class AttrReads:
     """Which attributes of the root modules the function reads while it is traced.
 
@@ -688,6 +697,9 @@ class AttrReads:
 
     def __init__(self, roots: Sequence[Root]):
         self.mods = [m for _, m in root_modules(roots)]
+        # plain objects (a config, `self` of a user's class passed as an argument): their
+        # Python attributes the trace reads are keyed the same way (see env_key_fn)
+        self.objs = plain_object_roots(roots)
         self.names: Dict[int, Set[str]] = {}
         self.untracked: Set[int] = set()
         self._swapped: List[Tuple[Any, type, type]] = []
@@ -712,12 +724,12 @@ class AttrReads:
             _TRACE_HOOKS.add(self._hook.id)
         except Exception:  # pragma: no cover - a torch without global module hooks
             self._hook = None
-        for m in self.mods:
+        for m in self.mods + [o for _, o in self.objs]:
             cls = type(m)
             try:
                 sub = _tracker(cls)
                 m.__class__ = sub
-            except TypeError:  # a layout the subclass cannot take (__slots__, a C type)
+            except Exception:  # a layout the subclass cannot take (__slots__, a C type), a metaclass
                 self.untracked.add(id(m))
                 continue
             self._swapped.append((m, cls, sub))
@@ -852,8 +864,19 @@ def env_key_fn(roots: Sequence[Root], reads: Optional[AttrReads] = None) -> Opti
                  if _plain_object(r.obj) and not isinstance(r.obj, (_Module, _Optimizer))
                  for k, v in vars(r.obj).items() if type(v) in (list, dict, tuple) and any(
                      isinstance(x, torch.Tensor) for x in (v.values() if isinstance(v, dict) else v))]
+    # plain objects (a config, `self` of a user's class): the plain attributes the trace read
+    # on them (all of them where it could not track the object), like a module's
+    pobj_attrs: List[Tuple[str, Dict[str, Any], Tuple[str, ...]]] = []
+    for name, o in plain_object_roots(roots):
+        read = reads.read(o) if reads is not None else None
+        d = vars(o)
+        ks = tuple(k for k, v in d.items() if _plain_attr(v) and (read is None or k in read))
+        if ks:
+            pobj_attrs.append((name, d, ks))
     if not mods and not opts and not conts and not obj_slots:
-        return None
+        if not pobj_attrs:
+            return None
+        return _plain_objects_env(pobj_attrs)
     from torch.nn.modules import module as _mm
 
     gdicts = [getattr(_mm, n) for n in ("_global_forward_hooks", "_global_forward_pre_hooks",
@@ -890,6 +913,9 @@ def env_key_fn(roots: Sequence[Root], reads: Optional[AttrReads] = None) -> Opti
     absent: List[Tuple[Any, str, str]] = []  # (module, name, path)
     cls_slots: List[Tuple[Dict[str, Any], str, str]] = []  # (class __dict__, name, path)
     seen_t: Dict[int, Tuple[Dict[str, Any], str, str]] = {}
+    for name, d, ks in pobj_attrs:
+        attr_dicts.append((d, operator.itemgetter(*ks)))
+        attr_names.append((name, ks))
     for name, m in named:
         d = m.__dict__
         # `training` among them: one C-level getter per module reads everything
@@ -988,12 +1014,13 @@ def env_key_fn(roots: Sequence[Root], reads: Optional[AttrReads] = None) -> Opti
         new = env()
         out: List[str] = []
         if old[0] is not None and new[0] is not None:
-            for (name, ks), a, b in zip(attr_names, old[0], new[0]):
+            for i, ((name, ks), a, b) in enumerate(zip(attr_names, old[0], new[0])):
                 a, b = (a, b) if len(ks) > 1 else ((a,), (b,))
+                what = "attribute" if i < len(pobj_attrs) else "module attribute"
                 out += [f"{name}.training: {x} -> {y}" if k == "training" else
-                        f"module attribute {name}.{k}: {x!r} -> {y!r}" for k, x, y in zip(ks, a, b) if x != y]
+                        f"{what} {name}.{k}: {x!r} -> {y!r}" for k, x, y in zip(ks, a, b) if x != y]
         elif old[0] != new[0]:
-            out.append("a module attribute was deleted")
+            out.append("an attribute the function read was deleted")
         for name, a, b in zip(sub_names, old[6], new[6]):
             if a != b:
                 out.append(f"the submodules of {name or 'the module'} changed (one replaced, added or removed)")
@@ -1020,7 +1047,37 @@ def env_key_fn(roots: Sequence[Root], reads: Optional[AttrReads] = None) -> Opti
     env.describe = (  # type: ignore[attr-defined]
         f"{len(mods)} module(s) (training flags, hooks, {n_attrs} Python attributes), {len(opts)} optimizer(s) "
         f"({sum(len(k) for k in keys)} Python hyperparameters, their parameter groups and state)"
+        + (f", {len(pobj_attrs)} plain object(s) ({sum(len(ks) for _, _, ks in pobj_attrs)} Python attributes)"
+           if pobj_attrs else "")
     )
+    return env
+
+
+def _plain_objects_env(pobj_attrs: List[Tuple[str, Dict[str, Any], Tuple[str, ...]]]) -> Callable[[], Any]:
+    """:func:`env_key_fn` where only plain objects' attributes are keyed: one getter each."""
+    getters = [(d, operator.itemgetter(*ks)) for _, d, ks in pobj_attrs]
+
+    def env() -> Any:
+        try:
+            return [get(d) for d, get in getters]
+        except KeyError:  # an attribute was deleted
+            return None
+
+    def diff(old: Any) -> List[str]:
+        new = env()
+        if old is None or new is None:
+            return ["an attribute the function read was deleted"] if old != new else []
+        out: List[str] = []
+        for (name, _, ks), a, b in zip(pobj_attrs, old, new):
+            a, b = (a, b) if len(ks) > 1 else ((a,), (b,))
+            out += [f"attribute {name}.{k}: {x!r} -> {y!r}" for k, x, y in zip(ks, a, b) if x != y]
+        return out
+
+    env.diff = diff  # type: ignore[attr-defined]
+    env.watched = []  # type: ignore[attr-defined]
+    env.keep = []  # type: ignore[attr-defined]
+    env.describe = (  # type: ignore[attr-defined]
+        f"{len(pobj_attrs)} plain object(s) ({sum(len(ks) for _, _, ks in pobj_attrs)} Python attributes)")
     return env
 
 

@@ -546,6 +546,34 @@ def _grad_of_argument(desc: str, path: str, where: str) -> None:
     )
 
 
+def _no_grad_outputs_requiring_grad(desc: str, spec: Any, leaves: Sequence[Any], escapes: Sequence[Any]) -> None:
+    """Refuse outputs that require grad from a call made with grad mode off.
+
+    The function turned grad mode on itself (``torch.enable_grad()``,
+    ``torch.set_grad_enabled(True)``): eager's outputs then carry an autograd
+    graph although the caller is under ``torch.no_grad()``, and a replay's would
+    not (a call is differentiated only when the caller's grad mode is on).
+    """
+    from ._tree import leaf_paths
+
+    paths = leaf_paths(unflatten(spec, list(range(len(leaves)))), "output")
+    bad = [p for p, leaf in zip(paths, leaves) if isinstance(leaf, torch.Tensor) and leaf.requires_grad
+           and not leaf.is_leaf]
+    bad += [slot.path for slot, fake in escapes if fake.requires_grad and not fake.is_leaf]
+    if bad:
+        raise GraphifyError(
+            f"{desc}: {bad[0]} requires grad (the function turns grad mode on with torch.enable_grad() "
+            "or torch.set_grad_enabled(True)), but the call is made with grad mode off "
+            "(torch.no_grad() or torch.inference_mode() around it).\n"
+            "Why: a call is differentiated only when the caller's grad mode is on; under no_grad the "
+            "replay's outputs would not carry the autograd graph eager's carry, and a backward "
+            "through them would miss its gradients.\n"
+            "Fix: call the function with grad mode on (outside torch.no_grad()), or .detach() what it "
+            "returns if no gradient is needed (gradients computed inside the function with "
+            "torch.autograd.grad and returned are fine)."
+        )
+
+
 def trace(
     fn: Callable[..., Any],
     rebuild: Callable[[Sequence[torch.Tensor]], Tuple[Tuple[Any, ...], Dict[str, Any]]],
@@ -727,6 +755,8 @@ def trace(
                 "under torch.no_grad() if no gradient is needed, or hook the parameters instead "
                 "(p.register_hook(...) runs when the gradient reaches p)."
             )
+    if not torch.is_grad_enabled() and not fnwatch.for_grad:
+        _no_grad_outputs_requiring_grad(desc, box["spec"], box["leaves"], scan.escapes)
     _lift_state(gm, watch.state_fakes)
     _no_traced_constants(gm, is_ours, desc)
     _drop_profiler_nodes(gm)

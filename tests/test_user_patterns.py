@@ -261,3 +261,96 @@ def test_an_adagrad_step_inside_names_the_step_count_not_the_learning_rate():
             g(torch.randn(4, 3))
     msg = str(ei.value)
     assert "step count" in msg and "Pass lr as a Python float" not in msg
+
+
+# -- tenth session -------------------------------------------------------------------------------
+
+
+def test_enable_grad_inside_a_call_under_no_grad(device):
+    """Before: the first call's output required grad (eager's does), later calls' silently not,
+    so a backward through them failed or missed its gradients."""
+    w = torch.randn(3, device=device, requires_grad=True)
+
+    def fn(x):
+        with torch.enable_grad():
+            return (x * w).sin()
+
+    g = gt.graphify(fn)
+    x = torch.randn(3, device=device)
+    with torch.no_grad(), pytest.raises(gt.GraphifyError) as ei:
+        g(x)
+    msg = str(ei.value)
+    assert "enable_grad" in msg and "grad mode off" in msg and "Fix: call the function with grad mode on" in msg
+    # with grad mode on, the same function is differentiated as eager
+    out = g(x)
+    out.sum().backward()
+    ref = w.detach().clone().requires_grad_()
+    (x * ref).sin().sum().backward()
+    assert_close(w.grad, ref.grad)
+
+    # gradients computed inside with torch.autograd.grad and returned stay fine under no_grad
+    def force(x):
+        with torch.enable_grad():
+            x = x.detach().requires_grad_()
+            e = (x ** 2 * w.detach()).sum()
+            return -torch.autograd.grad(e, x)[0]
+
+    gf = gt.graphify(force)
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(3, device=device)
+            assert_close(gf(x), force(x))
+        info = gf.cache_info()
+        assert info.currsize == 1 and info.hits >= 1  # (its first call runs eagerly: it reads w)
+
+
+class _Scaler:
+    def __init__(self, k):
+        self.k = k
+
+    @gt.graphify
+    def __call__(self, x):
+        return x * self.k
+
+
+class _Cfg:
+    def __init__(self):
+        self.temperature = 1.0
+        self.act = "exp"
+        self.step = 0  # set by the loop, never read by the function
+
+
+def test_plain_object_attributes_the_function_reads_are_part_of_the_signature(device):
+    """Before: `self.k` of a graphified method, or `cfg.temperature` of a closed-over config,
+    changed between calls was silently ignored (the first value stayed in the recording)."""
+    x = torch.randn(4, device=device)
+    s = _Scaler(3.0)
+    assert_close(s(x), x * 3.0)
+    assert_close(s(x), x * 3.0)
+    s.k = 5.0
+    assert_close(s(x), x * 5.0)
+    assert_close(_Scaler(7.0)(x), x * 7.0)  # another object: another signature
+
+    cfg = _Cfg()
+
+    def f(x):
+        y = x / cfg.temperature
+        return y.exp() if cfg.act == "exp" else y.sin()
+
+    g = gt.graphify(f)
+    for i in range(8):
+        cfg.step = i
+        if i == 3:
+            cfg.temperature = 2.0
+        if i == 5:
+            cfg.act = "sin"
+        assert_close(g(x), f(x))
+    # the unread `step` changing on every call records nothing again
+    assert g.cache_info().hits >= 4
+
+    import types
+    ns = types.SimpleNamespace(t=1.0)  # a class that cannot be tracked: all its plain attributes
+    h = gt.graphify(lambda x: x * ns.t)
+    assert_close(h(x), x)
+    ns.t = 4.0
+    assert_close(h(x), x * 4.0)
