@@ -29,6 +29,7 @@ The rule (DESIGN semantics 10):
 
 from __future__ import annotations
 
+import collections
 import enum
 import functools
 import inspect
@@ -202,8 +203,14 @@ def leaf_grad(t: torch.Tensor) -> Any:
     return t.grad if t.is_leaf or t.retains_grad else None
 
 
+# How deep find_roots follows containers and plain objects: a trainer's
+# `self.state.nets["g"]` (a module three levels below `self`) is state like `self.net`;
+# an optimizer it does not reach would keep what a trace made (its lazily made moments).
+_MAX_DEPTH = 4
+
+
 def find_roots(fn: Any, extra: Sequence[Tuple[str, Any]] = ()) -> List[Root]:
-    """Modules, optimizers, containers and plain objects that ``fn`` reaches (two levels).
+    """Modules, optimizers, containers and plain objects that ``fn`` reaches (``_MAX_DEPTH`` levels).
 
     Args:
         fn: the function.
@@ -218,7 +225,7 @@ def find_roots(fn: Any, extra: Sequence[Tuple[str, Any]] = ()) -> List[Root]:
     seen: Set[int] = set()
 
     def add(name: str, v: Any, depth: int) -> None:
-        if id(v) in seen or v is None or depth > 2:
+        if id(v) in seen or v is None or depth > _MAX_DEPTH:
             return
         if isinstance(v, _Module):
             seen.add(id(v))
@@ -532,6 +539,7 @@ class Snapshot:
 
 
 _MISSING = object()
+_NESTED = (dict, list, tuple, collections.defaultdict, collections.OrderedDict)
 
 
 def _rebound(now: Any, old: Any) -> bool:
@@ -543,11 +551,23 @@ def _rebound(now: Any, old: Any) -> bool:
     return isinstance(now, torch.Tensor) and isinstance(old, torch.Tensor) and now is not old
 
 
+def _holds_tensor(v: Any, depth: int = 3) -> bool:
+    """Whether ``v`` is a tensor or a dict / list / tuple holding one (a few levels down)."""
+    if isinstance(v, torch.Tensor):
+        return True
+    if depth <= 0 or type(v) not in _NESTED:
+        return False
+    vals = v.values() if isinstance(v, dict) else v
+    return len(vals) <= _MAX_CONTAINER and any(_holds_tensor(x, depth - 1) for x in vals)
+
+
 def _tensors_changed(d: Dict[Any, Any], saved: Dict[Any, Any]) -> bool:
     for k, v in d.items():
         old = saved.get(k, _MISSING)
         if old is not v and (isinstance(v, torch.Tensor) or isinstance(old, torch.Tensor)):
             return True
+        if old is _MISSING and _holds_tensor(v):  # a new entry holding tensors (a defaultdict's:
+            return True                           # GradScaler's per-optimizer states)
     return any(k not in d and isinstance(v, torch.Tensor) for k, v in saved.items())
 
 

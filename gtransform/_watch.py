@@ -547,19 +547,13 @@ class _FnWatch(TorchFunctionMode):
                         "close over the tensor instead of passing it (state's .grad is read every call).",
                     )
                 self.grad_read.add(idx)  # read as None: keyed on staying None
-        if args and (func in _LAYOUT_READS or getattr(func, "__self__", None) is _DATA_SET):
+        if args and getattr(func, "__self__", None) is _DATA_SET and getattr(func, "__name__", "") == "__set__":
+            self._data_set(args[0])
+        if args and func in _LAYOUT_READS:
             idx = self._input(args[0])
             if idx is not None:
                 w = self.watch
                 path = w.paths[idx]
-                if func not in _LAYOUT_READS:
-                    w._fail(
-                        f"`{path}.data = ...` replaces the data of input {path}.",
-                        "eager swaps the caller's tensor's storage; a recording reads and writes fixed "
-                        "memory and cannot replace the caller's storage.",
-                        f"update it in place instead (e.g. {path}.clamp_(-0.5, 0.5), or "
-                        f"{path}.copy_(new_value)), or return the new tensor.",
-                    )
                 name = getattr(func, "__name__", str(func))
                 if not self.plain[idx]:
                     w._fail(
@@ -575,6 +569,33 @@ class _FnWatch(TorchFunctionMode):
             fail = self.watch._fail
             return self._call(lambda *a: _cudnn_rnn.call(func, a, fail), args, kwargs)
         return self._call(func, args, kwargs)
+
+    def _data_set(self, t: Any) -> None:
+        """Refuse ``t.data = ...`` on an input or on state (eager swaps that tensor's storage)."""
+        w = self.watch
+        idx = self._input(t)
+        if idx is not None:
+            path = w.paths[idx]
+            w._fail(
+                f"`{path}.data = ...` replaces the data of input {path}.",
+                "eager swaps the caller's tensor's storage; a recording reads and writes fixed "
+                "memory and cannot replace the caller's storage.",
+                f"update it in place instead (e.g. {path}.clamp_(-0.5, 0.5), or "
+                f"{path}.copy_(new_value)), or return the new tensor.",
+            )
+        if isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor):
+            # state (a parameter, a buffer, a closed-over tensor): the trace would leave the
+            # real tensor over a placeholder without memory
+            name = w.index.name_of(t, len(w.state))
+            w._fail(
+                f"`{name}.data = ...` replaces the data of {name}, state the function reaches "
+                "(e.g. a parameter or buffer; torch.nn.utils.vector_to_parameters does this too).",
+                "a recording reads and writes the state's memory in place on every call; replacing "
+                "its storage cannot be replayed.",
+                f"update it in place instead: `{name}.data.copy_(new_value)` (e.g. "
+                f"`{name}.data.copy_(torch.renorm(...))`, or `with torch.no_grad(): "
+                f"{name}.copy_(new_value)`), or make the replacement outside the graphified function.",
+            )
 
     @staticmethod
     def _call(func: Any, args: Sequence[Any], kwargs: Dict[str, Any]) -> Any:

@@ -418,16 +418,16 @@ class _Holder:
 
 
 def test_traced_tensor_used_after_the_trace_raises(device):
-    deep = {"a": {"b": {"c": _Holder()}}}
+    deep = {"a": {"b": {"c": {"d": {"e": _Holder()}}}}}
 
     def f(x):
         y = x * 2
-        deep["a"]["b"]["c"].y = y  # deeper than gtransform looks
+        deep["a"]["b"]["c"]["d"]["e"].y = y  # deeper than gtransform looks
         return y + 1
 
     g = gt.graphify(f)
     g(torch.ones(2, device=device))
-    leaked = deep["a"]["b"]["c"].y
+    leaked = deep["a"]["b"]["c"]["d"]["e"].y
     with pytest.raises(gt.GraphifyError, match="used after the trace") as ei:
         leaked + 1
     assert "test_state.py" in str(ei.value)  # where it was made

@@ -354,3 +354,82 @@ def test_plain_object_attributes_the_function_reads_are_part_of_the_signature(de
     assert_close(h(x), x)
     ns.t = 4.0
     assert_close(h(x), x * 4.0)
+
+
+def test_data_assignment_on_state_inside_is_refused_and_leaves_it_intact(device):
+    """Before: `lin.weight.data = ...` inside the function left the parameter on the meta
+    device for good (vector_to_parameters crashed the process)."""
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 2).to(device)
+    before = lin.weight.detach().clone()
+
+    def step(x):
+        lin.weight.data = torch.renorm(lin.weight.data, 2, 0, 1.0)  # a max-norm constraint
+        return lin(x)
+
+    g = gt.graphify(step)
+    x = torch.randn(3, 4, device=device)
+    out = None
+    with pytest.raises(gt.GraphifyError) as ei:
+        for _ in range(3):  # (the first call of a signature that touches state runs eagerly)
+            out = g(x)
+    msg = str(ei.value)
+    assert "lin.weight.data = ...` replaces the data of lin.weight" in msg and ".data.copy_(" in msg
+    assert "test_user_patterns.py" in msg
+    assert lin.weight.device == before.device and not lin.weight.is_meta
+    assert_close(lin.weight.detach(), torch.renorm(before, 2, 0, 1.0))  # the eager call's update only
+    del out
+    # reading .data of an input is fine
+    h = gt.graphify(lambda x: x.data * 2)
+    assert_close(h(x), x * 2)
+
+
+def test_a_model_and_optimizer_three_levels_below_self(device):
+    """Before: unreached (depth 3), the optimizer kept the trace's momentum buffer (a placeholder):
+    the first call failed with a message blaming the user, and eager steps failed afterwards."""
+    import types
+
+    class Trainer:
+        def __init__(self):
+            torch.manual_seed(0)
+            m = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)).to(device)
+            self.state = types.SimpleNamespace(nets={"g": m}, opts={"g": torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)})
+
+        def step(self, x):
+            m, o = self.state.nets["g"], self.state.opts["g"]
+            o.zero_grad()
+            loss = m(x).pow(2).mean()
+            loss.backward()
+            o.step()
+            return loss.detach()
+
+    t, ref = Trainer(), Trainer()
+    g = gt.graphify(t.step)
+    for _ in range(4):
+        x = torch.randn(5, 4, device=device)
+        assert_close(g(x), ref.step(x))
+    for p, q in zip(t.state.nets["g"].parameters(), ref.state.nets["g"].parameters()):
+        assert_close(p, q)
+
+
+def test_a_refused_grad_scaler_step_leaves_scaler_and_optimizer_usable(device):
+    """Before: the refusal left the trace's found_inf placeholder in the scaler's per-optimizer
+    state, so the eager step failed afterwards too."""
+    m = nn.Linear(4, 2).to(device)
+    o = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    sc = torch.amp.GradScaler(torch.device(device).type, init_scale=16.0)
+
+    def step(x):
+        o.zero_grad()
+        sc.scale(m(x).pow(2).mean()).backward()
+        sc.step(o)  # reads found_inf on the host
+        sc.update()
+
+    g = gt.graphify(step)
+    x = torch.randn(3, 4, device=device)
+    with pytest.raises(gt.GraphifyError):
+        for _ in range(3):
+            g(x)
+    step(x)  # eager still works
+    for v in o.state.values():
+        assert all(type(t) is torch.Tensor for t in v.values() if isinstance(t, torch.Tensor))
