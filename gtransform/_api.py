@@ -9,7 +9,9 @@ hand out outputs (``_liveness``); calls that need gradients go through
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import operator
 import inspect
 import logging
 import os
@@ -208,16 +210,21 @@ class Graphified(Generic[P, R]):
         if isinstance(static_argnames, str):
             static_argnames = (static_argnames,)
         try:
-            nums = tuple(int(i) for i in static_argnums)
+            if isinstance(static_argnums, (str, bytes, torch.Tensor)):
+                raise TypeError
+            # operator.index, as jax.jit: "1", 1.7 and True are not argument positions
+            nums = tuple(operator.index(i) for i in static_argnums
+                         if not isinstance(i, (bool, torch.Tensor)) or _raise(TypeError))
         except (TypeError, ValueError):
-            raise TypeError(f"graphify(fn, static_argnums=...): expected ints, got {static_argnums!r}") from None
+            raise TypeError(f"graphify(fn, static_argnums=...): expected an int or a sequence of ints "
+                            f"(argument positions), got {static_argnums!r}") from None
         try:
             names = tuple(static_argnames)
         except TypeError:
             names = (None,)  # type: ignore[assignment]
         if not all(isinstance(n, str) for n in names):
             raise TypeError(f"graphify(fn, static_argnames=...): expected a string or strings, got {static_argnames!r}")
-        if maxsize is not None and (not isinstance(maxsize, int) or maxsize < 1):
+        if maxsize is not None and (not isinstance(maxsize, int) or isinstance(maxsize, bool) or maxsize < 1):
             raise ValueError(f"graphify(fn, maxsize=...): expected a positive int or None, got {maxsize!r}")
         if not isinstance(fuse, bool):
             raise TypeError(f"graphify(fn, fuse=...): expected a bool, got {fuse!r}")
@@ -350,8 +357,11 @@ class Graphified(Generic[P, R]):
         """Trace ``fn`` for these inputs and return what would be recorded.
 
         Like ``jax.make_jaxpr``: nothing is recorded or run. The graph takes
-        the flat tensor leaves of ``(args, kwargs)`` in order and returns the
-        tensor leaves of the output.
+        the flat tensor leaves of ``(args, kwargs)`` in order, then the state
+        the function reads without taking it as an argument (parameters,
+        buffers, closed-over tensors: inputs named ``state_0``, ``state_1``...
+        in the order ``f.describe()`` lists them), and returns the tensor
+        leaves of the output.
 
         Returns:
             A ``torch.fx.GraphModule`` of aten operations.
@@ -457,6 +467,13 @@ class Graphified(Generic[P, R]):
                 keyed.append(_Static((where, v, static_leaf_key(v))))
             except TypeError:
                 label = f"args[{where}]" if isinstance(where, int) else f"kwargs[{where!r}]"
+                if _holds_tensor(v):
+                    raise TypeError(
+                        f"{self._desc}: static argument {label} is or holds a tensor. Static arguments are "
+                        "compared by value as part of the cache key, and a tensor's values are not part of "
+                        "it. Fix: do not mark it static (tensors are inputs of the recording), or pass a "
+                        "Python number (t.item() outside the function) if its value should pick the recording."
+                    ) from None
                 raise TypeError(
                     f"{self._desc}: static argument {label} of type {type(v).__name__} is not hashable. "
                     "Static arguments are part of the cache key. Fix: pass a hashable value "
@@ -960,6 +977,22 @@ def _flatten_args(args: Any, kwargs: Any) -> Tuple[List[Any], Any]:
     return leaves, spec
 
 
+def _holds_tensor(v: Any) -> bool:
+    if isinstance(v, torch.Tensor):
+        return True
+    if isinstance(v, (tuple, list, frozenset, set)):
+        return any(map(_holds_tensor, v))
+    if isinstance(v, dict):
+        return any(map(_holds_tensor, v.values()))
+    if dataclasses.is_dataclass(v) and not isinstance(v, type):
+        return any(_holds_tensor(getattr(v, f.name, None)) for f in dataclasses.fields(v))
+    return False
+
+
+def _raise(exc: Any) -> Any:
+    raise exc
+
+
 def _resolve_static(fn: Callable[..., Any], nums: Tuple[int, ...], names: Tuple[str, ...], desc: str) -> Tuple[Tuple[int, ...], Tuple[str, ...]]:
     """Map static_argnums and static_argnames onto each other, like jax.jit."""
     try:
@@ -967,11 +1000,18 @@ def _resolve_static(fn: Callable[..., Any], nums: Tuple[int, ...], names: Tuple[
     except (TypeError, ValueError):
         return nums, names
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    var_pos = any(p.kind == p.VAR_POSITIONAL for p in params)
     nums_out = set()
     for i in nums:
         j = i + len(positional) if i < 0 else i
-        if j < 0:
-            raise ValueError(f"{desc}: static_argnums={i} is out of range for {len(positional)} positional parameters")
+        if j < 0 or (j >= len(positional) and not var_pos):
+            kw_only = [p.name for p in params if p.kind == p.KEYWORD_ONLY]
+            raise ValueError(
+                f"{desc}: static_argnums={i} is out of range: the function takes {len(positional)} positional "
+                f"parameter(s) ({', '.join(p.name for p in positional) or 'none'}). "
+                + (f"Fix: name keyword-only parameters with static_argnames (e.g. static_argnames={kw_only[0]!r})."
+                   if kw_only else "Fix: give the position of a positional parameter (0-based, negative from the end).")
+            )
         nums_out.add(j)
     names_out = set(names)
     if not any(p.kind == p.VAR_KEYWORD for p in params):

@@ -126,6 +126,12 @@ def _candidates(fn: Any, depth: int, out: List[Tuple[str, Any]], seen: Set[int],
             fn = call
         else:
             return
+    wrapped = getattr(fn, "__wrapped__", None)  # functools.lru_cache / cache, a C-level wrapper
+    if not isinstance(fn, types.FunctionType) and wrapped is not None and wrapped is not fn:
+        _candidates(wrapped, depth + 1, out, seen, where)
+        return
+    if not isinstance(fn, types.FunctionType):  # a C slot (__call__ of a C type), a builtin
+        return
     if _is_library_code(fn) and depth > 0:
         return
     code = fn.__code__

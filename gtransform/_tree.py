@@ -8,6 +8,7 @@ namespace="gtransform")``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from numbers import Number as _Number
 from typing import Any, Hashable, List, Sequence, Tuple
@@ -83,12 +84,24 @@ def static_leaf_key(leaf: Any) -> Hashable:
             return (float, _NAN)
         # -0.0 == 0.0 in Python, but 1/x tells them apart
         return (float, leaf, math.copysign(1.0, leaf))
-    if t is tuple or t is frozenset:
+    if isinstance(leaf, torch.Tensor):
+        # a tensor's == is elementwise and its hash its identity: never a value of the signature
+        raise TypeError("a tensor cannot be a static value")
+    if t is tuple or t is frozenset or (isinstance(leaf, tuple) and hasattr(t, "_fields")):
         # element by element: (2,) == (2.0,) and frozenset({2}) == frozenset({2.0}) in Python,
         # but torch.full(..., v[0]) makes int64 from one and float32 from the other
+        # (a namedtuple's fields too)
         hash(leaf)
         keys = [static_leaf_key(x) for x in leaf]
-        return (t, tuple(keys) if t is tuple else frozenset(keys))
+        return (t, tuple(keys) if t is not frozenset else frozenset(keys))
+    if dataclasses.is_dataclass(leaf) and getattr(t, "__hash__", None) is not None and t.__dataclass_params__.eq:  # type: ignore[attr-defined]
+        # a frozen dataclass compares its fields with ==: keyed field by field, as a tuple
+        hash(leaf)
+        return (t, tuple(static_leaf_key(getattr(leaf, f.name)) for f in dataclasses.fields(leaf) if f.compare))
+    if t is complex:
+        if leaf != leaf:
+            return (t, _NAN)
+        return (t, leaf, math.copysign(1.0, leaf.real), math.copysign(1.0, leaf.imag))
     hash(leaf)
     if isinstance(leaf, _Number):
         if leaf != leaf:

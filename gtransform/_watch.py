@@ -422,6 +422,7 @@ class _Watch(TorchDispatchMode):
 
 
 _DATA_SET = torch._C.TensorBase.__dict__["data"]
+_FORMAT = torch.Tensor.__format__
 _GRAD_ATTR = torch._C.TensorBase.__dict__["grad"]
 _REGISTER_HOOK = torch.Tensor.register_hook
 
@@ -522,6 +523,14 @@ class _FnWatch(TorchFunctionMode):
                 "comparison or a value built from it would be frozen into the recording.",
                 "compare tensors by identity (a is b) or with torch ops, or move this part out of the "
                 "graphified function.",
+            )
+        if func is _FORMAT and len(args) > 1 and args[1] and isinstance(args[0], FakeTensor):
+            self.watch._fail(
+                f"formatting a tensor with a format spec (f\"{{t:{args[1]}}}\") reads its value on the host.",
+                "a recording is traced once without real data and replayed without Python; a value "
+                "read on the host would be the same (or nothing) on every call.",
+                "return the tensor and format it outside the graphified function (printing a value "
+                "needs it on the host, a sync eager pays too).",
             )
         if func in _BACKWARDS:
             self.backward_calls += 1

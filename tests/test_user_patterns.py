@@ -433,3 +433,76 @@ def test_a_refused_grad_scaler_step_leaves_scaler_and_optimizer_usable(device):
     step(x)  # eager still works
     for v in o.state.values():
         assert all(type(t) is torch.Tensor for t in v.values() if isinstance(t, torch.Tensor))
+
+
+@pytest.mark.parametrize("kw", [dict(static_argnums="10"), dict(static_argnums=(1.7,)), dict(static_argnums=(True,)),
+                                dict(static_argnums=torch.tensor(1)), dict(maxsize=True), dict(maxsize=0)])
+def test_invalid_graphify_arguments_are_refused(kw):
+    """Before: "10" became (1, 0), 1.7 became 1, True and tensors were positions, maxsize=True was 1."""
+    with pytest.raises((TypeError, ValueError)):
+        gt.graphify(lambda x, n: x * n, **kw)
+
+
+def test_static_argnums_out_of_range_or_keyword_only():
+    with pytest.raises(ValueError, match="out of range"):
+        gt.graphify(lambda x, n: x * n, static_argnums=5)
+    with pytest.raises(ValueError, match="static_argnames='k'"):
+        gt.graphify(lambda x, *, k: x * k, static_argnums=1)
+    gt.graphify(lambda *xs: xs[0], static_argnums=3)  # *args: any position
+
+
+def test_a_tensor_as_a_static_argument_is_a_clear_type_error(device):
+    """Before: an internal "Boolean value of Tensor is ambiguous" on the second tensor, and 1-element
+    tensors matched by value (tensor([True]) got the recording of tensor([1]): int64 out)."""
+    g = gt.graphify(lambda x, s: x * s, static_argnums=1)
+    x = torch.ones(2, device=device)
+    with pytest.raises(TypeError, match="static argument args\\[1\\] is or holds a tensor"):
+        g(x, torch.tensor([1.0]))
+    with pytest.raises(TypeError, match="holds a tensor"):
+        g(x, (torch.tensor([1.0]), 2))
+
+
+def test_static_namedtuples_and_frozen_dataclasses_are_keyed_by_type_and_sign(device):
+    """Before: Cfg(2) and Cfg(2.0), DC(1) and DC(True), Cfg(0.0) and Cfg(-0.0) shared a recording."""
+    import collections
+    import dataclasses
+
+    Cfg = collections.namedtuple("Cfg", "fill")
+
+    @dataclasses.dataclass(frozen=True)
+    class DC:
+        fill: object
+
+    x = torch.ones(2, device=device)
+    for make in (Cfg, DC):
+        fn = lambda x, c: torch.full((2,), c.fill, device=x.device)  # noqa: E731
+        g = gt.graphify(fn, static_argnums=1)
+        for v in (2, 2.0, True, 1, 0.0, -0.0):
+            out, ref = g(x, make(v)), fn(x, make(v))
+            assert out.dtype == ref.dtype, (make, v)
+            assert_close(out, ref)
+        h = gt.graphify(lambda x, c: x / c.fill, static_argnums=1)
+        assert h(x, make(0.0))[0].item() == float("inf")
+        assert h(x, make(-0.0))[0].item() == float("-inf")
+
+
+def test_graphify_of_c_level_callables(device):
+    """Before: AttributeError ('wrapper_descriptor' object has no attribute '__code__')."""
+    import functools
+
+    x = torch.ones(2, device=device)
+    for fn in (functools.lru_cache(maxsize=None)(lambda x: x * 3), functools.cache(lambda x: x * 3)):
+        g = gt.graphify(fn)
+        assert_close(g(x), x * 3)
+        assert_close(g(x + 1), (x + 1) * 3)
+
+
+def test_a_format_spec_on_a_tensor_inside_is_a_graphify_error(device):
+    """Before: TypeError: unsupported format string passed to FakeTensor.__format__."""
+    def step(x):
+        print(f"loss={x.sum():.3f}")
+        return x * 2
+
+    with pytest.raises(gt.GraphifyError, match="format spec") as ei:
+        gt.graphify(step)(torch.ones(2, device=device))
+    assert "test_user_patterns.py" in str(ei.value) and "Fix:" in str(ei.value)
