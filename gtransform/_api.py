@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import operator
 import inspect
 import logging
+import operator
 import os
 import threading
 import time
