@@ -259,6 +259,8 @@ def build_fast_path(owner: Any, entry: Any, rec: Any, pool: Any) -> Any:
         call += ["try:", f"    _copy([{cb}], CBBUFS)", "except RuntimeError:", f"    REC.copy_back_stale([{cb}])"]
     if esc:
         call.append(f"ESC.write(REC.escape_values([{', '.join(tens)}]))")
+    for t in rec.grad_cleared:  # see Plan.grad_cleared
+        call.append(f"{g.const(t, 'G')}.grad = None")
     if rec.groups:
         call.append("POOL.outstanding.append(REC.handout)")
     plan = entry.plan

@@ -159,6 +159,8 @@ class Recording:
         # tensors left in Python state (p.grad...): written back after each replay
         self.escapes: Optional[EscapeWriter] = EscapeWriter(plan.escape_slots, desc) if plan.escape_slots else None
         self.last_outs: Sequence[torch.Tensor] = ()
+        # .grad the function sets to None and does not make again (see Plan.grad_cleared)
+        self.grad_cleared: List[torch.Tensor] = list(plan.grad_cleared)
         # inputs the function returns, or views of (see rescue_returned)
         self.returned_inputs = sorted({e.index for e in plan.tensor_entries if e.kind == "input"})
 
@@ -341,6 +343,8 @@ class Recording:
                 self.copy_back_stale([tensors[i] for i in self.cb_idx])
         if esc is not None:
             esc.write(self.escape_values(tensors))
+        for t in self.grad_cleared:
+            t.grad = None
         if self.groups:
             self.pool.outstanding.append(self.handout)
         res: List[torch.Tensor] = []

@@ -179,6 +179,7 @@ class Plan:
     py_changes: List[Any] = field(default_factory=list)
     roots: List[Any] = field(default_factory=list)
     attr_reads: Any = None  # _state.AttrReads: the root modules' attributes the function read
+    grad_cleared: List[torch.Tensor] = field(default_factory=list)  # .grad set to None by the function
     ran_backward: bool = False  # the function ran a backward itself (.backward(), autograd.grad)
     # the user's function and how to call it on the flat tensors (for the joint
     # forward+backward trace of _partition)
@@ -663,6 +664,9 @@ def trace(
             if is_ours(g) and (id(t), "grad", "grad") not in slots:
                 scan.escapes.append((Slot("grad", t, "grad", f"{watch.paths[watch.n_in + k]}.grad"), g))
         box["scan"] = scan
+        # .grad set to None by the function (zero_grad()) and not made again by its backward
+        # (a parameter this signature does not use): eager leaves it None after every call
+        box["grad_cleared"] = [t for t in fnwatch.grad_cleared.values() if leaf_grad(t) is None]
         outs = [x for x in leaves if isinstance(x, torch.Tensor)] + [f for _, f in scan.escapes]
         return tuple(_resolved(outs, list(tensors) + list(watch.state_fakes)))
 
@@ -831,6 +835,7 @@ def trace(
         state_slots=state_slots,
         state_names=paths[len(fakes):],
         escape_slots=[s for s, _ in scan.escapes],
+        grad_cleared=box.get("grad_cleared", []),
         escape_entries=esc_entries,
         py_changes=list(scan.changes),
         roots=list(roots),

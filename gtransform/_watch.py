@@ -24,7 +24,7 @@ import os
 import sys
 import threading
 import traceback
-from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensor, FakeTensorMode
@@ -507,6 +507,8 @@ class _FnWatch(TorchFunctionMode):
         self.backward_at = ""  # where the last one was called (file:line)
         self.for_grad = bool(getattr(FOR_GRAD, "on", False))
         self.inputs: Sequence[Any] = ()  # the trace's input tensors (set by the traced function)
+        # state tensors whose .grad the function set to None (zero_grad(), `p.grad = None`)
+        self.grad_cleared: Dict[int, torch.Tensor] = {}
 
     def _input(self, t: Any) -> Optional[int]:
         if not isinstance(t, FakeTensor):
@@ -556,6 +558,10 @@ class _FnWatch(TorchFunctionMode):
                         "close over the tensor instead of passing it (state's .grad is read every call).",
                     )
                 self.grad_read.add(idx)  # read as None: keyed on staying None
+        if (len(args) > 1 and args[1] is None and getattr(func, "__self__", None) is _GRAD_ATTR
+                and getattr(func, "__name__", "") == "__set__" and isinstance(args[0], torch.Tensor)
+                and not isinstance(args[0], FakeTensor)):
+            self.grad_cleared[id(args[0])] = args[0]
         if args and getattr(func, "__self__", None) is _DATA_SET and getattr(func, "__name__", "") == "__set__":
             self._data_set(args[0])
         if args and func in _LAYOUT_READS:
@@ -578,6 +584,23 @@ class _FnWatch(TorchFunctionMode):
             fail = self.watch._fail
             return self._call(lambda *a: _cudnn_rnn.call(func, a, fail), args, kwargs)
         return self._call(func, args, kwargs)
+
+    def __enter__(self) -> _FnWatch:
+        _zero_grad_hooks(True)
+        _ZG.rec = self.grad_cleared
+        try:
+            return super().__enter__()  # type: ignore[no-any-return]
+        except BaseException:
+            _ZG.rec = None
+            _zero_grad_hooks(False)
+            raise
+
+    def __exit__(self, typ: Any, exc: Any, tb: Any) -> None:
+        try:
+            super().__exit__(typ, exc, tb)
+        finally:
+            _ZG.rec = None
+            _zero_grad_hooks(False)
 
     def _data_set(self, t: Any) -> None:
         """Refuse ``t.data = ...`` on an input or on state (eager swaps that tensor's storage)."""
@@ -1057,6 +1080,52 @@ def _rng_hooks(on: bool) -> None:
             for mod, name, orig in reversed(_RNG_SAVED):
                 setattr(mod, name, orig)
             _RNG_SAVED.clear()
+
+
+# -- zero_grad inside the function -----------------------------------------------------------
+# Optimizer.zero_grad() / Module.zero_grad() set .grad to None only where there is one: a
+# parameter whose .grad is None while tracing shows nothing. Eager leaves it None after every
+# call whatever the caller put there, so the trace notes every parameter they cover
+# (_FnWatch.grad_cleared; the `p.grad = None` they run is seen there too).
+
+_ZG = threading.local()  # .rec: the grad_cleared dict of this thread's trace, if any
+_ZG_LOCK = threading.Lock()
+_ZG_DEPTH = [0]
+_ZG_SAVED: List[Tuple[Any, Any]] = []
+
+
+def _zero_grad_wrapper(orig: Any, params_of: Callable[[Any], Any]) -> Any:
+    @functools.wraps(orig)
+    def zero_grad(self: Any, set_to_none: bool = True) -> Any:
+        rec = getattr(_ZG, "rec", None)
+        if rec is not None and set_to_none:
+            for p in params_of(self):
+                if isinstance(p, torch.Tensor) and not isinstance(p, FakeTensor):
+                    rec[id(p)] = p
+        return orig(self, set_to_none)
+
+    return zero_grad
+
+
+def _zero_grad_hooks(on: bool) -> None:
+    """Wrap Optimizer.zero_grad and Module.zero_grad while any trace is entered."""
+    with _ZG_LOCK:
+        if on:
+            _ZG_DEPTH[0] += 1
+            if _ZG_DEPTH[0] > 1:
+                return
+            for cls, params_of in ((torch.optim.Optimizer, lambda o: [p for g in o.param_groups for p in g["params"]]),
+                                   (torch.nn.Module, lambda m: m.parameters())):
+                orig = cls.__dict__["zero_grad"]
+                _ZG_SAVED.append((cls, orig))
+                cls.zero_grad = _zero_grad_wrapper(orig, params_of)  # type: ignore[method-assign]
+        else:
+            _ZG_DEPTH[0] -= 1
+            if _ZG_DEPTH[0] > 0:
+                return
+            for cls, orig in reversed(_ZG_SAVED):
+                cls.zero_grad = orig  # type: ignore[method-assign]
+            _ZG_SAVED.clear()
 
 
 class _compiling:

@@ -506,3 +506,35 @@ def test_a_format_spec_on_a_tensor_inside_is_a_graphify_error(device):
     with pytest.raises(gt.GraphifyError, match="format spec") as ei:
         gt.graphify(step)(torch.ones(2, device=device))
     assert "test_user_patterns.py" in str(ei.value) and "Fix:" in str(ei.value)
+
+
+@pytest.mark.parametrize("signature_switch", [False, True])
+def test_zero_grad_inside_leaves_unused_parameters_without_grad(device, signature_switch):
+    """Before: a parameter the step does not use kept the .grad something else gave it (the loop's
+    other loss, another signature's replay) where eager's zero_grad() leaves None."""
+    torch.manual_seed(0)
+    me = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 1)]).to(device)
+    oe = torch.optim.SGD(me.parameters(), lr=0.1, momentum=0.9)
+    mg, og = copy.deepcopy((me, oe))
+
+    def mk(m, o):
+        def step(x, use_head):
+            o.zero_grad()
+            h = m[0](x)
+            loss = (m[1](h) if use_head else h).pow(2).mean()
+            loss.backward()
+            o.step()
+            return loss.detach()
+        return step
+
+    fe, fg = mk(me, oe), gt.graphify(mk(mg, og))
+    uses = [True, False, False, True, False, False] if signature_switch else [False] * 6
+    for use in uses:
+        x = torch.randn(3, 4, device=device)
+        if not signature_switch:  # another loss outside fills the head's .grad
+            me[1](me[0](x)).sum().backward()
+            mg[1](mg[0](x)).sum().backward()
+        assert_close(fg(x, use), fe(x, use))
+        assert (mg[1].weight.grad is None) == (me[1].weight.grad is None)
+        for p, q in zip(mg.parameters(), me.parameters()):
+            assert_close(p, q)
