@@ -395,7 +395,8 @@ class Graphified(Generic[P, R]):
             >>> f.cache_info()
             CacheInfo(hits=1, misses=1, maxsize=64, currsize=1)
         """
-        size = sum(len(s.cache) for s in list(self._states) if not s.clear_requested)
+        # (alternates of a signature, such as a model's eval() recording next to its train() one, count)
+        size = sum(len(s.cache) + sum(map(len, s.alts.values())) for s in list(self._states) if not s.clear_requested)
         return CacheInfo(self._hits, self._misses, self._maxsize, size)
 
     def cache_clear(self) -> None:
@@ -554,14 +555,33 @@ class Graphified(Generic[P, R]):
                     self._hits += 1
                 st.last = e
                 return e, state
+            env_only = e.env_only_mismatch(leaves, statics)
+        else:
+            env_only = False
+        if (env_only or e is None) and st.alts.get(key):
+            alt = st.take_alt(key, leaves, statics)
+            if alt is not None:
+                # switched back (model.train() after model.eval()): that recording again
+                if e is not None:
+                    st.set_aside(e)
+                a, state = alt
+                st.cache[key] = a
+                if record:
+                    self._hits += 1
+                st.last = a
+                return a, state
+        if e is not None:
             if log.isEnabledFor(logging.INFO):
                 log.info("%s: tracing a signature again: %s", self._desc,
                          "; ".join(diff_leaves(e, leaves, paths or leaf_paths((args, kwargs)))) or "its state changed")
-            if e.plan.touches_state:
+            if e.plan.touches_state and not (env_only and e.env_keeps_lazy_state()):
                 # what changed may have emptied lazily created state (optimizer.state.clear(),
                 # load_state_dict): the next call runs eagerly again before anything is traced
                 st.warmed.discard(key)
-            st.drop(e)
+            if env_only:
+                st.set_aside(e)  # kept: a switch back replays it
+            else:
+                st.drop(e)
         self._misses += 1
         if not paths:
             paths = leaf_paths((args, kwargs))

@@ -196,13 +196,27 @@ class GraphFn(torch.autograd.Function):
             raise GraphifyError(f"{g._desc}: internal error: the signature vanished between two lookups")
         bad = [i for i in e.plan.mutated if box.need[i]]
         if bad:
+            i0 = sorted(bad)[0]
             paths = ", ".join(e.plan.in_paths[i] for i in sorted(bad))
+            op, line = e.plan.mutated_at.get(i0, ("an in-place op", "?"))
+            if line.startswith("<"):  # generated code (a module's forward called by graphify(module))
+                line = "library code the function calls (e.g. a torch.nn module's forward)"
+            state = i0 >= e.n_user
+            what = ("tensors it reaches that require grad (parameters)" if state
+                    else "arguments that require grad")
+            fix = ("Fix: make that update outside the graphified function, or under torch.no_grad() "
+                   "inside it where it is not meant to be differentiated (a max-norm renormalisation, "
+                   "nn.Embedding(max_norm=...): keep max_norm=None and renormalise the weight under "
+                   "torch.no_grad() between steps)."
+                   if state else
+                   "Fix: return the new values instead of updating the arguments in place, or call "
+                   "the function under torch.no_grad() if no gradient is needed.")
             raise GraphifyError(
-                f"{g._desc}: the function updates its inputs in place ({paths}) and is being "
-                "differentiated.\nWhy: in-place updates of inputs are not supported through "
-                "the autograd wrapper of a recording.\n"
-                "Fix: return the new values instead of updating the inputs in place, or call the "
-                "function under torch.no_grad()."
+                f"{g._desc}: the function updates {what} in place ({paths}), and the call is "
+                f"differentiated.\n  op {op} at {line}\n"
+                "Why: the recording's autograd wrapper differentiates its inputs as they were "
+                "before the call; an in-place update of a differentiated input inside it would "
+                "give gradients of the wrong values.\n" + fix
             )
         box.entry = e
         part = partition_for(e, box.need, g)

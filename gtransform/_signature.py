@@ -268,7 +268,29 @@ class Entry:
         state = self.resolve_state() if self.state_src else []
         return state if state is not None and self.match(leaves, statics, state) else None
 
-    def match(self, leaves: Sequence[Any], statics: Any, state: Sequence[torch.Tensor] = ()) -> bool:
+    def env_only_mismatch(self, leaves: Sequence[Any], statics: Any) -> bool:
+        """Whether a call differs from this signature in its environment only.
+
+        (Training flags, attributes read, hyperparameters: see ``_state.env_key_fn``.)
+        Such a signature is kept as an alternate of its key (see ``ThreadState.alts``):
+        a model switched between train() and eval() replays both recordings.
+        """
+        if self.env is None or self.env() == self.env_val:
+            return False
+        state = self.resolve_state() if self.state_src else []
+        return state is not None and self.match(leaves, statics, state, check_env=False)
+
+    def env_keeps_lazy_state(self) -> bool:
+        """Whether what changed in the environment leaves lazily made state as it was.
+
+        A training flag, an attribute, a hook or a hyperparameter: yes; the optimizers'
+        state or parameter groups, or the module tree (``optimizer.state.clear()``,
+        a submodule replaced): no, the next call then runs eagerly first.
+        """
+        part = getattr(self.env, "lazy_part", None)
+        return part is not None and part(self.env()) == part(self.env_val)
+
+    def match(self, leaves: Sequence[Any], statics: Any, state: Sequence[torch.Tensor] = (), check_env: bool = True) -> bool:
         """Whether a call with these leaves (and state) replays this signature."""
         if len(leaves) != self.n_leaves or statics != self.statics:
             return False
@@ -285,7 +307,7 @@ class Entry:
         tensors.extend(state)
         if not self.guard.check(tensors):
             return False
-        if self.env is not None and self.env() != self.env_val:
+        if check_env and self.env is not None and self.env() != self.env_val:
             return False
         if self.attrs is None:
             for i in self.tpos:
@@ -326,7 +348,9 @@ class ThreadState:
     """One thread's signature cache of one graphified function."""
 
     __slots__ = ("cache", "last", "pool", "fast", "fast_rec", "fast_statics", "warmed", "eager_only", "pending",
-                 "clear_requested", "__weakref__")
+                 "clear_requested", "alts", "__weakref__")
+
+    ALTS = 3  # alternates kept per key (see alts)
 
     def __init__(self, pool: PoolState):
         self.cache: OrderedDict[Hashable, Entry] = OrderedDict()
@@ -343,6 +367,10 @@ class ThreadState:
         # (see reusable_after_eager); checked there as any cached signature is
         self.pending: Dict[Hashable, Entry] = {}
         self.clear_requested = False  # by cache_clear() in another thread
+        # signatures of a key that differ from its cached one in their environment only (a
+        # model in eval() mode while the cached one is train(); see Entry.env_only_mismatch),
+        # most recent first: a switch back replays them instead of recording again
+        self.alts: Dict[Hashable, List[Entry]] = {}
 
     def clear(self) -> None:
         self.clear_requested = False
@@ -350,21 +378,49 @@ class ThreadState:
             if e.rec is not None:
                 e.rec.close()
         self.cache.clear()
+        for alts in self.alts.values():
+            for e in alts:
+                if e.rec is not None:
+                    e.rec.close()
+        self.alts.clear()
         self.warmed.clear()
         self.pending.clear()
         self.last = None
         self.drop_fast()
 
-    def drop(self, e: Entry) -> None:
-        """Forget one signature (its recording is closed)."""
+    def drop(self, e: Entry, keep_alts: bool = False) -> None:
+        """Forget one signature (its recording is closed), and its key's alternates unless ``keep_alts``."""
         if self.cache.get(e.key) is e:
             del self.cache[e.key]
+            if not keep_alts:
+                for a in self.alts.pop(e.key, ()):
+                    self.drop(a, keep_alts=True)
         if e.rec is not None:
             if self.fast_rec is e.rec:
                 self.drop_fast()
             e.rec.close()
         if self.last is e:
             self.last = None
+
+    def set_aside(self, e: Entry) -> None:
+        """Keep ``e`` as an alternate of its key (the cache's entry is being replaced)."""
+        if self.cache.get(e.key) is e:
+            del self.cache[e.key]
+        if self.last is e:
+            self.last = None
+        alts = self.alts.setdefault(e.key, [])
+        alts.insert(0, e)
+        while len(alts) > self.ALTS:
+            self.drop(alts.pop(), keep_alts=True)
+
+    def take_alt(self, key: Hashable, leaves: Sequence[Any], statics: Any) -> Optional[Tuple[Entry, List[torch.Tensor]]]:
+        """An alternate of ``key`` this call replays, with its state, made the key's entry again."""
+        for a in self.alts.get(key, ()):
+            state = a.matching_state(leaves, statics)
+            if state is not None:
+                self.alts[key].remove(a)
+                return a, state
+        return None
 
     def drop_fast(self) -> None:
         self.fast = self.fast_rec = self.fast_statics = None

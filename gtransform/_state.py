@@ -1067,6 +1067,9 @@ def env_key_fn(roots: Sequence[Root], reads: Optional[AttrReads] = None) -> Opti
         return out
 
     env.diff = diff  # type: ignore[attr-defined]
+    # the parts where lazily made state may have gone: the optimizers' state and groups, the
+    # module tree and classes (see Entry.env_keeps_lazy_state)
+    env.lazy_part = lambda v: (v[4], v[5], v[6], v[7])  # type: ignore[attr-defined]
     env.watched = ([p for _, _, p in id_slots] + [p for _, _, p in absent]  # type: ignore[attr-defined]
                    + [p for _, _, p in cls_slots])
 
@@ -1100,6 +1103,7 @@ def _plain_objects_env(pobj_attrs: List[Tuple[str, Dict[str, Any], Tuple[str, ..
         return out
 
     env.diff = diff  # type: ignore[attr-defined]
+    env.lazy_part = lambda v: None  # type: ignore[attr-defined]
     env.watched = []  # type: ignore[attr-defined]
     env.keep = []  # type: ignore[attr-defined]
     env.describe = (  # type: ignore[attr-defined]
@@ -1235,6 +1239,20 @@ def change_error(desc: str, changes: Sequence[Change]) -> GraphifyError:
             f"Fix: keep {rebind.path} bound to one tensor and change its values in place instead "
             "(for double buffers: copy_ the new values into it, or keep both in one stacked "
             "buffer indexed by a step counter tensor)."
+        )
+    mode = [c for c in changes if c.key == "training" and isinstance(c.owner, _Module)]
+    if mode and len(mode) == len(changes):
+        # model.train() / model.eval() inside: a train step and an eval step sharing the model
+        root = min((c.path.rsplit(".", 1)[0] for c in mode), key=len)
+        return GraphifyError(
+            f"{desc}: the function switches modules between training and evaluation mode on every "
+            f"call ({listing}): {root}.train() or {root}.eval() inside it, with the other mode set "
+            "between calls (e.g. by another graphified function sharing the model).\n"
+            "Why: the training flags are part of the signature (each mode gets its own recording), "
+            "but a switch made inside the function happens once, while tracing, and a replay would "
+            "leave the modules in the mode they were in.\n"
+            f"Fix: call {root}.train() / {root}.eval() outside the graphified functions, before "
+            "calling them (each mode is then recorded once and replayed)."
         )
     if sched is not None:
         fix = (f"Fix: call {sched.path.rsplit('.', 1)[0]}.step() outside the graphified function, after "

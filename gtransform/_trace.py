@@ -180,6 +180,7 @@ class Plan:
     roots: List[Any] = field(default_factory=list)
     attr_reads: Any = None  # _state.AttrReads: the root modules' attributes the function read
     grad_cleared: List[torch.Tensor] = field(default_factory=list)  # .grad set to None by the function
+    mutated_at: Dict[int, Tuple[str, str]] = field(default_factory=dict)  # input -> (op, line) of a write
     ran_backward: bool = False  # the function ran a backward itself (.backward(), autograd.grad)
     # the user's function and how to call it on the flat tensors (for the joint
     # forward+backward trace of _partition)
@@ -824,6 +825,7 @@ def trace(
         gm=gm,
         in_paths=paths,
         mutated=set(watch.mutated),
+        mutated_at=dict(watch.mutated_at),
         out_spec=box["spec"],
         out_entries=entries,
         n_gm_out=k,

@@ -125,6 +125,7 @@ class _Watch(TorchDispatchMode):
         self.index = index
         self.n_in = n_in
         self.mutated: Set[int] = set()
+        self.mutated_at: Dict[int, Tuple[str, str]] = {}  # input -> (op, user's line) of its first write
         self.uses_cuda = False
         self.random = False
         self.ops = 0
@@ -321,8 +322,10 @@ class _Watch(TorchDispatchMode):
                         self._fail(
                             f"{func} updates input {self.paths[idx]} in place, and that input overlaps "
                             "itself (its elements share memory).",
-                            "eager updates such a tensor element by element in an order-dependent way "
-                            "through the shared memory; the recording updates a copy and writes it back.",
+                            "an update through memory shared by several elements (an expand()ed "
+                            "tensor) has no single answer: eager refuses most such ops (\"more than one "
+                            "element of the written-to tensor refers to a single memory location\") and "
+                            "the recording would update a copy and write it back.",
                             f"pass {self.paths[idx]}.contiguous() or .clone() (or update a copy and "
                             "return it).",
                         )
@@ -341,6 +344,8 @@ class _Watch(TorchDispatchMode):
                             "(cache.index_copy_(2, pos, k.detach())).",
                         )
                     written.append((t, idx, (t.shape, t.stride(), t.storage_offset())))
+                    if idx not in self.mutated_at:  # for messages: the op and the user's line
+                        self.mutated_at[idx] = (str(func), format_frame(user_frame(traceback.extract_stack())))
                     self._mark_written(t, idx)
         seeded = _SEEDED is not None and _SEEDED in func.tags and not _no_dropout(func, args, kwargs)
         if seeded:
@@ -873,6 +878,16 @@ _RNG_FIX = (
     "function and pass them in (instead of setting the generator back inside it), or call the "
     "function eagerly."
 )
+_RNG_FIX_SET = (
+    "Fix: draw the random numbers outside the graphified function and pass them in (e.g. a "
+    "mask drawn once and used twice), set the generator's state outside it, between calls, or "
+    "call the function eagerly."
+)
+
+
+def _rng_fix(what: str) -> str:
+    """The fix for a generator set back by ``what`` (a checkpoint's recompute, or the user's call)."""
+    return _RNG_FIX if "checkpoint" in what else _RNG_FIX_SET
 
 
 def _cuda_key(device: Any = "cuda") -> str:
@@ -990,7 +1005,7 @@ class _RngLedger:
                 "replay; a state set inside the function happens once, while tracing. Eager draws "
                 "again here the numbers it drew before (a checkpoint's recompute repeats the forward's "
                 "dropout mask), the recording new ones: the numbers, and the gradients made from "
-                f"them, would differ from eager's.\n{_RNG_FIX}"
+                f"them, would differ from eager's.\n{_rng_fix(what)}"
             )
         self.draws[key] = self.draws.get(key, 0) + 1
 
@@ -1005,7 +1020,7 @@ class _RngLedger:
                 "replay; a state set inside the function happens once, while tracing. Eager sets "
                 "the generator back on every call, so the same random numbers come again (in the "
                 "next call, or after it), while the recording draws new ones and leaves the "
-                f"generator where they move it.\n{_RNG_FIX}"
+                f"generator where they move it.\n{_rng_fix(what)}"
             )
 
 

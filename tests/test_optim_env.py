@@ -71,7 +71,9 @@ def test_hyperparameters_of_any_plain_type_are_part_of_the_signature(case):
         assert_close(s2(x, y), s1(x, y))
         _same(m1, m2)
     info = s2.cache_info()
-    assert info.hits == 3, info  # each value: run eagerly, recorded again, replayed
+    # the first value: run eagerly, recorded, replayed; each new value: recorded (no eager call:
+    # a hyperparameter leaves the optimizer's lazily made state as it was), replayed twice
+    assert info.hits == 5, info
 
 
 @pytest.mark.parametrize("kind", ["post", "pre", "global_post"])
@@ -126,7 +128,9 @@ def test_gradient_hooks_on_parameters_added_or_removed_record_again(kind):
         assert_close(s2(x, y), s1(x, y))
         assert_close(m2[0].weight.grad, m1[0].weight.grad)
         _same(m1, m2)
-    assert s2.cache_info().hits == 3  # still replayed between the changes
+    # still replayed between the changes (a hook leaves lazily made state as it was: each change
+    # records at once, without an eager call first)
+    assert s2.cache_info().hits == 5
 
 
 def test_hooks_on_unrelated_tensors_do_not_record_again():

@@ -538,3 +538,38 @@ def test_zero_grad_inside_leaves_unused_parameters_without_grad(device, signatur
         assert (mg[1].weight.grad is None) == (me[1].weight.grad is None)
         for p, q in zip(mg.parameters(), me.parameters()):
             assert_close(p, q)
+
+
+def test_train_and_eval_switched_inside_two_functions_sharing_a_model(device):
+    """Before: the message blamed "Python numbers" and suggested a buffer; the fix is to switch
+    modes outside."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5), nn.Linear(8, 2)).to(device)
+
+    def train_step(x):
+        m.train()
+        return m(x).sum()
+
+    def eval_step(x):
+        m.eval()
+        return m(x).sum()
+
+    tr, ev = gt.graphify(train_step), gt.graphify(eval_step)
+    x = torch.randn(3, 4, device=device)
+    with pytest.raises(gt.GraphifyError) as ei:
+        for _ in range(3):
+            tr(x)
+            ev(x)
+    msg = str(ei.value)
+    assert "training and evaluation mode" in msg and "Fix: call m.train() / m.eval() outside" in msg
+    # switched outside, both modes are recorded once and replayed (before: every switch ran
+    # eagerly and recorded again)
+    g = gt.graphify(lambda x: m(x).sum())
+    for mode in (True, False) * 4:
+        m.train(mode)
+        torch.manual_seed(1)
+        out = g(x)
+        torch.manual_seed(1)
+        assert_close(out, m(x).sum())
+    info = g.cache_info()
+    assert info.currsize == 2 and info.misses == 3 and info.hits == 5, info
