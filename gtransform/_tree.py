@@ -72,6 +72,26 @@ class _NaN:
 _NAN = _NaN()
 
 
+class _Identity:
+    """Key stand-in comparing an object by identity (it keeps the object, so its id stays its own)."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Identity) and other.obj is self.obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+
+def _holds_tensors(leaf: Any) -> bool:
+    d = getattr(leaf, "__dict__", None)
+    return type(d) is dict and any(isinstance(v, torch.Tensor) for v in d.values())
+
+
 def static_leaf_key(leaf: Any) -> Hashable:
     """Cache-key entry of a non-tensor leaf: its type and value.
 
@@ -98,6 +118,11 @@ def static_leaf_key(leaf: Any) -> Hashable:
         # a frozen dataclass compares its fields with ==: keyed field by field, as a tuple
         hash(leaf)
         return (t, tuple(static_leaf_key(getattr(leaf, f.name)) for f in dataclasses.fields(leaf) if f.compare))
+    if getattr(t, "__eq__", None) is not object.__eq__ and not isinstance(leaf, _Number) and _holds_tensors(leaf):
+        # an object of the user's class with a value __eq__ (a name) and tensors of its own:
+        # state read through it (self.w), so another object is another signature, however equal
+        hash(leaf)
+        return (t, _Identity(leaf))
     if t is complex:
         if leaf != leaf:
             return (t, _NAN)

@@ -573,3 +573,27 @@ def test_train_and_eval_switched_inside_two_functions_sharing_a_model(device):
         assert_close(out, m(x).sum())
     info = g.cache_info()
     assert info.currsize == 2 and info.misses == 3 and info.hits == 5, info
+
+
+def test_objects_equal_by_value_but_holding_other_tensors_are_other_signatures(device):
+    """Before: b.f(x) replayed a's recording (a == b by name), reading a's tensor."""
+    class M:
+        def __init__(self, name, w):
+            self.name, self.w = name, w
+
+        def __eq__(self, o):
+            return isinstance(o, M) and o.name == self.name
+
+        def __hash__(self):
+            return hash(self.name)
+
+        @gt.graphify
+        def f(self, x):
+            return x * self.w
+
+    a = M("m", torch.full((2,), 2.0, device=device))
+    b = M("m", torch.full((2,), 3.0, device=device))
+    x = torch.ones(2, device=device)
+    for _ in range(3):
+        assert_close(a.f(x), x * 2)
+        assert_close(b.f(x), x * 3)
