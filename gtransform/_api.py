@@ -425,7 +425,9 @@ class Graphified(Generic[P, R]):
         self._misses = 0
 
     def __get__(self, obj: Any, objtype: Any = None) -> Any:
-        if obj is None:
+        if obj is None or isinstance(self._fn, (staticmethod, classmethod)):
+            # graphify(staticmethod(f)) in a class body: not bound to the instance, as the
+            # staticmethod itself would not be (a classmethod object is not callable, refused above)
             return self
         return _BoundGraphified(self, obj)
 

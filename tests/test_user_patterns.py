@@ -496,6 +496,12 @@ def test_graphify_of_c_level_callables(device):
         assert_close(g(x), x * 3)
         assert_close(g(x + 1), (x + 1) * 3)
 
+    class K:
+        gs = gt.graphify(staticmethod(lambda x: x - 1))  # not bound to the instance
+
+    assert_close(K.gs(x), x - 1)
+    assert_close(K().gs(x), x - 1)
+
 
 def test_a_format_spec_on_a_tensor_inside_is_a_graphify_error(device):
     """Before: TypeError: unsupported format string passed to FakeTensor.__format__."""
