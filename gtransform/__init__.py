@@ -2,7 +2,7 @@
 
 Public names:
     graphify, Graphified, CacheInfo, graph_pool, GraphPool,
-    GraphifyError, OverwrittenOutputError, RerecordWarning.
+    GraphifyError, OverwrittenOutputError, RerecordWarning, PrintWarning.
 """
 
 from ._api import CacheInfo as CacheInfo
@@ -11,6 +11,7 @@ from ._api import RerecordWarning as RerecordWarning
 from ._api import graphify as graphify
 from ._errors import GraphifyError as GraphifyError
 from ._errors import OverwrittenOutputError as OverwrittenOutputError
+from ._errors import PrintWarning as PrintWarning
 from ._pool import GraphPool as GraphPool
 from ._pool import graph_pool as graph_pool
 
@@ -22,6 +23,7 @@ __all__ = [
     "Graphified",
     "GraphifyError",
     "OverwrittenOutputError",
+    "PrintWarning",
     "RerecordWarning",
     "graph_pool",
     "graphify",

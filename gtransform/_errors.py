@@ -167,3 +167,13 @@ class RerecordWarning(UserWarning):
         >>> issubclass(w[0].category, gt.RerecordWarning)
         True
     """
+
+
+class PrintWarning(UserWarning):
+    """A tensor printed inside a graphified function.
+
+    While tracing it is a placeholder without values (``FakeTensor(..., size=(2,))``),
+    and a replay runs no Python, so later calls print nothing. Return the value and
+    print it outside; ``warnings.filterwarnings("ignore", category=gt.PrintWarning)``
+    silences it.
+    """

@@ -24,6 +24,7 @@ import os
 import sys
 import threading
 import traceback
+import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
@@ -34,7 +35,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes, _get_current_dispatch_mode_stack
 
 from . import _cudnn_rnn
-from ._errors import _PKG_DIR, GraphifyError, format_frame, is_library_file, user_frame
+from ._errors import _PKG_DIR, GraphifyError, PrintWarning, format_frame, is_library_file, user_frame
 from ._state import StateIndex
 
 __all__ = ["FOR_GRAD", "TENSOR_ATTR"]
@@ -428,6 +429,7 @@ class _Watch(TorchDispatchMode):
 
 _DATA_SET = torch._C.TensorBase.__dict__["data"]
 _FORMAT = torch.Tensor.__format__
+_REPR = torch.Tensor.__repr__
 _GRAD_ATTR = torch._C.TensorBase.__dict__["grad"]
 _REGISTER_HOOK = torch.Tensor.register_hook
 
@@ -512,6 +514,7 @@ class _FnWatch(TorchFunctionMode):
         self.backward_at = ""  # where the last one was called (file:line)
         self.for_grad = bool(getattr(FOR_GRAD, "on", False))
         self.inputs: Sequence[Any] = ()  # the trace's input tensors (set by the traced function)
+        self.printed = False  # a tensor printed inside (warned once per trace)
         # state tensors whose .grad the function set to None (zero_grad(), `p.grad = None`)
         self.grad_cleared: Dict[int, torch.Tensor] = {}
 
@@ -530,6 +533,19 @@ class _FnWatch(TorchFunctionMode):
                 "comparison or a value built from it would be frozen into the recording.",
                 "compare tensors by identity (a is b) or with torch ops, or move this part out of the "
                 "graphified function.",
+            )
+        if func is _REPR and args and isinstance(args[0], FakeTensor) and not self.printed:
+            # print(t) inside: eager prints the values on every call; the trace prints a
+            # placeholder once and a replay nothing (as jax.jit prints its tracers)
+            self.printed = True
+            fr = user_frame(traceback.extract_stack())
+            warnings.warn_explicit(
+                f"{self.watch.desc}: the function prints a tensor (print / repr / str): it shows a "
+                "placeholder while tracing, and nothing on later calls (a replay runs no Python). "
+                "Return the value and print it outside the graphified function.",
+                PrintWarning,
+                getattr(fr, "filename", "<unknown>") or "<unknown>",
+                getattr(fr, "lineno", 0) or 0,
             )
         if func is _FORMAT and len(args) > 1 and args[1] and isinstance(args[0], FakeTensor):
             self.watch._fail(

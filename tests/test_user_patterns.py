@@ -603,3 +603,17 @@ def test_objects_equal_by_value_but_holding_other_tensors_are_other_signatures(d
     for _ in range(3):
         assert_close(a.f(x), x * 2)
         assert_close(b.f(x), x * 3)
+
+
+def test_printing_a_tensor_inside_warns_once_at_the_users_line(device):
+    """Before: print(t) inside showed `FakeTensor(..., size=(2,))` once, silently."""
+    def f(x):
+        y = x * 2
+        print(y)  # PRINT
+        return y
+
+    g = gt.graphify(f)
+    with pytest.warns(gt.PrintWarning, match="prints a tensor") as rec:
+        for _ in range(3):
+            assert_close(g(torch.ones(2, device=device)), torch.full((2,), 2.0, device=device))
+    assert len(rec) == 1 and rec[0].filename == __file__
