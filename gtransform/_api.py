@@ -61,7 +61,7 @@ from ._signature import (
     sig_brief,
     tensor_attrs,
 )
-from ._state import change_error, env_key_fn, find_roots, lazy_error, uninitialized_modules
+from ._state import GeneratorGuard, change_error, env_key_fn, find_roots, lazy_error, uninitialized_modules
 from ._trace import plain_layout, trace, tracing
 from ._tree import flatten, leaf_paths, static_leaf_key, tensor_meta, unflatten
 from ._watch import FOR_GRAD
@@ -641,9 +641,15 @@ class Graphified(Generic[P, R]):
             return None
         if self._fuse and cuda and record:
             warm_pool()  # inductor's compile workers start while the function is traced
+        gens = GeneratorGuard(self._fn, extra, roots)
         try:
-            plan = trace(self._fn, rebuild, specs, in_paths, self._desc, cuda, roots, [plain_layout(t) for t in tensors],
-                         [has_grad(t) for t in tensors], [tensor_attrs(t) for t in tensors])
+            try:
+                plan = trace(self._fn, rebuild, specs, in_paths, self._desc, cuda, roots, [plain_layout(t) for t in tensors],
+                             [has_grad(t) for t in tensors], [tensor_attrs(t) for t in tensors])
+            except BaseException:
+                gens.check(self._desc, raise_=False)
+                raise
+            gens.check(self._desc, raise_=True)
         except GraphifyError as err:
             if record and key not in st.warmed and getattr(err, "gt_touched_state", False):
                 # state may be created lazily by the first call (a cache allocated on first

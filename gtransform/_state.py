@@ -300,6 +300,54 @@ def find_roots(fn: Any, extra: Sequence[Tuple[str, Any]] = ()) -> List[Root]:
     return roots
 
 
+class GeneratorGuard:
+    """The caller's own ``torch.Generator`` objects the function reaches, checked around a trace.
+
+    A ``g.manual_seed(...)`` or ``g.set_state(...)`` inside the function happens once,
+    while tracing; eager does it on every call (the same numbers every call), a replay
+    never (new numbers). Such a change is undone and refused. (The default generators
+    are watched by ``_watch._no_seeding``.)
+    """
+
+    def __init__(self, fn: Any, extra: Sequence[Tuple[str, Any]], roots: Sequence[Root]):
+        found: List[Tuple[str, torch.Generator]] = []
+        cands: List[Tuple[str, Any]] = []
+        _candidates(fn, 0, cands, set())
+        cands += list(extra)
+        for r in roots:
+            obj = r.obj
+            items = (obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list)
+                     else vars(obj).items() if hasattr(obj, "__dict__") and not isinstance(obj, torch.Tensor) else ())
+            cands += [(f"{r.name}.{k}" if hasattr(obj, "__dict__") else f"{r.name}[{k!r}]", v) for k, v in items]
+        defaults = [torch.default_generator]
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            defaults += list(torch.cuda.default_generators)
+        seen: Set[int] = set()
+        for name, v in cands:
+            if isinstance(v, torch.Generator) and id(v) not in seen and all(v is not d for d in defaults):
+                seen.add(id(v))
+                found.append((name, v))
+        self.saved = [(name, g, g.initial_seed(), g.get_state()) for name, g in found]
+
+    def check(self, desc: str, raise_: bool) -> None:
+        """Undo a seed or state the trace set on a generator; refuse it where ``raise_``."""
+        changed = []
+        for name, g, seed, state in self.saved:
+            if g.initial_seed() != seed or not torch.equal(g.get_state(), state):
+                g.set_state(state)
+                changed.append(name)
+        if changed and raise_:
+            raise GraphifyError(
+                f"{desc}: the function seeds or sets the state of the torch.Generator {changed[0]} "
+                "(g.manual_seed(...), g.set_state(...)) inside it.\n"
+                "Why: a recording draws fresh numbers from the generator's current state on every "
+                "replay; a seed set inside the function happens once, while tracing, so eager would "
+                "draw the same numbers on every call and the recording different ones.\n"
+                f"Fix: seed {changed[0]} outside the function, before each call where the same numbers "
+                "are wanted (g.manual_seed(5); f(x)), or draw them outside and pass them in."
+            )
+
+
 def root_modules(roots: Sequence[Root]) -> List[Tuple[str, _Module]]:
     """Every module under the roots, with its dotted name (each once)."""
     out: List[Tuple[str, _Module]] = []

@@ -617,3 +617,33 @@ def test_printing_a_tensor_inside_warns_once_at_the_users_line(device):
         for _ in range(3):
             assert_close(g(torch.ones(2, device=device)), torch.full((2,), 2.0, device=device))
     assert len(rec) == 1 and rec[0].filename == __file__
+
+
+def test_seeding_an_own_generator_inside_is_refused(device):
+    """Before: g.manual_seed(5) inside ran once, while tracing: eager gave the same numbers on every
+    call, the replays new ones."""
+    gen = torch.Generator(device=device).manual_seed(7)
+
+    def f(x):
+        gen.manual_seed(5)
+        return torch.rand(x.shape, generator=gen, device=x.device) + x
+
+    g = gt.graphify(f)
+    x = torch.zeros(4, device=device)
+    if tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 13):
+        # older torch cannot trace a Generator argument of an op: a clear error, and the seed undone
+        with pytest.raises(gt.GraphifyError, match=r"(?s)explicit torch\.Generator.*Fix:"):
+            g(x)
+        assert gen.initial_seed() == 7
+        return
+    with pytest.raises(gt.GraphifyError, match="seeds or sets the state of the torch.Generator gen") as ei:
+        g(x)
+    assert "Fix: seed gen outside the function" in str(ei.value)
+    assert gen.initial_seed() == 7  # the trace's seed was undone
+    # seeded outside, before each call: eager's numbers
+    h = gt.graphify(lambda x, gen: torch.rand(x.shape, generator=gen, device=x.device) + x)
+    for _ in range(3):
+        gen.manual_seed(5)
+        out = h(x, gen)
+        gen.manual_seed(5)
+        assert_close(out, torch.rand(x.shape, generator=gen, device=x.device) + x)
