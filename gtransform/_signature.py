@@ -545,4 +545,14 @@ class StormDetector:
         if len(self.log) <= STORM_THRESHOLD:
             return
         self.warned = True
-        warnings.warn(RerecordWarning(explain_storm(self.desc, self.log)), stacklevel=stacklevel)
+        # at the user's call, whatever the path through gtransform (autograd, torch.func, threads)
+        import traceback
+
+        from ._errors import user_frame
+
+        fr = user_frame(traceback.extract_stack())
+        if fr is not None and getattr(fr, "filename", None):
+            warnings.warn_explicit(RerecordWarning(explain_storm(self.desc, self.log)), RerecordWarning,
+                                   fr.filename, fr.lineno or 0)
+        else:
+            warnings.warn(RerecordWarning(explain_storm(self.desc, self.log)), stacklevel=stacklevel)

@@ -647,3 +647,17 @@ def test_seeding_an_own_generator_inside_is_refused(device):
         out = h(x, gen)
         gen.manual_seed(5)
         assert_close(out, torch.rand(x.shape, generator=gen, device=x.device) + x)
+
+
+def test_the_rerecord_warning_points_at_the_users_call():
+    """Before: it pointed into gtransform/_api.py (its stacklevel was one frame short)."""
+    import warnings
+
+    f = gt.graphify(lambda x, lr: x * lr)
+    x = torch.ones(2)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        for i in range(20):
+            f(x, float(i))  # CALL
+    rec = [a for a in w if a.category is gt.RerecordWarning]
+    assert len(rec) == 1 and rec[0].filename == __file__
