@@ -9,7 +9,6 @@ hand out outputs (``_liveness``); calls that need gradients go through
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import inspect
 import logging
@@ -63,7 +62,7 @@ from ._signature import (
 )
 from ._state import GeneratorGuard, change_error, env_key_fn, find_roots, lazy_error, uninitialized_modules
 from ._trace import plain_layout, trace, tracing
-from ._tree import flatten, leaf_paths, static_leaf_key, tensor_meta, unflatten
+from ._tree import flatten, holds_tensor, leaf_paths, static_leaf_key, tensor_meta, unflatten
 from ._watch import FOR_GRAD
 
 try:
@@ -212,9 +211,11 @@ class Graphified(Generic[P, R]):
         try:
             if isinstance(static_argnums, (str, bytes, torch.Tensor)):
                 raise TypeError
+            seq = tuple(static_argnums)
             # operator.index, as jax.jit: "1", 1.7 and True are not argument positions
-            nums = tuple(operator.index(i) for i in static_argnums
-                         if not isinstance(i, (bool, torch.Tensor)) or _raise(TypeError))
+            if any(isinstance(i, (bool, torch.Tensor)) for i in seq):
+                raise TypeError
+            nums = tuple(map(operator.index, seq))
         except (TypeError, ValueError):
             raise TypeError(f"graphify(fn, static_argnums=...): expected an int or a sequence of ints "
                             f"(argument positions), got {static_argnums!r}") from None
@@ -470,7 +471,7 @@ class Graphified(Generic[P, R]):
                 keyed.append(_Static((where, v, static_leaf_key(v))))
             except TypeError:
                 label = f"args[{where}]" if isinstance(where, int) else f"kwargs[{where!r}]"
-                if _holds_tensor(v):
+                if holds_tensor(v):
                     raise TypeError(
                         f"{self._desc}: static argument {label} is or holds a tensor. Static arguments are "
                         "compared by value as part of the cache key, and a tensor's values are not part of "
@@ -1003,22 +1004,6 @@ def _flatten_args(args: Any, kwargs: Any) -> Tuple[List[Any], Any]:
             break
         leaves, spec = flatten((args, kwargs))
     return leaves, spec
-
-
-def _holds_tensor(v: Any) -> bool:
-    if isinstance(v, torch.Tensor):
-        return True
-    if isinstance(v, (tuple, list, frozenset, set)):
-        return any(map(_holds_tensor, v))
-    if isinstance(v, dict):
-        return any(map(_holds_tensor, v.values()))
-    if dataclasses.is_dataclass(v) and not isinstance(v, type):
-        return any(_holds_tensor(getattr(v, f.name, None)) for f in dataclasses.fields(v))
-    return False
-
-
-def _raise(exc: Any) -> Any:
-    raise exc
 
 
 def _resolve_static(fn: Callable[..., Any], nums: Tuple[int, ...], names: Tuple[str, ...], desc: str) -> Tuple[Tuple[int, ...], Tuple[str, ...]]:

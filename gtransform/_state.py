@@ -29,7 +29,6 @@ The rule (DESIGN semantics 10):
 
 from __future__ import annotations
 
-import collections
 import enum
 import functools
 import inspect
@@ -44,6 +43,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 import torch
 
 from ._errors import GraphifyError, is_library_file
+from ._tree import holds_tensor
 
 __all__ = ["Root", "find_roots", "Snapshot", "Slot", "StateIndex", "env_key_fn", "EscapeWriter", "AttrReads"]
 
@@ -593,7 +593,6 @@ class Snapshot:
 
 
 _MISSING = object()
-_NESTED = (dict, list, tuple, collections.defaultdict, collections.OrderedDict)
 
 
 def _rebound(now: Any, old: Any) -> bool:
@@ -605,22 +604,12 @@ def _rebound(now: Any, old: Any) -> bool:
     return isinstance(now, torch.Tensor) and isinstance(old, torch.Tensor) and now is not old
 
 
-def _holds_tensor(v: Any, depth: int = 3) -> bool:
-    """Whether ``v`` is a tensor or a dict / list / tuple holding one (a few levels down)."""
-    if isinstance(v, torch.Tensor):
-        return True
-    if depth <= 0 or type(v) not in _NESTED:
-        return False
-    vals = v.values() if isinstance(v, dict) else v
-    return len(vals) <= _MAX_CONTAINER and any(_holds_tensor(x, depth - 1) for x in vals)
-
-
 def _tensors_changed(d: Dict[Any, Any], saved: Dict[Any, Any]) -> bool:
     for k, v in d.items():
         old = saved.get(k, _MISSING)
         if old is not v and (isinstance(v, torch.Tensor) or isinstance(old, torch.Tensor)):
             return True
-        if old is _MISSING and _holds_tensor(v):  # a new entry holding tensors (a defaultdict's:
+        if old is _MISSING and holds_tensor(v, 3):  # a new entry holding tensors (a defaultdict's:
             return True                           # GradScaler's per-optimizer states)
     return any(k not in d and isinstance(v, torch.Tensor) for k, v in saved.items())
 

@@ -87,9 +87,29 @@ class _Identity:
         return id(self.obj)
 
 
+def holds_tensor(v: Any, depth: int = 8) -> bool:
+    """Whether ``v`` is a tensor, or a container or dataclass holding one (``depth`` levels down)."""
+    if isinstance(v, torch.Tensor):
+        return True
+    if depth <= 0:
+        return False
+    if isinstance(v, dict):
+        vals: Any = v.values()
+    elif isinstance(v, (list, tuple, set, frozenset)):
+        vals = v
+    elif dataclasses.is_dataclass(v) and not isinstance(v, type):
+        vals = [getattr(v, f.name, None) for f in dataclasses.fields(v)]
+    else:
+        return False
+    return len(vals) <= 4096 and any(holds_tensor(x, depth - 1) for x in vals)
+
+
 def _holds_tensors(leaf: Any) -> bool:
     d = getattr(leaf, "__dict__", None)
     return type(d) is dict and any(isinstance(v, torch.Tensor) for v in d.values())
+
+
+_PLAIN = frozenset((int, bool, str, bytes, type(None), torch.dtype, torch.device))
 
 
 def static_leaf_key(leaf: Any) -> Hashable:
@@ -99,6 +119,8 @@ def static_leaf_key(leaf: Any) -> Hashable:
         TypeError: the leaf is not hashable (the caller adds the leaf path).
     """
     t = type(leaf)
+    if t in _PLAIN:  # the common leaves first: their value is their key
+        return (t, leaf)
     if t is float:
         if math.isnan(leaf):
             return (float, _NAN)

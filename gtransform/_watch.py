@@ -885,9 +885,6 @@ _RNG_SETTERS = (
     (getattr(torch.cuda, "random", None), "set_rng_state", "cuda"),
 )
 _LOCAL_SCALAR = torch.ops.aten._local_scalar_dense.default
-_RNG_LOCK = threading.Lock()
-_RNG_DEPTH = [0]
-_RNG_SAVED: List[Tuple[Any, str, Any]] = []
 _RNG_FIX = (
     "Fix: pass preserve_rng_state=False to torch.utils.checkpoint (its recompute then draws "
     "new numbers, as the recording does), or draw the random numbers outside the graphified "
@@ -1085,32 +1082,54 @@ def _rng_setter(orig: Any, kind: str, name: str) -> Any:
     return set_rng_state
 
 
-def _rng_hooks(on: bool) -> None:
-    """Wrap the generators' state getters and setters while any trace is entered."""
-    with _RNG_LOCK:
-        if on:
-            _RNG_DEPTH[0] += 1
-            if _RNG_DEPTH[0] > 1:
-                return
-            made: Dict[int, Any] = {}
-            for mod, name, kind in _RNG_GETTERS + _RNG_SETTERS:
-                orig = getattr(mod, name, None) if mod is not None else None
-                if orig is None:
-                    continue
-                w = made.get(id(orig))
-                if w is None:
-                    label = f"torch.{name}" if kind == "cpu" else f"torch.cuda.{name}"
-                    w = made[id(orig)] = (_rng_getter(orig, kind) if name.startswith("get")
-                                          else _rng_setter(orig, kind, label))
-                _RNG_SAVED.append((mod, name, orig))
-                setattr(mod, name, w)
-        else:
-            _RNG_DEPTH[0] -= 1
-            if _RNG_DEPTH[0] > 0:
-                return
-            for mod, name, orig in reversed(_RNG_SAVED):
-                setattr(mod, name, orig)
-            _RNG_SAVED.clear()
+class _Patches:
+    """Functions of torch replaced while any trace is entered (counted: traces nest, and run in threads).
+
+    Args:
+        make: returns ``(owner, name, replacement)`` for each function to replace; called by
+            the first trace entered, and the originals put back when the last one exits.
+    """
+
+    def __init__(self, make: Callable[[], List[Tuple[Any, str, Any]]]):
+        self.make = make
+        self.lock = threading.Lock()
+        self.depth = 0
+        self.saved: List[Tuple[Any, str, Any]] = []
+
+    def __call__(self, on: bool) -> None:
+        with self.lock:
+            if on:
+                self.depth += 1
+                if self.depth == 1:
+                    for owner, name, new in self.make():
+                        self.saved.append((owner, name, owner.__dict__[name]))
+                        setattr(owner, name, new)
+            else:
+                self.depth -= 1
+                if self.depth == 0:
+                    for owner, name, orig in reversed(self.saved):
+                        setattr(owner, name, orig)
+                    self.saved.clear()
+
+
+def _rng_patches() -> List[Tuple[Any, str, Any]]:
+    made: Dict[int, Any] = {}
+    out = []
+    for mod, name, kind in _RNG_GETTERS + _RNG_SETTERS:
+        orig = getattr(mod, name, None) if mod is not None else None
+        if orig is None:
+            continue
+        w = made.get(id(orig))
+        if w is None:
+            label = f"torch.{name}" if kind == "cpu" else f"torch.cuda.{name}"
+            w = made[id(orig)] = (_rng_getter(orig, kind) if name.startswith("get")
+                                  else _rng_setter(orig, kind, label))
+        out.append((mod, name, w))
+    return out
+
+
+_rng_hooks = _Patches(_rng_patches)
+"""Wrap the generators' state getters and setters while any trace is entered."""
 
 
 # -- zero_grad inside the function -----------------------------------------------------------
@@ -1120,9 +1139,6 @@ def _rng_hooks(on: bool) -> None:
 # (_FnWatch.grad_cleared; the `p.grad = None` they run is seen there too).
 
 _ZG = threading.local()  # .rec: the grad_cleared dict of this thread's trace, if any
-_ZG_LOCK = threading.Lock()
-_ZG_DEPTH = [0]
-_ZG_SAVED: List[Tuple[Any, Any]] = []
 
 
 def _zero_grad_wrapper(orig: Any, params_of: Callable[[Any], Any]) -> Any:
@@ -1138,25 +1154,12 @@ def _zero_grad_wrapper(orig: Any, params_of: Callable[[Any], Any]) -> Any:
     return zero_grad
 
 
-def _zero_grad_hooks(on: bool) -> None:
-    """Wrap Optimizer.zero_grad and Module.zero_grad while any trace is entered."""
-    with _ZG_LOCK:
-        if on:
-            _ZG_DEPTH[0] += 1
-            if _ZG_DEPTH[0] > 1:
-                return
-            for cls, params_of in ((torch.optim.Optimizer, lambda o: [p for g in o.param_groups for p in g["params"]]),
-                                   (torch.nn.Module, lambda m: m.parameters())):
-                orig = cls.__dict__["zero_grad"]
-                _ZG_SAVED.append((cls, orig))
-                cls.zero_grad = _zero_grad_wrapper(orig, params_of)  # type: ignore[method-assign]
-        else:
-            _ZG_DEPTH[0] -= 1
-            if _ZG_DEPTH[0] > 0:
-                return
-            for cls, orig in reversed(_ZG_SAVED):
-                cls.zero_grad = orig  # type: ignore[method-assign]
-            _ZG_SAVED.clear()
+_zero_grad_hooks = _Patches(lambda: [
+    (torch.optim.Optimizer, "zero_grad", _zero_grad_wrapper(
+        torch.optim.Optimizer.__dict__["zero_grad"], lambda o: [p for g in o.param_groups for p in g["params"]])),
+    (torch.nn.Module, "zero_grad", _zero_grad_wrapper(torch.nn.Module.__dict__["zero_grad"], lambda m: m.parameters())),
+])
+"""Wrap Optimizer.zero_grad and Module.zero_grad while any trace is entered."""
 
 
 class _compiling:
