@@ -211,6 +211,90 @@ def test_op_matches_eager(device, c):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * (c["k"] ** 0.5))
 
 
+@pytest.mark.cuda
+@cuda
+def test_the_kernel_is_launched_by_our_launcher_and_triton_s_still_works(monkeypatch):
+    """gtransform._cubin launches the binary (no C launcher built by Triton); where it
+    cannot (here: forced), Triton's own launch gives the same numbers."""
+    from gtransform import _cubin
+
+    calls = [0]
+    real_call = _cubin.Launcher.__call__
+
+    def counting(self, *args):
+        calls[0] += 1
+        return real_call(self, *args)
+
+    monkeypatch.setattr(_cubin.Launcher, "__call__", counting)
+    c = dict(m=33, n=40, k=70, a_t=False, b_t=False, bias="row", act=_gemm.ACT_RELU, mask=True)
+    a, b, bias, mask = _operands(c, "cuda")
+    want = torch.ops.aten.threshold_backward(torch.addmm(bias, a, b).relu(), mask, 0.0)
+    torch.testing.assert_close(_gemm.gemm(a, b, bias, mask, c["act"], 0.0), want, rtol=1e-5, atol=1e-4)
+    assert calls[0] == 1
+    # an operand at an odd offset: another Triton variant (pointer alignment), our launch again
+    a_odd = torch.empty(a.numel() + 1, device="cuda")[1:].view_as(a).copy_(a)
+    torch.testing.assert_close(_gemm.gemm(a_odd, b, bias, mask, c["act"], 0.0), want, rtol=1e-5, atol=1e-4)
+    assert calls[0] == 2
+    monkeypatch.setattr(_cubin, "launcher", lambda compiled, device: None)
+    torch.testing.assert_close(_gemm.gemm(a, b, bias, mask, c["act"], 0.0), want, rtol=1e-5, atol=1e-4)
+    assert calls[0] == 2
+
+
+# --- which arguments a kernel binary takes (gtransform._cubin.plan), without a GPU --------
+
+
+class _FakeFn:
+    arg_names = ["a_ptr", "n", "one", "x", "BLOCK"]
+
+
+class _FakeMeta:
+    def __init__(self, **kw):
+        self.name, self.num_warps, self.num_ctas, self.shared = "k", 4, 1, 0
+        self.__dict__.update(kw)
+
+
+class _FakeSrc:
+    fn = _FakeFn()
+
+    def __init__(self, signature, constants):
+        self.signature, self.constants = signature, constants
+
+
+class _FakeCompiled:
+    def __init__(self, signature, constants=None, **meta):
+        self.src = _FakeSrc(signature, constants or {})
+        self.metadata = _FakeMeta(**meta)
+
+
+_SIG = {"a_ptr": "*fp32", "n": "i32", "one": "constexpr", "x": "fp32", "BLOCK": "constexpr"}
+
+
+def test_cubin_plan_keeps_the_runtime_arguments_in_order_and_adds_the_scratch_pointers():
+    from gtransform import _cubin
+
+    steps, scratch = _cubin.plan(_FakeCompiled(_SIG, {(2,): 1, (4,): 64}, global_scratch_size=0,
+                                               profile_scratch_size=0))
+    assert [i for i, _ in steps] == [0, 1, 3] and scratch == 2
+    t = torch.zeros(3)
+    values = [conv(arg) for (i, conv), arg in zip(steps, (t, 7, 0.5))]
+    assert values[0].value == t.data_ptr() and values[1].value == 7 and values[2].value == 0.5
+    # an older Triton: constants named by index, the specialized `one` typed, no scratch fields
+    old = {0: "*fp32", 1: "i32", 2: "i32", 3: "fp32", 4: "i32"}
+    steps, scratch = _cubin.plan(_FakeCompiled(old, {2: 1, 4: 64}))
+    assert [i for i, _ in steps] == [0, 1, 3] and scratch == 0
+
+
+@pytest.mark.parametrize("bad", [dict(num_ctas=2), dict(launch_pdl=True), dict(global_scratch_size=128),
+                                 dict(tensordesc_meta=[{}]), dict(sig={**_SIG, "x": "nvTmaDesc"}),
+                                 dict(sig={**_SIG, "n": "i1"})])
+def test_cubin_plan_refuses_what_it_does_not_know(bad):
+    """None: the caller launches through Triton, as before."""
+    from gtransform import _cubin
+
+    sig = bad.pop("sig", _SIG)
+    assert _cubin.plan(_FakeCompiled(sig, {(2,): 1, (4,): 64}, **bad)) is None
+
+
 # --- fuse=True programs on the GPU -----------------------------------------------------
 
 
