@@ -583,6 +583,9 @@ class Graphified(Generic[P, R]):
                 st.warmed.discard(key)
             if env_only:
                 st.set_aside(e)  # kept: a switch back replays it
+                if record:
+                    self._storm.note_env(e.env.diff(e.env_val) if hasattr(e.env, "diff") else [],
+                                         self._hits + self._misses, stacklevel=5)
             else:
                 st.drop(e)
         self._misses += 1

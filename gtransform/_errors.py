@@ -149,13 +149,17 @@ def describe_fn(fn: object) -> str:
 
 
 class RerecordWarning(UserWarning):
-    """A graphified function keeps recording new signatures.
+    """A graphified function keeps recording new signatures, or recording again.
 
     Each new signature (tree structure, tensor shapes/dtypes/strides, values
     of non-tensor leaves) costs a trace and a recording. The warning names the
     part of the signature that keeps changing and how to keep it stable:
     pass changing Python numbers as tensors, pad inputs to a few fixed
-    shapes, or keep the structure of the arguments fixed.
+    shapes, or keep the structure of the arguments fixed. It is also issued
+    when the same signature keeps recording again because its environment
+    changes between calls (a Python-float learning rate set by a scheduler
+    after every step, a module attribute the function reads), naming what
+    changed and the fix (a tensor learning rate, a buffer).
 
     Examples:
         >>> import warnings, torch, gtransform as gt

@@ -523,16 +523,107 @@ def explain_storm(desc: str, log: List[Any]) -> str:
     return "\n".join(lines)
 
 
-class StormDetector:
-    """Warns once when a function keeps recording new signatures."""
+ENV_STORM_CALLS = (8, 32)
+"""Warn when 8 recordings caused by environment changes fall within 32 calls."""
 
-    __slots__ = ("desc", "log", "keys", "warned")
+
+def _env_fix(whats: List[str]) -> str:
+    """The fix for what keeps changing in the environment (see explain_env_storm)."""
+    fixes = []
+    if any("optimizer hyperparameter" in w and "['lr']" in w for w in whats):
+        fixes.append(
+            "A learning-rate scheduler sets a new Python-float lr after every step, and each value is "
+            "a new recording. Give the optimizer a tensor learning rate, e.g. "
+            "torch.optim.SGD(params, lr=torch.tensor(0.01, device=dev), fused=True), in an "
+            "implementation that keeps it on the device: fused=True (SGD, Adam, AdamW, Adagrad), "
+            "foreach=True (SGD, Adagrad, Rprop; SGD's default on the GPU) or capturable=True (Adam, "
+            "AdamW on the GPU). The scheduler then updates it in place and every replay reads it. "
+            "Or keep opt.step() outside the graphified function.")
+    if any("optimizer hyperparameter" in w and "['lr']" not in w for w in whats):
+        fixes.append(
+            "An optimizer hyperparameter other than lr keeps changing (OneCycleLR and CyclicLR cycle "
+            "momentum or betas by default): keep it fixed (cycle_momentum=False), or keep opt.step() "
+            "outside the graphified function.")
+    if any(w.startswith(("module attribute", "attribute", "class attribute")) for w in whats):
+        fixes.append(
+            "A Python attribute the function reads keeps changing: each value is a constant of its "
+            "recording. Hold the value in a tensor the function reads instead (a buffer: "
+            "module.register_buffer('scale', torch.tensor(v)), updated in place with .fill_(v)).")
+    if any(w.endswith((": True -> False", ": False -> True")) and ".training" in w for w in whats):
+        fixes.append(
+            "Modules switch between train() and eval() with more than a few other changes in between; "
+            "gtransform keeps 3 earlier environments per signature. Switch less often, or graphify the "
+            "training and the evaluation step as two functions.")
+    if not fixes:
+        fixes.append("Keep module attributes, hooks and optimizer settings fixed between calls, or keep "
+                     "the part that changes outside the graphified function.")
+    return "\n".join("Fix: " + f for f in fixes)
+
+
+def explain_env_storm(desc: str, log: List[List[str]], calls: int) -> str:
+    """The warning text for recordings caused by environment changes (see StormDetector.note_env)."""
+    counts: Dict[str, int] = {}
+    last: Dict[str, str] = {}
+    for changes in log:
+        for c in changes:
+            what = c.split(": ", 1)[0]
+            counts[what] = counts.get(what, 0) + 1
+            last[what] = c
+    whats = sorted(counts, key=lambda w: -counts[w])
+    lines = [f"{desc} has recorded again {len(log)} times in its last {calls} calls because what else "
+             "decides its computation changed between calls (the arguments did not); each change costs "
+             "a trace and a recording, more than an eager call."]
+    for w in whats[:6]:
+        lines.append(f"  {w} changed {counts[w]} times (last: {last[w].split(': ', 1)[-1]})")
+    if not whats:
+        lines.append("  module hooks, or an optimizer's parameter groups or state")
+    lines.append(_env_fix([last[w] for w in whats]))
+    return "\n".join(lines)
+
+
+class StormDetector:
+    """Warns once when a function keeps recording new signatures, or recording again.
+
+    ``note`` counts new signatures (argument keys); ``note_env`` counts recordings of
+    a known key made again because its environment changed (a Python-float lr set by
+    a scheduler, a module attribute the function reads), which ``note`` cannot see.
+    """
+
+    __slots__ = ("desc", "log", "keys", "warned", "env_log", "env_calls", "env_warned")
 
     def __init__(self, desc: str):
         self.desc = desc
         self.log: List[Any] = []
         self.keys: Set[Any] = set()
         self.warned = False
+        self.env_log: List[List[str]] = []
+        self.env_calls: List[int] = []
+        self.env_warned = False
+
+    def note_env(self, changes: List[str], calls: int, stacklevel: int) -> None:
+        """A known signature recorded again: ``changes`` (env.diff) at call number ``calls``."""
+        if self.env_warned:
+            return
+        n, window = ENV_STORM_CALLS
+        self.env_log.append(changes)
+        self.env_calls.append(calls)
+        del self.env_log[:-n], self.env_calls[:-n]
+        if len(self.env_calls) < n or calls - self.env_calls[0] >= window:
+            return
+        self.env_warned = True
+        self._warn(explain_env_storm(self.desc, self.env_log, calls - self.env_calls[0] + 1), stacklevel + 1)
+
+    def _warn(self, text: str, stacklevel: int) -> None:
+        # at the user's call, whatever the path through gtransform (autograd, torch.func, threads)
+        import traceback
+
+        from ._errors import user_frame
+
+        fr = user_frame(traceback.extract_stack())
+        if fr is not None and getattr(fr, "filename", None):
+            warnings.warn_explicit(RerecordWarning(text), RerecordWarning, fr.filename, fr.lineno or 0)
+        else:
+            warnings.warn(RerecordWarning(text), stacklevel=stacklevel)
 
     def note(self, spec: Any, parts: List[Any], paths: List[str], statics: Any, stacklevel: int) -> None:
         if self.warned:
@@ -545,14 +636,4 @@ class StormDetector:
         if len(self.log) <= STORM_THRESHOLD:
             return
         self.warned = True
-        # at the user's call, whatever the path through gtransform (autograd, torch.func, threads)
-        import traceback
-
-        from ._errors import user_frame
-
-        fr = user_frame(traceback.extract_stack())
-        if fr is not None and getattr(fr, "filename", None):
-            warnings.warn_explicit(RerecordWarning(explain_storm(self.desc, self.log)), RerecordWarning,
-                                   fr.filename, fr.lineno or 0)
-        else:
-            warnings.warn(RerecordWarning(explain_storm(self.desc, self.log)), stacklevel=stacklevel)
+        self._warn(explain_storm(self.desc, self.log), stacklevel + 1)

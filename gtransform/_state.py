@@ -919,6 +919,7 @@ def env_key_fn(roots: Sequence[Root], reads: Optional[AttrReads] = None) -> Opti
                     named.append((f"<{type(m).__name__} called by the function>{'.' + n if n else ''}", sub))
     mods = [m for _, m in named]
     opts = [r.obj for r in roots if isinstance(r.obj, _Optimizer)]
+    opt_names = [r.name for r in roots if isinstance(r.obj, _Optimizer)]
     # closed-over lists and dicts of tensors (and a plain object's containers): a tensor added
     # or removed changes what the function reads (`caches.append(t)`, `obj.ts = [new]`)
     conts = [r.obj for r in roots if type(r.obj) in (list, dict) and any(
@@ -957,6 +958,8 @@ def env_key_fn(roots: Sequence[Root], reads: Optional[AttrReads] = None) -> Opti
         gdicts += [getattr(_om, n) for n in ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks")
                    if isinstance(getattr(_om, n, None), dict)]
     groups = [g for o in opts for g in o.param_groups]
+    group_names = [f"{name}.param_groups[{gi}]" for name, o in zip(opt_names, opts)
+                   for gi in range(len(o.param_groups))]
     # every Python hyperparameter: numbers (numpy's too: a schedule computed with numpy), tuples
     # of them (Adam's betas, Rprop's etas and step_sizes), strings, None
     keys = [tuple(k for k, v in g.items() if k != "params" and _plain_attr(v)) for g in groups]
@@ -1089,8 +1092,12 @@ def env_key_fn(roots: Sequence[Root], reads: Optional[AttrReads] = None) -> Opti
                 out.append(f"the submodules of {name or 'the module'} changed (one replaced, added or removed)")
         out += [f"the class of module {name} changed: {a.__name__} -> {b.__name__}"
                 for (name, _), a, b in zip(named, old[7], new[7]) if a is not b]
-        if list(old[1:6]) != list(new[1:6]):
-            out.append("module hooks, or an optimizer's hyperparameters, parameter groups or state, changed")
+        if old[3] != new[3] and len(old[3]) == len(new[3]):
+            for gname, ks, a, b in zip(group_names, keys, old[3], new[3]):
+                out += [f"optimizer hyperparameter {gname}[{k!r}]: {x!r} -> {y!r}"
+                        for k, x, y in zip(ks, a, b) if x != y]
+        if list(old[1:3]) + list(old[4:6]) != list(new[1:3]) + list(new[4:6]) or len(old[3]) != len(new[3]):
+            out.append("module hooks, or an optimizer's parameter groups or state, changed")
         if old[8] != new[8]:
             out.append("a gradient hook was added to or removed from a parameter (register_hook)")
         if old[10] != new[10]:

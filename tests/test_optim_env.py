@@ -255,6 +255,93 @@ def test_an_lr_scheduler_stepped_outside_records_each_new_lr_and_matches_eager()
         _same(m1, m2)
 
 
+def _pair_on(make_opt, device):
+    (m1, o1, st1), (m2, o2, st2) = _pair(lambda ps: make_opt(ps))
+    return (m1.to(device), o1, st1), (m2.to(device), o2, st2)
+
+
+def test_an_lr_scheduler_changing_a_float_lr_on_every_call_warns_once_with_the_fix():
+    """Before: a StepLR(step_size=1) after every call recorded again on every call (a trace and
+    a capture per step, slower than eager) and nothing said so: the argument storm warning
+    never saw it, as the arguments did not change."""
+    (m1, o1, st1), (m2, o2, st2) = _pair(lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9))
+    s1 = torch.optim.lr_scheduler.StepLR(o1, step_size=1, gamma=0.9)
+    s2 = torch.optim.lr_scheduler.StepLR(o2, step_size=1, gamma=0.9)
+    with pytest.warns(gt.RerecordWarning) as rec:
+        for i in range(14):
+            x, y = _data(i)
+            assert_close(st2(x, y), st1(x, y))
+            s1.step()
+            s2.step()
+            _same(m1, m2)
+    msgs = [str(w.message) for w in rec if issubclass(w.category, gt.RerecordWarning)]
+    assert len(msgs) == 1, msgs  # once
+    assert "optimizer hyperparameter" in msgs[0] and "param_groups[0]['lr']" in msgs[0]
+    assert "tensor learning rate" in msgs[0] and "fused=True" in msgs[0]
+    assert rec[0].filename == __file__  # at the user's call
+
+
+def test_an_lr_changed_once_an_epoch_does_not_warn():
+    (m1, o1, st1), (m2, o2, st2) = _pair(lambda ps: torch.optim.SGD(ps, lr=0.1))
+    s2 = torch.optim.lr_scheduler.StepLR(o2, step_size=1, gamma=0.9)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", gt.RerecordWarning)
+        for _epoch in range(10):
+            for i in range(5):
+                st2(*_data(i))
+            s2.step()
+    assert st2.cache_info().misses == 11  # the eager first call, then one recording an epoch
+
+
+@pytest.mark.parametrize("kw", [dict(fused=True), dict(foreach=True)])
+def test_a_tensor_lr_with_a_scheduler_is_one_recording_and_matches_eager(kw, device):
+    make = lambda ps: torch.optim.SGD(ps, lr=torch.tensor(0.1, device=device), momentum=0.9, **kw)  # noqa: E731
+    torch.manual_seed(0)
+    m1 = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)).to(device)
+    m2 = copy.deepcopy(m1)
+    o1, o2 = make(m1.parameters()), make(m2.parameters())
+    s1 = torch.optim.lr_scheduler.StepLR(o1, step_size=1, gamma=0.8)
+    s2 = torch.optim.lr_scheduler.StepLR(o2, step_size=1, gamma=0.8)
+
+    def body(m, o, x, y):
+        o.zero_grad()
+        loss = F.mse_loss(m(x), y)
+        loss.backward()
+        o.step()
+        return loss
+
+    g = gt.graphify(lambda x, y: body(m2, o2, x, y))
+    for i in range(8):
+        x, y = (t.to(device) for t in _data(i))
+        assert_close(g(x, y), body(m1, o1, x, y))
+        s1.step()
+        s2.step()
+        _same(m1, m2)
+    info = g.cache_info()
+    assert (info.misses, info.hits) == (2, 6)  # the eager first call, one recording for every lr
+
+
+def test_a_module_attribute_changed_on_every_call_warns_with_the_buffer_fix():
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+            self.scale = 1.0
+
+        def forward(self, x):
+            return self.lin(x) * self.scale
+
+    m = Scaled()
+    f = gt.graphify(lambda x: m(x))
+    x = torch.randn(2, 3)
+    with pytest.warns(gt.RerecordWarning, match=r"(?s)module attribute .*scale changed 8 times.*register_buffer"):
+        for i in range(10):
+            m.scale = 1.0 + i
+            assert_close(f(x), m(x))
+
+
 def test_a_step_that_ends_with_zero_grad_and_returns_the_loss_matches_eager():
     """`loss.backward(); opt.step(); opt.zero_grad(); return loss`: before, call 1 was refused
     with "updates its inputs in place ... and is being differentiated" (no .grad is left behind,

@@ -1262,7 +1262,7 @@ def test_a_tensor_learning_rate_read_on_the_host_names_the_fix():
     g = gt.graphify(step)
     g(torch.ones(1, 2))  # touches state: eager
     with pytest.raises(gt.GraphifyError, match=r"(?s)inside torch\.optim .*reads a tensor learning rate on the host"
-                       r".*Pass lr as a Python float"):
+                       r".*fused=True \(SGD, Adam, AdamW, Adagrad\), foreach=True.*pass lr as a Python float"):
         g(torch.ones(1, 2))
 
 
