@@ -16,7 +16,7 @@ inputs. On CUDA both passes replay from graphs either way.
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -234,6 +234,17 @@ class GraphFn(torch.autograd.Function):
             # past the poison.)
             with torch._C.DisableTorchFunctionSubclass():
                 saved = [t.detach() for t in res[n:]]
+                # a saved activation that is an output's memory (exp, sigmoid, tanh save
+                # their result) is that output's alias, sharing its version counter: an
+                # in-place change of the output before its backward raises as in eager
+                # (it gave the gradient of the changed values)
+                pairs = part.out_alias
+                if pairs is None:
+                    pairs = part.out_alias = _output_aliases(res[:n], res[n:])
+                for j, i in pairs:
+                    o = res[i]
+                    if type(o) is torch.Tensor and o.data_ptr() == saved[j].data_ptr():
+                        saved[j] = o.detach()
             return (*res[:n], *saved)
         if e.plan.hooks:
             raise _recompute_refusal(
@@ -311,6 +322,21 @@ class GraphFn(torch.autograd.Function):
             finally:
                 rng_restore(now)
         return _recompute_backward(ctx, box, grads, need, bwd, create_graph, batched)
+
+
+def _output_aliases(outs: Sequence[Any], saved: Sequence[torch.Tensor]) -> List[Tuple[int, int]]:
+    """(saved index, output index) of saved activations laid out exactly as an output."""
+    def lay(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.device.type == "meta":
+            return None
+        return (t.data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+
+    at: Dict[Any, int] = {}
+    for i, o in enumerate(outs):
+        k = lay(o)
+        if k is not None and o.numel() > 0:
+            at.setdefault(k, i)
+    return [(j, at[k]) for j, k in enumerate(map(lay, saved)) if k is not None and k in at]
 
 
 def _unpoisoned(saved: Sequence[torch.Tensor]) -> List[torch.Tensor]:

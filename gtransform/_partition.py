@@ -23,7 +23,7 @@ overwritten activations.
 from __future__ import annotations
 
 import functools
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -45,6 +45,9 @@ class Partition:
         self.bw_gm = bw_gm  # for eager use under vmap (jacrev)
         self.grad_none = grad_none  # per differentiated input: eager's gradient is None
         self.tan_idx: List[int] = []  # which outputs' gradients the backward takes
+        # saved activations that are an output's very memory (exp saves its result): pairs
+        # (saved index, output index), found at the first call (see GraphFn.forward)
+        self.out_alias: Optional[List[Tuple[int, int]]] = None
 
 
 def _flat_fn(gm: Any, name: str) -> Any:

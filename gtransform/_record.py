@@ -457,16 +457,39 @@ class Recording:
         self.fast = None
 
 
+_set_versions: Any = getattr(torch._C._autograd, "_unsafe_set_version_counter", None)
+
+
+def _keep_version(t: torch.Tensor, v: int) -> None:
+    """Set ``t``'s version counter back to ``v`` (torch's signature changed across releases)."""
+    if _set_versions is None:  # pragma: no cover - older torch: the bump stays
+        return
+    try:
+        _set_versions((t,), (v,))
+    except TypeError:  # pragma: no cover - torch < 2.5 takes one tensor
+        _set_versions(t, v)
+
+
 def _take_back(t: torch.Tensor, keep_values: bool) -> None:
-    """Make a stale output a normal tensor again, over memory of its own (its values copied or not)."""
+    """Make a stale output a normal tensor again, over memory of its own (its values copied or not).
+
+    The move is gtransform's, not a change of the tensor: its version counter stays as it
+    was. Autograd may have saved an alias of it that shares the counter (an output saved
+    for its own backward, see GraphFn.forward, fed back as the next call's input in
+    backpropagation through time); ``set_`` would make that backward raise "modified by an
+    inplace operation". (Where values follow, the caller's in-place update bumps it once,
+    as eager's does.)
+    """
     unseal()
     t.__class__ = torch.Tensor  # type: ignore[assignment]
     t.__dict__.pop("_gt_message", None)
+    v = t._version
     with torch.no_grad():
         own = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
         if keep_values:
             own.copy_(t)
         t.set_(own.untyped_storage(), 0, t.shape, t.stride())
+    _keep_version(t, v)
 
 
 class CPURecording(Recording):

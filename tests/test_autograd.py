@@ -679,3 +679,39 @@ def test_autograd_special_constructs_give_eagers_gradients(features, x_requires_
             assert_close(xa.grad, xb.grad)
         for a, b in zip(m.state_dict().values(), ref.state_dict().values()):
             assert_close(a, b)
+
+
+@pytest.mark.parametrize("op", ["exp", "sigmoid", "tanh"])
+def test_an_output_changed_in_place_before_its_backward_raises_as_in_eager(device, op):
+    """`o = f(x); o.mul_(2); o.sum().backward()` where the backward reads `o` (exp, sigmoid and
+    tanh save their result): eager raises "modified by an inplace operation". Before, the
+    recording's backward read the changed values: a silently wrong gradient (4 e^x for exp)."""
+    fn = getattr(torch, op)
+    f = gt.graphify(lambda x: fn(x))
+    x = torch.randn(5, device=device, requires_grad=True)
+    for _ in range(3):  # the eager first call, the recording, a replay
+        xr = x.detach().clone().requires_grad_()
+        r = fn(xr)
+        r.mul_(2)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            r.sum().backward()
+        o = f(x)
+        o.mul_(2)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            o.sum().backward()
+        x.grad = None
+    # unchanged outputs still differentiate, and the changed object is not handed out again
+    for _ in range(3):
+        xr = x.detach().clone().requires_grad_()
+        fn(xr).sum().backward()
+        o = f(x)
+        assert_close(o, fn(x.detach()))
+        o.sum().backward()
+        assert_close(x.grad, xr.grad)
+        x.grad = None
+    # an out-of-place change is fine
+    o = f(x) * 2
+    o.sum().backward()
+    xr = x.detach().clone().requires_grad_()
+    (fn(xr) * 2).sum().backward()
+    assert_close(x.grad, xr.grad)
