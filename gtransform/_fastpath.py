@@ -268,7 +268,10 @@ def build_fast_path(owner: Any, entry: Any, rec: Any, pool: Any) -> Any:
         call.append("objs = REC.handout.objs")
     for idx, e in enumerate(plan.out_entries):
         if e.kind == "const":
-            call.append(f"o{idx} = {g.const(e.value, 'C')}")
+            if e.fresh is None:
+                call.append(f"o{idx} = {g.const(e.value, 'C')}")
+            else:  # see OutEntry.fresh
+                call.append(f"o{idx} = {g.const(e.fresh, 'F')}({g.const(e.value, 'C')})")
         elif e.kind == "pool":
             call.append(f"o{idx} = objs[{rec.slots[e.index]}]")
         else:

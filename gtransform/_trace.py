@@ -140,6 +140,21 @@ class OutEntry:
     # ``torch._neg_view(x)``): a lazy view, rebuilt over the caller's tensor with the same toggle
     conj: bool = False
     neg: bool = False
+    # const: a copy per call of a mutable value the function made (a set, a numpy array):
+    # eager returns a new one on every call, so a change the caller makes must not show in
+    # the next call's output
+    fresh: Any = None
+
+
+def fresh_copier(value: Any) -> Any:
+    """How to give each call its own copy of a mutable non-tensor output leaf, or None."""
+    t = type(value)
+    if t in (set, bytearray):
+        return t
+    np = sys.modules.get("numpy")
+    if np is not None and t is np.ndarray:
+        return np.ndarray.copy
+    return None
 
 
 @dataclass
@@ -212,7 +227,8 @@ class Plan:
     def assemble(self, flat: Sequence[Any]) -> Any:
         """Output tree from the tensor outputs (in graph order)."""
         it = iter(flat)
-        leaves = [e.value if e.kind == "const" else next(it) for e in self.out_entries]
+        leaves = [(e.value if e.fresh is None else e.fresh(e.value)) if e.kind == "const" else next(it)
+                  for e in self.out_entries]
         return unflatten(self.out_spec, leaves)
 
 
@@ -380,8 +396,11 @@ def _data_dependent(desc: str, exc: BaseException, cuda: bool = False) -> Graphi
                 "momentum (e.g. momentum=0.1), or run it in eval mode (model.eval()).")
     elif optim and re.search(r"\blr\b", optim[-1].line or "") and "step" not in (optim[-1].line or ""):
         hint = (f" The read is inside torch.optim ({format_frame(optim[-1])}): this optimizer reads a "
-                "tensor learning rate on the host. Pass lr as a Python float (a scheduler that changes "
-                "it then records once per value), or keep opt.step() outside the graphified function.")
+                "tensor learning rate on the host. Construct it with an implementation that keeps the "
+                "learning rate on the device: fused=True (SGD, Adam, AdamW, Adagrad), foreach=True (SGD, "
+                "Adagrad, Rprop) or, on the GPU, capturable=True (Adam, AdamW). Else pass lr as a Python "
+                "float (a scheduler that changes it then records once per value), or keep opt.step() "
+                "outside the graphified function.")
     elif dist and not optim:
         at = dist[-1].filename[dist[-1].filename.rfind(os.sep + "torch" + os.sep) + 1:]
         hint = (f" The read is inside torch.distributions ({at}:{dist[-1].lineno}, argument validation): a distribution "
@@ -798,7 +817,8 @@ def trace(
             entries.append(OutEntry("const", value=leaf.t))
             continue
         if not isinstance(leaf, torch.Tensor):
-            entries.append(OutEntry("const", value=leaf))
+            c = fresh_copier(leaf)  # (a copy of its own: the first call may hand out the traced one)
+            entries.append(OutEntry("const", value=leaf if c is None else c(leaf), fresh=c))
             continue
         ent = entry(leaf, f"output {k}")
         ent.requires_grad = bool(leaf.requires_grad)

@@ -661,3 +661,24 @@ def test_the_rerecord_warning_points_at_the_users_call():
             f(x, float(i))  # CALL
     rec = [a for a in w if a.category is gt.RerecordWarning]
     assert len(rec) == 1 and rec[0].filename == __file__
+
+
+def test_mutable_non_tensor_outputs_are_new_on_every_call(device):
+    """`return y, {"seen": set(), "hist": np.zeros(3)}`: eager makes a new set and array on
+    every call. Before, every call returned the same objects, so a change the caller made to
+    one call's set showed in the next call's output."""
+    np = pytest.importorskip("numpy")
+
+    def f(x):
+        return x * 2, {"seen": {"a"}, "hist": np.zeros(3), "raw": bytearray(b"ab"), "n": 3}
+
+    g = gt.graphify(f)
+    x = torch.ones(2, device=device)
+    for i in range(4):
+        y, meta = g(x)
+        assert meta["seen"] == {"a"} and meta["raw"] == bytearray(b"ab") and meta["n"] == 3
+        assert (meta["hist"] == 0).all()
+        meta["seen"].add(i)
+        meta["hist"][0] += 1
+        meta["raw"].append(1)
+    assert g.cache_info().hits == 3
