@@ -457,7 +457,12 @@ class Snapshot:
                 seen.add(id(obj))
                 st = {p: (s, dict(s)) for p, s in obj.state.items()}
                 groups = [(g, dict(g)) for g in obj.param_groups]
-                self.items.append(("optimizer", r.name, obj, (dict(obj.__dict__), st, groups)))
+                # the parameters' .grad: a trace's zero_grad() sets them to None, and a
+                # function reaching them through the optimizer only (`opt.step();
+                # opt.zero_grad()`) has no module here to give them back: its eager first
+                # call then stepped nothing and made no optimizer state
+                pgrads = [(p, p.grad) for g in obj.param_groups for p in g["params"] if isinstance(p, torch.Tensor)]
+                self.items.append(("optimizer", r.name, obj, (dict(obj.__dict__), st, groups, pgrads)))
             elif isinstance(obj, torch.Tensor):
                 if id(obj) in seen:
                     continue
@@ -506,7 +511,7 @@ class Snapshot:
                     elif _rebound(b, bufs.get(n)):
                         res.changes.append(Change(f"{path}.{n}", bufs[n], b, obj._buffers, n, True, obj))
             elif kind == "optimizer":
-                d, st, groups = saved
+                d, st, groups, _pgrads = saved
                 for s in obj.state.values():
                     for k, v in s.items():
                         if is_fake(v):
@@ -564,7 +569,10 @@ class Snapshot:
                         if p.grad is not g:
                             p.grad = g
                 elif kind == "optimizer":
-                    d, st, groups = saved
+                    d, st, groups, pgrads = saved
+                    for p, g in pgrads:
+                        if leaf_grad(p) is not g:
+                            p.grad = g
                     for g, old in groups:
                         _restore_dict(g, old)
                     _restore_dict(obj.__dict__, d)

@@ -682,3 +682,35 @@ def test_mutable_non_tensor_outputs_are_new_on_every_call(device):
         meta["hist"][0] += 1
         meta["raw"].append(1)
     assert g.cache_info().hits == 3
+
+
+@pytest.mark.parametrize("kind", ["sgd_momentum", "adam_fused"])
+def test_an_update_that_reaches_the_parameters_through_the_optimizer_only_matches_eager(device, kind):
+    """`def update(): opt.step(); opt.zero_grad()` with the backward done outside (torch's
+    "compile the optimizer step" recipe). Before, the trace's zero_grad() left the parameters'
+    .grad None (nothing gave them back: no module was reached), so the eager first call stepped
+    nothing and made no optimizer state: momentum and Adam's moments were lost for good."""
+    make = {"sgd_momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+            "adam_fused": lambda ps: torch.optim.Adam(ps, lr=0.01, fused=True)}[kind]
+    torch.manual_seed(0)
+    m = nn.Linear(4, 3).to(device)
+    me = copy.deepcopy(m)
+    opt, oe = make(m.parameters()), make(me.parameters())
+
+    def make_update(o):
+        def update():
+            o.step()
+            o.zero_grad()
+        return update
+
+    ug, ue = gt.graphify(make_update(opt)), make_update(oe)
+    for _ in range(5):
+        x = torch.randn(8, 4, device=device)
+        m(x).pow(2).sum().backward()
+        me(x).pow(2).sum().backward()
+        ug()
+        ue()
+        assert_close(m.weight, me.weight)
+        assert len(opt.state) == len(oe.state) == 2
+        assert m.weight.grad is None and me.weight.grad is None
+    assert ug.cache_info().hits >= 2
