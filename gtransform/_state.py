@@ -79,6 +79,9 @@ class Root:
     name: str
     obj: Any
     slot: Any = None  # a tensor's Slot where the function finds it (a global, a closure cell)
+    # a module, optimizer, container or plain object's global or closure cell (see env_key_fn:
+    # `opt = torch.optim.Adam(...)` rebinding the name between calls is seen)
+    binding: Any = None
 
 
 def _is_library_code(fn: Any) -> bool:
@@ -142,7 +145,7 @@ def _candidates(fn: Any, depth: int, out: List[Tuple[str, Any]], seen: Set[int],
             except ValueError:
                 continue
             out.append((name, v))
-            if isinstance(v, torch.Tensor) and where is not None:
+            if where is not None and not isinstance(v, (types.FunctionType, type, types.ModuleType)):
                 where.setdefault(id(v), Slot("attr", cell, "cell_contents", name))
             if isinstance(v, types.FunctionType):
                 _candidates(v, depth + 1, out, seen, where)
@@ -165,7 +168,7 @@ def _candidates(fn: Any, depth: int, out: List[Tuple[str, Any]], seen: Set[int],
                             _candidates(getattr(x, "__func__", x), depth + 1, out, seen, where)
                 continue
             out.append((name, v))
-            if isinstance(v, torch.Tensor) and where is not None:
+            if where is not None and not isinstance(v, types.FunctionType):
                 where.setdefault(id(v), Slot("item", g, name, name))
             if isinstance(v, types.FunctionType):
                 _candidates(v, depth + 1, out, seen, where)
@@ -224,7 +227,7 @@ def find_roots(fn: Any, extra: Sequence[Tuple[str, Any]] = ()) -> List[Root]:
             (a module passed as ``self``).
     """
     cands: List[Tuple[str, Any]] = []
-    where: Dict[int, Any] = {}  # tensors bound to a global or a closure cell: re-read there every call
+    where: Dict[int, Any] = {}  # what is bound to a global or a closure cell (tensors: re-read there every call)
     _candidates(fn, 0, cands, set(), where)
     cands.extend(x for x in extra if isinstance(x[1], (_Module, _Optimizer)) or _plain_object(x[1]))
     roots: List[Root] = []
@@ -233,18 +236,19 @@ def find_roots(fn: Any, extra: Sequence[Tuple[str, Any]] = ()) -> List[Root]:
     def add(name: str, v: Any, depth: int) -> None:
         if id(v) in seen or v is None or depth > _MAX_DEPTH:
             return
+        bound = where.get(id(v)) if depth == 0 else None
         if isinstance(v, _Module):
             seen.add(id(v))
-            roots.append(Root(name, v))
+            roots.append(Root(name, v, binding=bound))
         elif isinstance(v, _Optimizer):
             seen.add(id(v))
-            roots.append(Root(name, v))
+            roots.append(Root(name, v, binding=bound))
         elif isinstance(v, torch.Tensor):
             seen.add(id(v))
-            roots.append(Root(name, v, where.get(id(v)) if depth == 0 else None))
+            roots.append(Root(name, v, bound))
         elif isinstance(v, (list, dict)) and len(v) <= _MAX_CONTAINER:
             seen.add(id(v))
-            roots.append(Root(name, v))
+            roots.append(Root(name, v, binding=bound))
             items = v.items() if isinstance(v, dict) else enumerate(v)
             for k, x in items:
                 if isinstance(x, (_Module, _Optimizer, list, dict, torch.Tensor)) or _plain_object(x):
@@ -255,7 +259,7 @@ def find_roots(fn: Any, extra: Sequence[Tuple[str, Any]] = ()) -> List[Root]:
                 add(f"{name}[{k}]", x, depth + 1)
         elif _plain_object(v):
             seen.add(id(v))
-            roots.append(Root(name, v))
+            roots.append(Root(name, v, binding=bound))
             for k, x in list(vars(v).items()):
                 if isinstance(x, (_Module, _Optimizer, list, dict, torch.Tensor)) or _plain_object(x):
                     add(f"{name}.{k}", x, depth + 1)
@@ -945,7 +949,16 @@ def env_key_fn(roots: Sequence[Root], reads: Optional[AttrReads] = None) -> Opti
         ks = tuple(k for k, v in d.items() if _plain_attr(v) and (read is None or k in read))
         if ks:
             pobj_attrs.append((name, d, ks))
-    if not mods and not opts and not conts and not obj_slots:
+    # modules, optimizers, containers and plain objects found in a global or a closure cell:
+    # rebinding the name between calls (`opt = torch.optim.Adam(...)`, a notebook cell run
+    # again) gives the function other state; the recording is bound to the old objects
+    bound = [r for r in roots if r.binding is not None and not isinstance(r.obj, torch.Tensor)]
+    b_dicts = [r.binding.obj for r in bound if r.binding.kind == "item"]
+    b_keys = [r.binding.key for r in bound if r.binding.kind == "item"]
+    b_cells = [r.binding.obj for r in bound if r.binding.kind == "attr"]
+    b_names = ([r.binding.path for r in bound if r.binding.kind == "item"]
+               + [r.binding.path for r in bound if r.binding.kind == "attr"])
+    if not mods and not opts and not conts and not obj_slots and not bound:
         if not pobj_attrs:
             return None
         return _plain_objects_env(pobj_attrs)
@@ -1053,6 +1066,15 @@ def env_key_fn(roots: Sequence[Root], reads: Optional[AttrReads] = None) -> Opti
                  + [p for g in groups for p in g["params"] if isinstance(p, torch.Tensor) and p.requires_grad])
     epoch = _HOOK_EPOCH
 
+    _dget: Any = dict.get
+    _contents = operator.attrgetter("cell_contents")
+
+    def bindings() -> Any:
+        try:  # C-level maps only
+            return (*map(id, map(_dget, b_dicts, b_keys)), *map(id, map(_contents, b_cells)))
+        except ValueError:  # a cell was emptied (del)
+            return None
+
     def env() -> Any:
         try:
             attrs: Any = [get(d) for d, get in attr_dicts]
@@ -1077,9 +1099,10 @@ def env_key_fn(roots: Sequence[Root], reads: Optional[AttrReads] = None) -> Opti
             epoch[0],  # a gradient hook added to or removed from a parameter (see _HOOK_EPOCH)
             None if no_extra else extra(),
             tuple(map(len, conts)) if conts else None,
+            bindings() if bound else None,
         )
 
-    env.keep = ([o.state for o in opts] + groups + [g["params"] for g in groups]  # type: ignore[attr-defined]
+    env.keep = ([r.obj for r in bound] + [o.state for o in opts] + groups + [g["params"] for g in groups]  # type: ignore[attr-defined]
                 + [s for o in opts for s in o.state.values()]  # each parameter's state (opt.state[p] = {})
                 + [d.get(k) for d, k, _ in id_slots])
 
@@ -1110,6 +1133,9 @@ def env_key_fn(roots: Sequence[Root], reads: Optional[AttrReads] = None) -> Opti
             out.append("a gradient hook was added to or removed from a parameter (register_hook)")
         if old[10] != new[10]:
             out.append("a closed-over list or dict of tensors changed length")
+        if old[11] != new[11]:
+            out += [f"the name {n!r} is bound to another object (rebound between calls)"
+                    for n, x, y in zip(b_names, old[11], new[11]) if x != y]
         if old[9] != new[9]:
             a, b = old[9], new[9]
             out += [f"{p} is another object (rebound, set or tied)" for (_, _, p), x, y in zip(id_slots, a[0], b[0]) if x != y]
@@ -1121,7 +1147,7 @@ def env_key_fn(roots: Sequence[Root], reads: Optional[AttrReads] = None) -> Opti
     env.diff = diff  # type: ignore[attr-defined]
     # the parts where lazily made state may have gone: the optimizers' state and groups, the
     # module tree and classes (see Entry.env_keeps_lazy_state)
-    env.lazy_part = lambda v: (v[4], v[5], v[6], v[7])  # type: ignore[attr-defined]
+    env.lazy_part = lambda v: (v[4], v[5], v[6], v[7], v[11])  # type: ignore[attr-defined]
     env.watched = ([p for _, _, p in id_slots] + [p for _, _, p in absent]  # type: ignore[attr-defined]
                    + [p for _, _, p in cls_slots])
 

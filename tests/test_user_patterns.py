@@ -714,3 +714,80 @@ def test_an_update_that_reaches_the_parameters_through_the_optimizer_only_matche
         assert len(opt.state) == len(oe.state) == 2
         assert m.weight.grad is None and me.weight.grad is None
     assert ug.cache_info().hits >= 2
+
+
+_REBIND_SRC = '''
+import torch, torch.nn as nn, torch.nn.functional as F
+torch.manual_seed(0)
+model = nn.Linear(4, 3).to(DEV)
+opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+def step(x, y):
+    opt.zero_grad()
+    loss = F.mse_loss(model(x), y)
+    loss.backward()
+    opt.step()
+    return loss
+'''
+
+
+@pytest.mark.parametrize("what", ["opt", "model"])
+@pytest.mark.parametrize("where", ["global", "closure"])
+def test_a_module_or_optimizer_name_rebound_between_calls_is_seen(device, what, where):
+    """`opt = torch.optim.Adam(...)` (or a new model) after some steps, as a notebook cell run
+    again or a switch of optimizer after warm-up does. Before, every call replayed the old
+    optimizer (or trained the old model): all hits, the new optimizer's state empty."""
+    if where == "global":
+        ns = {"DEV": device}
+        exec(_REBIND_SRC, ns)  # a module's globals
+        g = gt.graphify(ns["step"])
+
+        def rebind(name, value):
+            ns[name] = value
+
+        def get(name):
+            return ns[name]
+    else:
+        torch.manual_seed(0)
+        model = nn.Linear(4, 3).to(device)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+        def step(x, y):
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            return loss
+
+        g = gt.graphify(step)
+
+        def rebind(name, value):
+            nonlocal model, opt
+            if name == "opt":
+                opt = value
+            else:
+                model = value
+
+        def get(name):
+            return opt if name == "opt" else model
+    for _ in range(3):
+        g(torch.randn(8, 4, device=device), torch.randn(8, 3, device=device))
+    if what == "model":
+        torch.manual_seed(5)
+        rebind("model", nn.Linear(4, 3).to(device))
+        rebind("opt", torch.optim.SGD(get("model").parameters(), lr=0.1))
+    else:
+        rebind("opt", torch.optim.Adam(get("model").parameters(), lr=0.01, fused=True))
+    ref = copy.deepcopy(get("model"))
+    ref_opt = (torch.optim.SGD(ref.parameters(), lr=0.1) if what == "model"
+               else torch.optim.Adam(ref.parameters(), lr=0.01, fused=True))
+    for _ in range(4):
+        x, y = torch.randn(8, 4, device=device), torch.randn(8, 3, device=device)
+        loss = g(x, y)
+        ref_opt.zero_grad()
+        r = torch.nn.functional.mse_loss(ref(x), y)
+        r.backward()
+        ref_opt.step()
+        assert_close(loss, r)
+        assert_close(get("model").weight, ref.weight)
+        assert len(get("opt").state) == len(ref_opt.state)
+    assert g.cache_info().hits >= 2  # the new objects are recorded and replayed
