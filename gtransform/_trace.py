@@ -114,6 +114,22 @@ _FRIENDLY = {
     "aten.unique_consecutive.default": "has an output shape that depends on the data",
     "aten.masked_select.default": "has an output shape that depends on the data (masked_select)",
 }
+_SPARSE_NNZ = ("makes a sparse tensor whose number of nonzeros depends on the data (its nnz, values() "
+               "and indices() are known only when it runs: while tracing they would read 0)")
+# the ops that make such a tensor (a sparse tensor built from known indices, as nn.Embedding(sparse=True)'s
+# gradient, keeps a known number of nonzeros: allowed)
+_SPARSE_DATA_OPS = frozenset(f"aten.{n}.default" for n in (
+    "_to_sparse", "to_sparse", "_to_sparse_csr", "_to_sparse_csc", "_to_sparse_bsr",
+    "_to_sparse_bsc", "to_sparse_csr", "to_sparse_csc", "to_sparse_bsr", "to_sparse_bsc"))
+_FRIENDLY.update({k: _SPARSE_NNZ for k in _SPARSE_DATA_OPS})
+_FRIENDLY.update({k.replace(".default", ".sparse_dim"): _SPARSE_NNZ for k in _SPARSE_DATA_OPS})
+
+
+_SPARSE_MAKERS = frozenset(k.rsplit(".", 1)[0].replace("aten.", "aten::") for k in _SPARSE_DATA_OPS)
+
+
+def _sparse(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t.layout != torch.strided
 
 
 # torch's own messages for host reads that fake tensors cannot serve
@@ -289,6 +305,10 @@ class _TraceMode(FakeTensorMode):
                 "Fix: return the tensor from the function and keep the returned value instead "
                 "(e.g. log.append(f(x).clone())), or write into a preallocated tensor in place."
             )
+        if func.overloadpacket._qualified_op_name in _SPARSE_MAKERS and args and not _sparse(args[0]):
+            # a dense tensor made sparse: its fake reports 0 nonzeros (to_sparse().values()
+            # .numel() read 0); reads from Python are refused by _watch._FnWatch
+            raise DynamicOutputShapeException(func)
         return super().__torch_dispatch__(func, types, args, kwargs)
 
 
@@ -386,6 +406,11 @@ def _data_dependent(desc: str, exc: BaseException, cuda: bool = False) -> Graphi
     if inner is not None and (fr is None or (inner.filename, inner.lineno) != (fr.filename, fr.lineno)):
         where += f"\n  read at {format_frame(inner)}"
     hint = ""
+    if op_desc is _SPARSE_NNZ:
+        hint = (" A sparse tensor's nonzeros are known only when it runs. Keep sparse tensors out of "
+                "the graphified function: compute densely (a dense mask and torch.where instead of "
+                "to_sparse()), or, for nn.Embedding(sparse=True) with SparseAdam, use sparse=False with "
+                "a dense optimizer (Adam(fused=True)), or keep opt.step() outside.")
     optim = [f for f in tb if os.sep + os.path.join("torch", "optim") + os.sep in f.filename]
     dist = [f for f in tb if os.sep + os.path.join("torch", "distributions") + os.sep in f.filename]
     bn = [f for f in tb if f.filename.endswith("batchnorm.py") and "num_batches_tracked" in (f.line or "")]
@@ -394,6 +419,8 @@ def _data_dependent(desc: str, exc: BaseException, cuda: bool = False) -> Graphi
         hint = (f" The read is BatchNorm's cumulative moving average ({at}:{bn[-1].lineno}): with "
                 "momentum=None it divides by its batch count, read on the host. Give the layer a "
                 "momentum (e.g. momentum=0.1), or run it in eval mode (model.eval()).")
+    elif hint:
+        pass
     elif optim and re.search(r"\blr\b", optim[-1].line or "") and "step" not in (optim[-1].line or ""):
         hint = (f" The read is inside torch.optim ({format_frame(optim[-1])}): this optimizer reads a "
                 "tensor learning rate on the host. Construct it with an implementation that keeps the "

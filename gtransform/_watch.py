@@ -458,6 +458,10 @@ def _no_dropout(func: Any, args: Sequence[Any], kwargs: Dict[str, Any]) -> bool:
 
 
 _DATA_PTR = torch.Tensor.data_ptr
+# reads of a sparse tensor's nonzeros: a fake sparse tensor reports 0 of them
+_SPARSE_READS = frozenset(getattr(torch.Tensor, n) for n in (
+    "_nnz", "_values", "values", "_indices", "indices", "coalesce", "crow_indices", "col_indices",
+    "ccol_indices", "row_indices") if hasattr(torch.Tensor, n))
 _BACKWARDS = (torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad)
 # calls whose result leaves the autograd graph: make_fx may record them as plain aliases
 # (torch 2.14 records x.detach() as aten.alias), which a graph run under autograd would
@@ -533,6 +537,18 @@ class _FnWatch(TorchFunctionMode):
                 "comparison or a value built from it would be frozen into the recording.",
                 "compare tensors by identity (a is b) or with torch ops, or move this part out of the "
                 "graphified function.",
+            )
+        if func in _SPARSE_READS and args and isinstance(args[0], FakeTensor) and args[0].layout != torch.strided:
+            name = getattr(func, "__name__", str(func))
+            self.watch._fail(
+                f"the function reads the nonzeros of a sparse tensor ({name}()), whose number depends "
+                "on the data.",
+                "graphify traces with fake tensors, whose sparse stand-ins have no data: they report "
+                "0 nonzeros, which would be frozen into the recording (SparseAdam then skips its "
+                "update; values().numel() reads 0).",
+                "keep sparse tensors out of the graphified function: compute densely (a dense mask "
+                "and torch.where), or, for nn.Embedding(sparse=True) with SparseAdam, use "
+                "sparse=False with a dense optimizer (Adam(fused=True)), or keep opt.step() outside.",
             )
         if func is _REPR and args and isinstance(args[0], FakeTensor) and not self.printed:
             # print(t) inside: eager prints the values on every call; the trace prints a

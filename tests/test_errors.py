@@ -4,6 +4,7 @@ errors a plain call gives; nothing leaves a half-state behind."""
 
 from __future__ import annotations
 
+import copy
 import os
 import warnings
 
@@ -294,10 +295,14 @@ def test_unsupported_tensor_output_or_state_is_graphify_error(kind):
     made = r"(?s)the output output\[1\] is a .*Fix: return"
     if kind == "quantized":  # refused where it is made (fake kernels give it a float32 result)
         made = r"(?s)quantize_per_tensor.default makes a quantized tensor.*Fix: quantize outside"
+    else:  # refused where it is made: its number of nonzeros depends on the data
+        made = r"(?s)_to_sparse.* makes a sparse tensor whose number of nonzeros depends on the data.*Fix:"
     with pytest.raises(gt.GraphifyError, match=made) as ei:
         gt.graphify(lambda x: (x + 1, make(x * 2)))(x)
     assert "Why:" in str(ei.value)
-    S = make(torch.eye(3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "Sparse CSR tensor support is in beta state"
+        S = make(torch.eye(3))
 
     def reads(x):
         return (S.dequantize() if kind == "quantized" else S.to_dense()) @ x  # READ
@@ -480,3 +485,48 @@ def test_reading_a_data_ptr_inside_the_function_is_graphify_error():
     with pytest.raises(gt.GraphifyError, match=r"(?s)memory address \(data_ptr\(\)\).*Fix:") as ei:
         gt.graphify(fn)(torch.ones(4))
     assert f"test_errors.py:{line_of(fn, '# PTR')}" in str(ei.value)
+
+
+def test_reading_a_sparse_tensors_nonzeros_while_tracing_is_refused():
+    """A fake sparse tensor reports 0 nonzeros. Before: `d.to_sparse().values()` gave a mean of inf
+    where eager gives 1.5, and SparseAdam over nn.Embedding(sparse=True) skipped its whole update
+    (`if grad._values().numel() == 0: continue`) on every replay, silently."""
+    def mean_nonzero(d):
+        v = d.to_sparse().values()
+        return v.sum() / v.numel()
+
+    with pytest.raises(gt.GraphifyError, match=r"(?s)makes a sparse tensor whose number of nonzeros depends"):
+        gt.graphify(mean_nonzero)(torch.tensor([[0.0, 1.0], [2.0, 0.0]]))
+
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(10, 3, sparse=True)
+    opt = torch.optim.SparseAdam(emb.parameters(), lr=0.1)
+
+    def step(i):
+        emb(i).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    g = gt.graphify(step)
+    i = torch.tensor([1, 2, 2])
+    g(i)  # touches state: eager
+    with pytest.raises(gt.GraphifyError, match=r"(?s)reads the nonzeros of a sparse tensor \(coalesce\(\)\).*"
+                                               r"sparse=False with a dense optimizer"):
+        g(i)
+    # SGD adds a sparse gradient without reading its nonzeros: recorded, eager's numbers
+    emb2 = torch.nn.Embedding(10, 3, sparse=True)
+    ref = copy.deepcopy(emb2)
+    o2, oref = torch.optim.SGD(emb2.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+
+    def sgd_step(e, o, i):
+        e(i).pow(2).sum().backward()
+        o.step()
+        o.zero_grad()
+
+    g2 = gt.graphify(lambda i: sgd_step(emb2, o2, i))
+    for k in range(4):
+        i = torch.tensor([k, k + 1, 2])
+        g2(i)
+        sgd_step(ref, oref, i)
+        assert_close(emb2.weight, ref.weight)
+    assert g2.cache_info().hits == 2
