@@ -57,6 +57,7 @@ from ._signature import (
     global_key,
     has_grad,
     reusable_after_eager,
+    same_objects,
     sig_brief,
     tensor_attrs,
 )
@@ -534,7 +535,8 @@ class Graphified(Generic[P, R]):
                         "Fix: pass it as a tensor, make it hashable (e.g. a tuple instead of a list), or "
                         "register its type as a pytree node with optree (namespace='gtransform')."
                     ) from None
-        alias = alias_pattern([leaves[i] for i in tpos])
+        ts = [leaves[i] for i in tpos]
+        alias = (alias_pattern(ts), same_objects(ts))
         return (spec, tuple(parts), alias, statics, glob, dict_orders((args, kwargs))), parts, tpos, device, paths
 
     def _lookup(self, st: ThreadState, leaves: List[Any], spec: Any, args: Any, kwargs: Any, statics: Tuple[Any, ...], record: bool, glob: Any = None) -> Optional[Tuple[Entry, List[torch.Tensor]]]:
@@ -610,8 +612,12 @@ class Graphified(Generic[P, R]):
         cuda = device is not None and device.type == "cuda"
         template = list(leaves)
 
+        same = same_objects([leaves[i] for i in tpos])
+
         def rebuild(ts: Sequence[torch.Tensor]) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
             ls = list(template)
+            if same:  # the same tensor passed twice: one object, as in eager (`a is b`)
+                ts = [ts[k] for k in same] + list(ts[len(same):])
             for p, t in zip(tpos, ts):
                 ls[p] = t
             a, kw = unflatten(spec, ls)

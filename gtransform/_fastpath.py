@@ -27,7 +27,7 @@ import torch
 
 from . import _record
 from ._liveness import StaleOutput
-from ._signature import alias_pattern, attrs_key, has_grad
+from ._signature import alias_pattern, attrs_key, has_grad, same_objects
 from ._trace import plain_layout
 from ._tree import flatten, static_leaf_key
 
@@ -223,6 +223,12 @@ def build_fast_path(owner: Any, entry: Any, rec: Any, pool: Any) -> Any:
     esc = rec.escapes is not None
     if entry.plan.mutated and len(tens) > 1:
         checks.append(f"if _alias([{', '.join(tens)}]) != {entry.alias!r}: return MISS")
+    if len(user) > 1:
+        # the same tensor passed twice is another signature (see _signature.same_objects)
+        if entry.same:
+            checks.append(f"if _same([{', '.join(user)}]) != {entry.same!r}: return MISS")
+        else:
+            checks.append(f"if len(set(map(id, ({''.join(u + ', ' for u in user)})))) != {len(user)}: return MISS")
 
     call: List[str] = []
     if rec.copy_idx:
@@ -331,6 +337,7 @@ def build_fast_path(owner: Any, entry: Any, rec: Any, pool: Any) -> Any:
         "_deterministic": getattr(torch._C, "_get_deterministic_algorithms", torch.are_deterministic_algorithms_enabled),
         "_any_autocast": getattr(torch._C, "_is_any_autocast_enabled", lambda: True),
         "_alias": alias_pattern,
+        "_same": same_objects,
         "_attrs_key": attrs_key,
         "_has_grad": has_grad,
         "_plain": plain_layout,

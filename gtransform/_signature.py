@@ -24,7 +24,7 @@ from ._tree import static_leaf_key, tensor_meta
 from ._watch import TENSOR_ATTR
 
 __all__ = [
-    "Guard", "Entry", "ThreadState", "alias_pattern", "global_key", "dict_orders", "diff_leaves", "sig_brief",
+    "Guard", "Entry", "ThreadState", "alias_pattern", "same_objects", "global_key", "dict_orders", "diff_leaves", "sig_brief",
     "RerecordWarning", "StormDetector", "STORM_THRESHOLD",
 ]
 
@@ -120,6 +120,23 @@ def alias_pattern(tensors: Sequence[torch.Tensor]) -> Tuple[int, ...]:
     return tuple(g if counts[g] > 1 else -1 for g in ids)
 
 
+def same_objects(tensors: Sequence[torch.Tensor]) -> Tuple[int, ...]:
+    """Which tensor inputs are the very same object.
+
+    Per input, the first position of its object; ``()`` when all are distinct (the
+    usual case, one C-level pass).
+
+    Part of the signature: a function may branch on ``a is b`` (a kernel k(X, X) adding
+    jitter to its diagonal, attention's ``query is key``), and the trace then takes the
+    branch eager takes.
+    """
+    ids = list(map(id, tensors))
+    if len(set(ids)) == len(ids):
+        return ()
+    first: Dict[int, int] = {}
+    return tuple(first.setdefault(x, k) for k, x in enumerate(ids))
+
+
 def has_grad(t: torch.Tensor) -> bool:
     """Whether ``t`` has a ``.grad`` (read without the non-leaf warning)."""
     return (t.is_leaf or t.retains_grad) and t.grad is not None
@@ -163,7 +180,7 @@ class Entry:
 
     __slots__ = (
         "key", "spec", "tpos", "consts", "statics", "guard", "plan", "rec", "first_refs",
-        "calls", "cuda", "any_rg", "must_static", "alias", "n_leaves", "bwd", "const_vals", "parts",
+        "calls", "cuda", "any_rg", "must_static", "alias", "same", "n_leaves", "bwd", "const_vals", "parts",
         "state_src", "env", "env_val", "n_user", "state_static", "glob", "orders", "attrs", "grad_none",
     )
 
@@ -197,6 +214,7 @@ class Entry:
         attrs = tuple(attrs_key(t) for t in tensors[: len(tpos)])
         self.attrs = attrs if any(attrs) else None
         self.alias = alias_pattern(tensors) if plan.mutated else ()
+        self.same = same_objects(tensors[: len(tpos)])
         self.plan = plan
         self.rec: Optional[Recording] = None
         self.first_refs: Optional[List[Any]] = None
@@ -304,6 +322,8 @@ class Entry:
             except TypeError:
                 return False
         tensors = [leaves[i] for i in self.tpos]
+        if same_objects(tensors) != self.same:
+            return False
         tensors.extend(state)
         if not self.guard.check(tensors):
             return False

@@ -471,3 +471,23 @@ def test_static_buffers_keep_the_strides_of_non_dense_inputs(device):
         torch.testing.assert_close(f(b, x), b * 2 + x.sum(-1, keepdim=True))
         assert all(s == b.stride() for s in _SEEN_STRIDES)
     assert f.cache_info().misses == 1
+
+
+def test_the_same_tensor_passed_twice_is_the_same_object_inside(device):
+    """A Gaussian-process kernel adds jitter when called as k(X, X) (`if x1 is x2`). Before, the
+    trace gave each argument its own placeholder, so k(X, X) was recorded without the jitter,
+    silently, and k(X, X) and k(X, Y) shared one recording."""
+    def kernel(x1, x2):
+        K = torch.exp(-torch.cdist(x1, x2) ** 2)
+        if x1 is x2:
+            K = K + 1e-2 * torch.eye(x1.shape[0], device=x1.device)
+        return K
+
+    g = gt.graphify(kernel)
+    X, Y = torch.randn(4, 2, device=device), torch.randn(4, 2, device=device)
+    for a, b in [(X, X), (X, Y), (X, X), (Y, X), (Y, Y), (X, Y), (X, X)]:
+        assert_close(g(a, b), kernel(a, b))
+    fresh = torch.randn(4, 2, device=device)  # new tensors every call: copied, not read in place
+    assert_close(g(fresh, fresh), kernel(fresh, fresh))
+    assert_close(g(fresh, fresh.clone()), kernel(fresh, fresh.clone()))
+    assert g.cache_info().currsize == 2
