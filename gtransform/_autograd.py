@@ -292,8 +292,10 @@ class GraphFn(torch.autograd.Function):
             nd = [o for o, d in zip(output[: part.n_out], part.diff_out) if not d]
             ctx.mark_non_differentiable(*saved, *nd)
             return
+        # (not taken off the box: under torch.func, setup_context runs once per transform
+        # level, and each must save the inputs as they were before the call; the second saved
+        # the updated ones, so the backward's recompute applied the update twice)
         pre = box.pre or {}
-        box.pre = None
         ctx.save_for_backward(*[pre.get(i, t) for i, t in enumerate(inputs[1:])])
         # outputs that do not require grad in eager (detached, made under no_grad, integer)
         plan = box.entry.plan

@@ -715,3 +715,27 @@ def test_an_output_changed_in_place_before_its_backward_raises_as_in_eager(devic
     xr = x.detach().clone().requires_grad_()
     (fn(xr) * 2).sum().backward()
     assert_close(x.grad, xr.grad)
+
+
+@pytest.mark.parametrize("how", ["grad", "grad_and_value"])
+def test_torch_func_of_a_function_updating_an_argument_in_place_matches_eager(device, how):
+    """f(state, x) updates `state` (a running average) in place, then uses it; differentiated
+    for x by torch.func. Before, from the recording on, the gradient was that of the update
+    applied twice (torch.func runs setup_context once per level, and the second one saved the
+    updated state for the backward's recompute); .backward() was right."""
+    torch.manual_seed(0)
+    W = torch.randn(3, device=device)
+
+    def f(state, x):
+        state.mul_(0.9).add_(x.detach() * 0.1)
+        return (torch.tanh(W * x + state) ** 2).sum()
+
+    g = gt.graphify(f)
+    se, sg = torch.zeros(3, device=device), torch.zeros(3, device=device)
+    for _ in range(4):
+        x = torch.randn(3, device=device)
+        t = getattr(torch.func, how)
+        e, o = t(f, argnums=1)(se, x), t(g, argnums=1)(sg, x)
+        assert_close(o, e)
+        assert_close(sg, se)
+    assert g.cache_info().hits >= 2
