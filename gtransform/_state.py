@@ -516,17 +516,24 @@ class Snapshot:
                         res.changes.append(Change(f"{path}.{n}", bufs[n], b, obj._buffers, n, True, obj))
             elif kind == "optimizer":
                 d, st, groups, _pgrads = saved
-                for s in obj.state.values():
+                # Python numbers the step keeps on the optimizer (a Lookahead wrapper's
+                # `self.counter += 1`) or in its per-parameter state (a hand-written Adam's
+                # `state["step"] += 1`): a replay would never change them
+                attrs(path, obj, obj.__dict__, d, {"state", "param_groups", "defaults"}, True)
+                for p, s in obj.state.items():
+                    old_s = st.get(p, (None, {}))[1]
                     for k, v in s.items():
                         if is_fake(v):
                             res.escapes.append((Slot("item", s, k, f"{path}.state[...][{k!r}]"), v))
+                        elif type(v) in _NUMBERS and k in old_s and type(old_s[k]) in _NUMBERS and old_s[k] != v:
+                            res.changes.append(Change(f"{path}.state[...][{k!r}]", old_s[k], v, s, k, True, obj))
                 for i, (g, old) in enumerate(groups):  # noqa: B007
                     for k, v in g.items():
                         if k == "params":
                             continue
                         if is_fake(v):
                             res.escapes.append((Slot("item", g, k, f"{path}.param_groups[{i}][{k!r}]"), v))
-                        elif type(v) in _NUMBERS and type(old.get(k)) in _NUMBERS and old[k] != v:
+                        elif type(v) in _NUMBERS and k in old and type(old[k]) in _NUMBERS and old[k] != v:
                             res.changes.append(Change(f"{path}.param_groups[{i}][{k!r}]", old[k], v, g, k, True))
             elif kind == "tensor":
                 if is_fake(leaf_grad(obj)):
@@ -1297,7 +1304,7 @@ def lazy_error(desc: str, paths: Sequence[str]) -> GraphifyError:
 
 def change_error(desc: str, changes: Sequence[Change]) -> GraphifyError:
     """The function changes Python values in reachable state on every call."""
-    listing = "; ".join(c.text() for c in changes[:4])
+    listing = "; ".join(list(dict.fromkeys(c.text() for c in changes))[:4])
     where = ""
     for c in changes:
         fwd = getattr(type(c.owner), "forward", None) if isinstance(c.owner, _Module) else None
@@ -1307,8 +1314,13 @@ def change_error(desc: str, changes: Sequence[Change]) -> GraphifyError:
             break
     sched = next((c for c in changes if isinstance(c.owner, _SCHEDULERS)), None)
     rebind = next((c for c in changes if c.rebinds), None)
-    fix = ("Fix: keep the value in a tensor updated in place (e.g. self.register_buffer('n', "
-           "torch.zeros(())) and self.n += 1), or move the update out of the graphified function.")
+    if any(".state[...][" in c.path for c in changes):  # a hand-written optimizer's int step count
+        fix = ("Fix: keep the per-parameter count in a tensor on the parameters' device, updated in place "
+               "(state['step'] = torch.zeros((), device=p.device), then state['step'] += 1), as "
+               "torch.optim's capturable optimizers do, or keep opt.step() outside the graphified function.")
+    else:
+        fix = ("Fix: keep the value in a tensor updated in place (e.g. self.register_buffer('n', "
+               "torch.zeros(())) and self.n += 1), or move the update out of the graphified function.")
     if rebind is not None:
         return GraphifyError(
             f"{desc}: the function binds state to other tensors on every call ({listing}).\n{where}"

@@ -457,3 +457,56 @@ def test_a_gradient_view_assigned_to_p_grad_is_refused_when_traced_with_the_fix(
     with pytest.raises(gt.GraphifyError, match=r"(?s)could not follow.*Fix: store a copy \(p.grad = g.clone\(\)\)"):
         for _ in range(3):
             g(x, y)
+
+
+class _IntStepAdam(torch.optim.Optimizer):
+    """A hand-written Adam keeping its step count as a Python int in state[p] (timm, older
+    transformers AdamW, many Lion implementations)."""
+
+    def __init__(self, params, lr=1e-2):
+        super().__init__(params, dict(lr=lr))
+
+    @torch.no_grad()
+    def step(self):
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                if not st:
+                    st["step"] = 0
+                    st["m"] = torch.zeros_like(p)
+                st["step"] += 1
+                st["m"].mul_(0.9).add_(p.grad, alpha=0.1)
+                p.add_(st["m"] / (1 - 0.9 ** st["step"]), alpha=-g["lr"])
+
+
+class _Lookahead(torch.optim.SGD):
+    """A Lookahead-style wrapper counting its steps in a Python attribute."""
+
+    def __init__(self, params):
+        super().__init__(params, lr=0.1)
+        self.counter = 0
+
+    def step(self):
+        super().step()
+        self.counter += 1
+
+
+@pytest.mark.parametrize("make", [_IntStepAdam, _Lookahead])
+def test_python_numbers_an_optimizer_keeps_on_itself_or_per_parameter_are_refused(make):
+    """Before: `state["step"] += 1` (an int) stayed at the traced step, freezing Adam's bias
+    correction, and `self.counter += 1` was incremented by the trace and the eager call and then
+    frozen: silently other parameters than eager's. Now refused as param_groups numbers are, after
+    an exact eager first call."""
+    (m1, o1, st1), (m2, o2, st2) = _pair(make)
+    x, y = _data(0)
+    assert_close(st2(x, y), st1(x, y))  # eager first call: exact
+    _same(m1, m2)
+    with pytest.raises(gt.GraphifyError, match=r"(?s)changes Python numbers in the state it reaches "
+                                               r"\(\S*\.(state\[\.\.\.\]\['step'\]|counter): 1 -> 2\)"):
+        st2(*_data(1))
+    if make is _IntStepAdam:
+        assert all(s["step"] == 1 for s in o2.state.values())  # the trace's change undone
+    else:
+        assert o2.counter == 1
