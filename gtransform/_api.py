@@ -561,9 +561,10 @@ class Graphified(Generic[P, R]):
                 st.last = e
                 return e, state
             env_only = e.env_only_mismatch(leaves, statics)
+            grads_only = not env_only and e.grads_came_or_went()
         else:
-            env_only = False
-        if (env_only or e is None) and st.alts.get(key):
+            env_only = grads_only = False
+        if (env_only or grads_only or e is None) and st.alts.get(key):
             alt = st.take_alt(key, leaves, statics)
             if alt is not None:
                 # switched back (model.train() after model.eval()): that recording again
@@ -579,11 +580,13 @@ class Graphified(Generic[P, R]):
             if log.isEnabledFor(logging.INFO):
                 log.info("%s: tracing a signature again: %s", self._desc,
                          "; ".join(diff_leaves(e, leaves, paths or leaf_paths((args, kwargs)))) or "its state changed")
-            if e.plan.touches_state and not (env_only and e.env_keeps_lazy_state()):
+            if e.plan.touches_state and not (env_only and e.env_keeps_lazy_state()) and not grads_only:
                 # what changed may have emptied lazily created state (optimizer.state.clear(),
                 # load_state_dict): the next call runs eagerly again before anything is traced
                 st.warmed.discard(key)
-            if env_only:
+            if grads_only:
+                st.set_aside(e)  # kept: gradient accumulation switches back (see grads_came_or_went)
+            elif env_only:
                 st.set_aside(e)  # kept: a switch back replays it
                 if record:
                     self._storm.note_env(e.env.diff(e.env_val) if hasattr(e.env, "diff") else [],

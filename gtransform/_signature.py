@@ -268,6 +268,18 @@ class Entry:
         self.bwd: Dict[Tuple[bool, ...], Any] = {}
         self.parts: Dict[Tuple[bool, ...], Any] = {}
 
+    def grads_came_or_went(self) -> bool:
+        """Whether a ``.grad`` the recording reads is gone, or one it expects absent is there.
+
+        Gradient accumulation alternates between both (the first micro-batch after
+        ``zero_grad()`` makes the ``.grad``s, the next ones add to them): each kind keeps
+        its recording as an alternate of the key (see ``ThreadState.alts``) instead of
+        tracing again on every switch.
+        """
+        if any(t.grad is not None for t in self.grad_none):
+            return True
+        return any(slot is not None and slot.kind == "grad" and slot.get() is None for slot, _c, _s in self.state_src)
+
     def resolve_state(self) -> Optional[List[torch.Tensor]]:
         """The state tensors as the function reaches them now (``None``: one is gone or replaced)."""
         out: List[torch.Tensor] = []

@@ -510,3 +510,39 @@ def test_python_numbers_an_optimizer_keeps_on_itself_or_per_parameter_are_refuse
         assert all(s["step"] == 1 for s in o2.state.values())  # the trace's change undone
     else:
         assert o2.counter == 1
+
+
+def test_gradient_accumulation_keeps_a_recording_for_each_kind_of_micro_batch(device):
+    """backward() on every call, opt.step(); opt.zero_grad() on every K-th (a static flag). The
+    first micro-batch after zero_grad() makes the .grads, the next ones add to them. Before,
+    each switch dropped the other recording (a state tensor gone) and ran eagerly, then traced
+    and recorded again: 20 new misses in every 40 calls, about 80x slower than eager."""
+    K = 4
+    torch.manual_seed(0)
+    m1 = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 3)).to(device)
+    m2 = copy.deepcopy(m1)
+    o1 = torch.optim.SGD(m1.parameters(), lr=0.1, momentum=0.9)
+    o2 = torch.optim.SGD(m2.parameters(), lr=0.1, momentum=0.9)
+
+    def make(m, o):
+        def step(x, y, do_step):
+            loss = F.mse_loss(m(x), y) / K
+            loss.backward()
+            if do_step:
+                o.step()
+                o.zero_grad()
+            return loss
+        return step
+
+    ref, g = make(m1, o1), gt.graphify(make(m2, o2), static_argnums=(2,))
+    for i in range(40):
+        if i == 16:
+            settled = g.cache_info().misses
+        x, y = torch.randn(8, 4, device=device), torch.randn(8, 3, device=device)
+        assert_close(g(x, y, (i + 1) % K == 0), ref(x, y, (i + 1) % K == 0))
+        _same(m1, m2)
+        for p, q in zip(m1.parameters(), m2.parameters()):
+            assert (p.grad is None) == (q.grad is None)
+            if p.grad is not None:
+                assert_close(q.grad, p.grad)
+    assert g.cache_info().misses == settled  # every kind of call recorded once, then replayed
