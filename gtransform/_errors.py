@@ -80,14 +80,15 @@ def _torch_dir() -> str:
     if _TORCH_DIR is None:
         import torch
 
-        _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
+        # with the separator: torchdiffeq, torchvision, torchaudio live beside torch
+        _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
     return _TORCH_DIR
 
 
 def is_library_file(filename: str) -> bool:
     """Whether ``filename`` is torch's, ours, the standard library's or generated code."""
     path = os.path.abspath(filename)
-    if path.startswith(_PKG_DIR) and not os.path.basename(path).startswith("test"):
+    if path.startswith(_PKG_DIR + os.sep) and not os.path.basename(path).startswith("test"):
         return True
     if path.startswith(_torch_dir()):
         return True
@@ -120,7 +121,7 @@ def innermost_frame(tb: traceback.StackSummary) -> Optional[traceback.FrameSumma
     """
     for fr in reversed(tb):
         path = os.path.abspath(fr.filename)
-        if path.startswith(_PKG_DIR) or path.startswith(_torch_dir()) or fr.filename.startswith("<"):
+        if path.startswith(_PKG_DIR + os.sep) or path.startswith(_torch_dir()) or fr.filename.startswith("<"):
             continue
         if any(path.startswith(d) and "site-packages" not in path for d in _STDLIB_DIRS):
             continue

@@ -60,8 +60,8 @@ _SCHEDULERS = tuple(c for c in (getattr(torch.optim.lr_scheduler, "LRScheduler",
 _TORCH_STATE = _SCHEDULERS + tuple(c for c in (getattr(getattr(torch, "amp", None), "GradScaler", None),
                                                getattr(getattr(torch.cuda, "amp", None), "GradScaler", None))
                                    if isinstance(c, type))
-_PKG_DIR = os.path.dirname(os.path.abspath(__file__))
-_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
+_PKG_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 # Python values whose change by a trace is seen (undone in modules and objects; a change on
 # every call refused): numbers, and flags and names (`self.initialized = True`, a mode string)
 _NUMBERS = (int, float, bool, str, type(None), complex, bytes)

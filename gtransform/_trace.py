@@ -137,7 +137,15 @@ _HOST_READS = (
     (".numpy() is not supported", ".numpy()"),
     ("Cannot access data pointer of Tensor", "an access to the data pointer"),
     ("Cannot access storage of", "an access to the storage"),
+    # torch.tensor([y[1], -y[0]]) copies the values of 0-dim tensors on the host; so do
+    # tensor_split and friends given tensor indices
+    ("its data is not allocated yet", "building a tensor from tensors (torch.tensor([a, b]) of tensors, "
+                                      "or tensor indices given to tensor_split)"),
 )
+_HOST_READ_FIX = {
+    "its data is not allocated yet": " (torch.stack([a, b]) instead of torch.tensor([a, b]); Python "
+                                     "integers as split indices)",
+}
 
 
 @dataclass
@@ -378,7 +386,7 @@ def _public_library_frame(filename: str) -> bool:
     if filename.startswith("<"):
         return False
     path = os.path.abspath(filename)
-    if path.startswith(_PKG_DIR):
+    if path.startswith(_PKG_DIR + os.sep):
         return False
     i = path.rfind(os.sep + "torch" + os.sep)
     if i < 0:
@@ -744,6 +752,7 @@ def trace(
         except RuntimeError as e:
             msg = str(e)
             host = next((what for key, what in _HOST_READS if key in msg), None)
+            fix_more = next((f for key, f in _HOST_READ_FIX.items() if key in msg), "")
             if host is None:
                 internal = _internal_failure(desc, e, cuda)
                 if internal is None:
@@ -754,8 +763,22 @@ def trace(
                 f"{desc}: {host} reads a tensor's data on the host.\n  at {format_frame(fr)}\n"
                 "Why: a recording is traced once without real data and replayed without Python; "
                 "host-side reads of tensor data cannot be part of it.\n"
-                "Fix: keep the computation in torch ops on the device, or move this part out of the "
-                "graphified function."
+                f"Fix: keep the computation in torch ops on the device{fix_more}, or move this part out "
+                "of the graphified function."
+            ) from None
+        except SyntaxError as e:
+            # torch.fx writes each op as `torch.ops.aten.<op>.<overload>`: an overload named
+            # after a Python keyword (aten.random_.from, of Tensor.random_(low, high)) cannot be
+            # written so (a torch limitation)
+            line = (e.text or "").strip()
+            raise GraphifyError(
+                f"{desc}: torch.fx cannot write the traced graph as Python code (SyntaxError at "
+                f"`{line}`).\n"
+                "Why: an operation's overload has the name of a Python keyword; Tensor.random_(low, "
+                "high) is one (aten.random_.from), and torch's tracer cannot record it.\n"
+                "Fix: draw with torch.randint(low, high, size, device=..., dtype=...) instead of "
+                "Tensor.random_(low, high) (it follows torch.manual_seed as eager does), or move that "
+                "operation out of the graphified function."
             ) from None
         except UnsupportedOperatorException as e:
             fr = user_frame_from_exc(e)

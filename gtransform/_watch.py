@@ -458,6 +458,7 @@ def _no_dropout(func: Any, args: Sequence[Any], kwargs: Dict[str, Any]) -> bool:
 
 
 _DATA_PTR = torch.Tensor.data_ptr
+_RANDOM_ = torch.Tensor.random_
 # reads of a sparse tensor's nonzeros: a fake sparse tensor reports 0 of them
 _SPARSE_READS = frozenset(getattr(torch.Tensor, n) for n in (
     "_nnz", "_values", "values", "_indices", "indices", "coalesce", "crow_indices", "col_indices",
@@ -538,6 +539,16 @@ class _FnWatch(TorchFunctionMode):
                 "compare tensors by identity (a is b) or with torch ops, or move this part out of the "
                 "graphified function.",
             )
+        if func is _RANDOM_ and isinstance(args[0] if args else None, FakeTensor):
+            lo_hi = list(args[1:]) + [kwargs[k] for k in ("from", "to") if k in kwargs]
+            if len(lo_hi) == 2 and lo_hi[1] is not None:
+                # Tensor.random_(low, high): its overload, aten.random_.from, is named after a
+                # Python keyword and torch.fx cannot write it; torch.randint draws the same
+                # numbers from the same generator (it is empty(...).random_(low, high))
+                t = args[0]
+                r = torch.randint(int(lo_hi[0]), int(lo_hi[1]), tuple(t.shape), dtype=t.dtype,
+                                  device=t.device, generator=kwargs.get("generator"))
+                return t.copy_(r)
         if func in _SPARSE_READS and args and isinstance(args[0], FakeTensor) and args[0].layout != torch.strided:
             name = getattr(func, "__name__", str(func))
             self.watch._fail(

@@ -530,3 +530,30 @@ def test_reading_a_sparse_tensors_nonzeros_while_tracing_is_refused():
         sgd_step(ref, oref, i)
         assert_close(emb2.weight, ref.weight)
     assert g2.cache_info().hits == 2
+
+
+def test_a_tensor_built_from_tensors_inside_is_refused_with_torch_stack_as_the_fix():
+    """torch.tensor([y[1], -y[0]]) (an ODE right-hand side): before, torch's raw "data is not
+    allocated yet ... custom kernel ... Caffe2" RuntimeError, with no line and no fix."""
+    def rhs(y):
+        return torch.tensor([y[1], -torch.sin(y[0])])  # BUILD
+
+    with pytest.raises(gt.GraphifyError, match=r"(?s)torch\.tensor\(\[a, b\]\) of tensors.*reads a tensor's data "
+                                               r"on the host.*torch\.stack\(\[a, b\]\) instead") as ei:
+        gt.graphify(rhs)(torch.tensor([1.0, 0.0]))
+    assert f"test_errors.py:{line_of(rhs, '# BUILD')}" in str(ei.value)
+
+
+def test_library_frames_beside_torch_are_not_taken_for_torchs_own():
+    """torchdiffeq, torchvision, torchaudio live beside torch (site-packages/torchdiffeq starts
+    with site-packages/torch): a host read inside them was reported without its "read at" line."""
+    from gtransform._errors import _torch_dir, innermost_frame, is_library_file
+
+    beside = _torch_dir().rstrip(os.sep) + "diffeq" + os.sep + "_impl" + os.sep + "misc.py"
+    inside = _torch_dir() + "nn" + os.sep + "functional.py"
+    import traceback
+
+    tb = traceback.StackSummary.from_list([(beside, 383, "_check_timelike", "assert t"),
+                                           (inside, 10, "f", "x")])
+    assert innermost_frame(tb).filename == beside
+    assert is_library_file(beside) and is_library_file(inside)  # both library code (site-packages)

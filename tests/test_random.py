@@ -198,3 +198,25 @@ def test_attention_backward_replaying_the_forwards_mask_is_not_a_draw():
     q = torch.empty(1, 1, 4, 8, device="meta")
     assert not _no_dropout(fwd, (q, q, q, None, False, 0.1), {})
     assert _no_dropout(fwd, (q, q, q, None, False, 0.0), {})
+
+
+def test_random_low_high_in_place_follows_manual_seed(device):
+    """`torch.empty(n, dtype=torch.long).random_(0, k)` (an epsilon-greedy idiom). Before, a raw
+    SyntaxError from torch.fx (the op's overload is named `from`, a Python keyword)."""
+    def act(q):
+        a = torch.empty(q.shape[0], dtype=torch.long, device=q.device).random_(0, q.shape[1])
+        noise = torch.empty(3, device=q.device).random_(2, 9)
+        return q.gather(1, a[:, None]), noise
+
+    g = gt.graphify(act)
+    q = torch.randn(64, 5, device=device)
+    for seed in range(4):
+        torch.manual_seed(seed)
+        e = act(q)
+        after_e = torch.rand(1, device=device)
+        torch.manual_seed(seed)
+        o = g(q)
+        after_o = torch.rand(1, device=device)
+        assert_close(o, e)
+        assert_close(after_o, after_e)  # the generator is left where eager leaves it
+    assert g.cache_info().hits == 3
