@@ -596,7 +596,8 @@ class Graphified(Generic[P, R]):
         self._misses += 1
         if not paths:
             paths = leaf_paths((args, kwargs))
-        self._storm.note(spec, parts, paths, statics, stacklevel=5)
+        self._storm.note(spec, parts, paths, statics, stacklevel=5, calls=self._hits + self._misses,
+                         maxsize=self._maxsize)
         if st.pending:
             e = st.pending.pop(key, None)
             if e is not None and record:
@@ -734,7 +735,9 @@ class Graphified(Generic[P, R]):
         st.cache[key] = e
         if self._maxsize is not None:
             while len(st.cache) > self._maxsize:
-                st.drop(next(iter(st.cache.values())))
+                old = next(iter(st.cache.values()))
+                self._storm.note_evicted(old)
+                st.drop(old)
         st.last = e
 
     def _new_entry(self, key: Any, spec: Any, leaves: List[Any], tpos: List[int], statics: Any, plan: Any,

@@ -621,7 +621,8 @@ class StormDetector:
     a scheduler, a module attribute the function reads), which ``note`` cannot see.
     """
 
-    __slots__ = ("desc", "log", "keys", "warned", "env_log", "env_calls", "env_warned")
+    __slots__ = ("desc", "log", "keys", "warned", "env_log", "env_calls", "env_warned", "again", "again_warned",
+                 "evicted")
 
     def __init__(self, desc: str):
         self.desc = desc
@@ -631,6 +632,33 @@ class StormDetector:
         self.env_log: List[List[str]] = []
         self.env_calls: List[int] = []
         self.env_warned = False
+        self.again: List[int] = []  # call numbers of recordings of keys the cache evicted before
+        self.again_warned = False
+        self.evicted: Set[Any] = set()
+
+    def note_evicted(self, e: Any) -> None:
+        """The cache evicted ``e``'s signature (least recently used, beyond maxsize)."""
+        if not self.again_warned:
+            self.evicted.add((e.spec, e.key[1], e.statics))
+
+    def _again(self, calls: int, maxsize: Any, stacklevel: int) -> None:
+        """A signature recorded before is recorded again: the cache keeps evicting what the calls use."""
+        if self.again_warned or maxsize is None:
+            return
+        n, window = ENV_STORM_CALLS
+        self.again.append(calls)
+        del self.again[:-n]
+        if len(self.again) < n or calls - self.again[0] >= window:
+            return
+        self.again_warned = True
+        self._warn(
+            f"{self.desc} has recorded again {n} signatures it had recorded before, in its last "
+            f"{calls - self.again[0] + 1} calls: the calls cycle through more signatures "
+            f"({len(self.keys)} seen) than its cache keeps (maxsize={maxsize}), so each one is evicted "
+            "before it is used again, and every call traces and records.\n"
+            f"Fix: raise maxsize (gt.graphify(fn, maxsize={max(2 * len(self.keys), 8)})), or "
+            "keep fewer signatures (pad inputs to a few shapes, pass changing numbers as tensors).",
+            stacklevel + 1)
 
     def note_env(self, changes: List[str], calls: int, stacklevel: int) -> None:
         """A known signature recorded again: ``changes`` (env.diff) at call number ``calls``."""
@@ -657,11 +685,15 @@ class StormDetector:
         else:
             warnings.warn(RerecordWarning(text), stacklevel=stacklevel)
 
-    def note(self, spec: Any, parts: List[Any], paths: List[str], statics: Any, stacklevel: int) -> None:
-        if self.warned:
-            return
+    def note(self, spec: Any, parts: List[Any], paths: List[str], statics: Any, stacklevel: int,
+             calls: int = 0, maxsize: Any = None) -> None:
         key = (spec, tuple(parts), statics)
-        if key in self.keys:  # the same signature in another thread, or after eviction
+        if key in self.keys:  # the same signature after eviction, or in another thread
+            if key in self.evicted:
+                self.evicted.discard(key)
+                self._again(calls, maxsize, stacklevel + 1)
+            return
+        if self.warned:
             return
         self.keys.add(key)
         self.log.append((spec, tuple(parts), tuple(paths), statics))

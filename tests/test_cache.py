@@ -157,6 +157,32 @@ def test_lru_bound_evicts_least_recently_used(device):
     assert g.cache_info().maxsize == 2
 
 
+def test_a_cache_smaller_than_the_signatures_cycled_through_warns_once():
+    """maxsize=4 and 5 step sizes used in turn: every call evicts the signature the next one
+    needs, so every call traces and records. Before, nothing said so (the signature storm
+    warning counts new signatures only)."""
+    import warnings
+
+    g = gt.graphify(lambda x, h: x * h, maxsize=4)
+    x = torch.ones(3)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        for i in range(40):
+            assert_close(g(x, 0.1 * (i % 5)), x * (0.1 * (i % 5)))
+    msgs = [str(m.message) for m in w if issubclass(m.category, gt.RerecordWarning)]
+    assert len(msgs) == 1 and "maxsize=4" in msgs[0] and "Fix: raise maxsize" in msgs[0], msgs
+    assert g.cache_info().hits == 0
+    # signatures that are each recorded once (and those of state, traced after an eager
+    # first call) never warn of it
+    lin = torch.nn.Linear(3, 3)
+    f = gt.graphify(lambda x: lin(x), maxsize=64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", gt.RerecordWarning)
+        for n in range(1, 9):
+            for _ in range(3):
+                f(torch.ones(n, 3))
+
+
 def test_lru_eviction_never_shows_other_numbers(device):
     g = gt.graphify(lambda x: x * 2, maxsize=1)
     x1 = torch.randn(2, device=device)
