@@ -659,7 +659,8 @@ class Graphified(Generic[P, R]):
         try:
             try:
                 plan = trace(self._fn, rebuild, specs, in_paths, self._desc, cuda, roots, [plain_layout(t) for t in tensors],
-                             [has_grad(t) for t in tensors], [tensor_attrs(t) for t in tensors])
+                             [has_grad(t) for t in tensors], [tensor_attrs(t) for t in tensors],
+                             [t.grad_fn is not None for t in tensors])
             except BaseException:
                 gens.check(self._desc, raise_=False)
                 raise

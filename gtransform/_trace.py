@@ -422,6 +422,8 @@ def _data_dependent(desc: str, exc: BaseException, cuda: bool = False) -> Graphi
     optim = [f for f in tb if os.sep + os.path.join("torch", "optim") + os.sep in f.filename]
     dist = [f for f in tb if os.sep + os.path.join("torch", "distributions") + os.sep in f.filename]
     bn = [f for f in tb if f.filename.endswith("batchnorm.py") and "num_batches_tracked" in (f.line or "")]
+    scaler = [f for f in tb if f.filename.endswith("grad_scaler.py")]
+    clip = [f for f in tb if f.filename.endswith("clip_grad.py") and "nonfinite" in (f.line or "")]
     if bn:
         at = bn[-1].filename[bn[-1].filename.rfind(os.sep + "torch" + os.sep) + 1:]
         hint = (f" The read is BatchNorm's cumulative moving average ({at}:{bn[-1].lineno}): with "
@@ -429,6 +431,14 @@ def _data_dependent(desc: str, exc: BaseException, cuda: bool = False) -> Graphi
                 "momentum (e.g. momentum=0.1), or run it in eval mode (model.eval()).")
     elif hint:
         pass
+    elif scaler:
+        hint = (f" The read is torch.amp.GradScaler's check for overflowed gradients ({format_frame(scaler[-1])}): "
+                "with an optimizer that takes it on the device, fused=True (SGD, Adam, AdamW, Adagrad), "
+                "GradScaler hands the check to the optimizer instead of reading it on the host.")
+    elif clip:
+        hint = (f" The read is clip_grad_norm_'s error_if_nonfinite=True check ({format_frame(clip[-1])}): "
+                "pass error_if_nonfinite=False (the default), or check torch.isfinite(total_norm) on "
+                "the returned norm outside the graphified function.")
     elif optim and re.search(r"\blr\b", optim[-1].line or "") and "step" not in (optim[-1].line or ""):
         hint = (f" The read is inside torch.optim ({format_frame(optim[-1])}): this optimizer reads a "
                 "tensor learning rate on the host. Construct it with an implementation that keeps the "
@@ -452,8 +462,9 @@ def _data_dependent(desc: str, exc: BaseException, cuda: bool = False) -> Graphi
         else:
             hint = (f" The read is inside torch.optim ({format_frame(optim[-1])}): optimizers with a step count (Adam family, Adagrad...) "
                     "read their step count on the host unless capturable=True, which torch supports on GPUs "
-                    "only. On the CPU, keep opt.step() outside the graphified function (graphify the "
-                    "forward, or forward and backward), or use an optimizer without a step count such as SGD.")
+                    "only. On the CPU, construct it with fused=True (Adam, AdamW, Adagrad, SGD keep the count "
+                    "on the device), keep opt.step() outside the graphified function (graphify the forward, "
+                    "or forward and backward), or use an optimizer without a step count such as SGD.")
     elif optim:
         what = {"swa_utils.py": "torch.optim.swa_utils (AveragedModel / SWALR count their updates on the host)",
                 "lbfgs.py": "LBFGS (its line search and stopping tests read values on the host)"}.get(
@@ -577,7 +588,8 @@ def _internal_failure(desc: str, exc: BaseException, cuda: bool) -> Optional[Gra
         hint = (" The failing operation is inside torch.optim: " + (
             "construct the optimizer with capturable=True." if cuda else
             "Adam-family optimizers need capturable=True, which torch supports on GPUs only; on the CPU "
-            "keep opt.step() outside the graphified function, or use SGD."))
+            "construct Adam, AdamW or Adagrad with fused=True, keep opt.step() outside the graphified "
+            "function, or use SGD."))
     first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     return GraphifyError(
         f"{desc}: torch cannot trace an operation of the function: {type(exc).__name__}: {first}\n"
@@ -588,8 +600,21 @@ def _internal_failure(desc: str, exc: BaseException, cuda: bool) -> Optional[Gra
     )
 
 
-def _grad_of_argument(desc: str, path: str, where: str) -> None:
+def _grad_of_argument(desc: str, path: str, where: str, history: bool = False) -> None:
     """Refuse a backward inside the function that fills the .grad of an argument."""
+    if history:
+        # `update(loss)` with the loss computed eagerly: the backward would run through the
+        # caller's autograd graph, which no recording holds
+        raise GraphifyError(
+            f"{desc}: a backward pass inside the function (loss.backward()) runs through {path}, a "
+            "tensor with autograd history made outside the function (a loss computed eagerly and "
+            f"passed in).\n  at {where or '?'}\n"
+            "Why: a recording holds only the operations the function runs; the backward through "
+            "the caller's graph (the forward that made the loss) cannot be part of it.\n"
+            "Fix: compute the forward inside the graphified function too (pass the batch, not the "
+            "loss), or call .backward() outside and graphify only the optimizer step "
+            "(def update(): opt.step(); opt.zero_grad())."
+        )
     raise GraphifyError(
         f"{desc}: a backward pass inside the function (loss.backward()) writes {path}.grad, the "
         f"gradient of a tensor the function takes as an argument.\n  at {where or '?'}\n"
@@ -641,6 +666,7 @@ def trace(
     plain: Optional[Sequence[bool]] = None,
     grads: Sequence[bool] = (),
     attrs: Sequence[Optional[Dict[str, Any]]] = (),
+    histories: Sequence[bool] = (),
 ) -> Plan:
     """Trace ``fn`` for one signature.
 
@@ -658,6 +684,8 @@ def trace(
         grads: per tensor input, whether it has a ``.grad`` (reading it is refused).
         attrs: per tensor input, its Python attributes (``t.__dict__``) or None:
             set on the trace's stand-in, so the function reads their values.
+        histories: per tensor input, whether it carries autograd history of the
+            caller's (a loss computed outside and passed in), for messages.
 
     Returns:
         The :class:`Plan` of the signature.
@@ -711,7 +739,7 @@ def trace(
                                                [t.grad_fn for t in watch.state if t.grad_fn is not None])
         for i, t in enumerate(tensors):
             if t.requires_grad and is_ours(leaf_grad(t)):
-                _grad_of_argument(desc, paths[i], fnwatch.backward_at)
+                _grad_of_argument(desc, paths[i], fnwatch.backward_at, i < len(histories) and histories[i])
         scan = snap.scan(is_ours)
         slots = {(id(s.obj), s.kind, s.key) for s, _ in scan.escapes}
         for k, t in enumerate(watch.state):
@@ -766,6 +794,14 @@ def trace(
                 f"Fix: keep the computation in torch ops on the device{fix_more}, or move this part out "
                 "of the graphified function."
             ) from None
+        except TypeError as e:
+            # raised inside torch on fake tensors (torch.optim's traceable branch of Adamax with
+            # foreach=True passes tensors where eager passes numbers); the user's own TypeError
+            # propagates unchanged
+            internal = _internal_failure(desc, e, cuda)
+            if internal is None:
+                raise
+            raise internal from e
         except SyntaxError as e:
             # torch.fx writes each op as `torch.ops.aten.<op>.<overload>`: an overload named
             # after a Python keyword (aten.random_.from, of Tensor.random_(low, high)) cannot be

@@ -423,6 +423,58 @@ def test_host_reads_in_torch_optim_name_the_right_cause():
     assert "Adam" not in msg, msg
 
 
+@pytest.mark.parametrize("case", ["scaler", "clip", "adamax_foreach", "loss_argument"])
+def test_refusals_inside_training_helpers_name_their_fix(case):
+    """Before: GradScaler with a non-fused optimizer and clip_grad_norm_(error_if_nonfinite=True)
+    got the generic host-read fix; Adamax(foreach=True) a raw TypeError from torch's internals;
+    `update(loss)` with an eagerly computed loss was told to "close over the parameters"."""
+    torch.manual_seed(0)
+    m = nn.Linear(4, 2)
+    x, y = _data(0)
+    if case == "scaler":
+        o = torch.optim.SGD(m.parameters(), lr=0.1)
+        sc = torch.amp.GradScaler("cpu")
+
+        def step(x, y):
+            o.zero_grad()
+            sc.scale(F.mse_loss(m(x), y)).backward()
+            sc.step(o)
+            sc.update()
+        fix = r"GradScaler's check for overflowed gradients.*fused=True"
+    elif case == "clip":
+        o = torch.optim.SGD(m.parameters(), lr=0.1)
+
+        def step(x, y):
+            o.zero_grad()
+            F.mse_loss(m(x), y).backward()
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0, error_if_nonfinite=True)
+            o.step()
+        fix = r"error_if_nonfinite=False"
+    elif case == "adamax_foreach":
+        o = torch.optim.Adamax(m.parameters(), lr=0.01, foreach=True)
+
+        def step(x, y):
+            o.zero_grad()
+            F.mse_loss(m(x), y).backward()
+            o.step()
+        fix = r"torch cannot trace an operation.*inside torch\.optim"
+    else:
+        o = torch.optim.SGD(m.parameters(), lr=0.1)
+
+        def step(loss):
+            o.zero_grad()
+            loss.backward()
+            o.step()
+        fix = r"runs through args\[0\], a tensor with autograd history made outside.*pass the batch, not the loss"
+    g = gt.graphify(step)
+    with pytest.raises(gt.GraphifyError, match="(?s)" + fix):
+        for _ in range(3):
+            if case == "loss_argument":
+                g(F.mse_loss(m(x), y))
+            else:
+                g(x, y)
+
+
 def test_sparse_gradients_left_in_p_grad_are_a_graphify_error():
     emb = nn.Embedding(10, 3, sparse=True)
     o = torch.optim.SGD(emb.parameters(), lr=0.1)
