@@ -425,6 +425,7 @@ class Graphified(Generic[P, R]):
                 s.clear_requested = True
         self._hits = 0
         self._misses = 0
+        self._storm = StormDetector(self._desc)  # (its log holds static values of the calls)
 
     def __get__(self, obj: Any, objtype: Any = None) -> Any:
         if obj is None or isinstance(self._fn, (staticmethod, classmethod)):
@@ -440,6 +441,7 @@ class Graphified(Generic[P, R]):
     def _new_state(self) -> ThreadState:
         pool = self._pool._state if self._pool is not None else PoolState()
         st = ThreadState(pool)
+        st.bound(self._maxsize)
         self._tls.state = st
         self._states.add(st)
         return st
@@ -593,6 +595,9 @@ class Graphified(Generic[P, R]):
                                          self._hits + self._misses, stacklevel=5)
             else:
                 st.drop(e)
+                if record:
+                    self._storm.note_retrace(diff_leaves(e, leaves, paths or leaf_paths((args, kwargs))),
+                                             self._hits + self._misses, stacklevel=5)
         self._misses += 1
         if not paths:
             paths = leaf_paths((args, kwargs))
@@ -721,7 +726,7 @@ class Graphified(Generic[P, R]):
                          self._desc, len(plan.state), len(plan.escape_slots), len(model_changes))
             if not model_changes and reusable_after_eager(plan):
                 try:
-                    st.pending[key] = self._new_entry(key, spec, leaves, tpos, statics, plan, cuda)
+                    st.keep_pending(key, self._new_entry(key, spec, leaves, tpos, statics, plan, cuda))
                 except GraphifyError:
                     pass  # raised by the second call's own trace
             return None

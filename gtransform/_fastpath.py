@@ -192,9 +192,9 @@ def build_fast_path(owner: Any, entry: Any, rec: Any, pool: Any) -> Any:
     if entry.env is not None:
         checks.append("if ENV() != ENVVAL: return MISS")
     # global settings (grad mode, default dtype, autocast) are part of the signature
-    gm, dt, ac, det = entry.glob
+    gm, dt, ac, det, inf = entry.glob
     checks.append(f"if _grad_enabled() is not {gm!r} or _default_dtype() is not {g.const(dt)} "
-                  f"or _deterministic() is not {det!r}: return MISS")
+                  f"or _deterministic() is not {det!r} or _inference_mode() is not {inf!r}: return MISS")
     checks.append("if _any_autocast(): return MISS" if ac is None else "return MISS")
     if entry.any_rg and gm:
         checks.append("return MISS")
@@ -333,6 +333,7 @@ def build_fast_path(owner: Any, entry: Any, rec: Any, pool: Any) -> Any:
         "_copysign": math.copysign,
         "_key": static_leaf_key,
         "_grad_enabled": torch.is_grad_enabled,
+        "_inference_mode": torch.is_inference_mode_enabled,
         "_default_dtype": torch.get_default_dtype,
         "_deterministic": getattr(torch._C, "_get_deterministic_algorithms", torch.are_deterministic_algorithms_enabled),
         "_any_autocast": getattr(torch._C, "_is_any_autocast_enabled", lambda: True),

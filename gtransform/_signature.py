@@ -10,6 +10,7 @@ that are updated in place, and, for functions that touch state (see
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections import OrderedDict
 from typing import Any, Dict, Hashable, List, Optional, Sequence, Set, Tuple
@@ -38,6 +39,7 @@ _Parameter = torch.nn.Parameter
 _is_grad_enabled = torch.is_grad_enabled
 _get_default_dtype = torch.get_default_dtype
 _deterministic = getattr(torch._C, "_get_deterministic_algorithms", torch.are_deterministic_algorithms_enabled)
+_inference_mode = torch.is_inference_mode_enabled
 _any_autocast: Any = getattr(torch._C, "_is_any_autocast_enabled", None)
 
 
@@ -51,7 +53,9 @@ def global_key(grad_mode: Optional[bool] = None) -> Tuple[Any, ...]:
     ac = None
     if _any_autocast is None or _any_autocast():
         ac = tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda"))
-    return (gm, _get_default_dtype(), ac, _deterministic())
+    # inference mode: the tensors' dispatch keys differ (the guards' view), so a function called
+    # in turn under inference_mode() and no_grad() keeps a recording for each
+    return (gm, _get_default_dtype(), ac, _deterministic(), _inference_mode())
 
 
 def dict_orders(tree: Any) -> Tuple[Tuple[Any, ...], ...]:
@@ -376,11 +380,45 @@ def reusable_after_eager(plan: Plan) -> bool:
     return all(_place(s) in read for s in plan.escape_slots)
 
 
+class _Marks:
+    """A set of signature keys, the oldest forgotten beyond a bound (see ThreadState.bound).
+
+    The keys hold the calls' static values (objects passed as arguments: a KV cache, a
+    config): unbounded, a server called with new lengths or new cache objects kept every
+    one alive. Forgetting a mark costs at most an extra eager call.
+    """
+
+    __slots__ = ("d", "limit")
+
+    def __init__(self) -> None:
+        self.d: Dict[Hashable, None] = OrderedDict()
+        self.limit: Optional[int] = None
+
+    def add(self, key: Hashable) -> None:
+        d = self.d
+        d[key] = None
+        if self.limit is not None:
+            while len(d) > self.limit:
+                del d[next(iter(d))]
+
+    def discard(self, key: Hashable) -> None:
+        self.d.pop(key, None)
+
+    def clear(self) -> None:
+        self.d.clear()
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self.d
+
+    def __len__(self) -> int:
+        return len(self.d)
+
+
 class ThreadState:
     """One thread's signature cache of one graphified function."""
 
     __slots__ = ("cache", "last", "pool", "fast", "fast_rec", "fast_statics", "warmed", "eager_only", "pending",
-                 "clear_requested", "alts", "__weakref__")
+                 "clear_requested", "alts", "pending_limit", "__weakref__")
 
     ALTS = 3  # alternates kept per key (see alts)
 
@@ -392,12 +430,13 @@ class ThreadState:
         self.fast_rec: Any = None
         self.fast_statics: Any = None
         # signatures that touch state and had their eager first call
-        self.warmed: Set[Hashable] = set()
+        self.warmed: _Marks = _Marks()
         # signatures whose trace failed inside torch's fake kernels while eager ran fine
-        self.eager_only: Set[Hashable] = set()
+        self.eager_only: _Marks = _Marks()
         # the first call's trace of a signature that touches state, kept for its second call
         # (see reusable_after_eager); checked there as any cached signature is
-        self.pending: Dict[Hashable, Entry] = {}
+        self.pending: Dict[Hashable, Entry] = OrderedDict()
+        self.pending_limit: Optional[int] = None
         self.clear_requested = False  # by cache_clear() in another thread
         # signatures of a key that differ from its cached one in their environment only (a
         # model in eval() mode while the cached one is train(); see Entry.env_only_mismatch),
@@ -416,6 +455,7 @@ class ThreadState:
                     e.rec.close()
         self.alts.clear()
         self.warmed.clear()
+        self.eager_only.clear()
         self.pending.clear()
         self.last = None
         self.drop_fast()
@@ -457,6 +497,20 @@ class ThreadState:
     def drop_fast(self) -> None:
         self.fast = self.fast_rec = self.fast_statics = None
 
+    def bound(self, maxsize: Optional[int]) -> None:
+        """Bound the bookkeeping besides the cache by ``maxsize`` (its first-call traces, marks)."""
+        limit = None if maxsize is None else max(2 * maxsize, 8)
+        self.warmed.limit = self.eager_only.limit = limit
+        self.pending_limit = None if maxsize is None else max(maxsize, 4)
+
+    def keep_pending(self, key: Hashable, e: Entry) -> None:
+        """Keep the first call's trace of a signature for its second call (bounded)."""
+        p = self.pending
+        p[key] = e
+        if self.pending_limit is not None:
+            while len(p) > self.pending_limit:
+                del p[next(iter(p))]
+
 
 def sig_brief(e: Entry) -> str:
     """The first few inputs of a signature, for log lines."""
@@ -492,7 +546,17 @@ def diff_leaves(e: Entry, leaves: Sequence[Any], paths: Sequence[str]) -> List[s
                     out.append(f"{paths[i]}: static value {old_v!r} -> {x!r}")
     state = e.resolve_state() if e.state_src else []
     if state is None:
-        out.append("a state tensor the function reads is gone (its slot holds no tensor now)")
+        gone: List[str] = []
+        for k, (slot, _const, same) in enumerate(e.state_src):
+            if slot is None:
+                continue
+            v = slot.get()
+            name = e.plan.state_names[k] if k < len(e.plan.state_names) else slot.path
+            if not isinstance(v, torch.Tensor):
+                gone.append(f"state {name} is gone (its slot holds {type(v).__name__} now)")
+            elif same is not None and v is not same:
+                gone.append(f"state {name} is another tensor now (rebound between calls)")
+        out.extend(gone or ["a state tensor the function reads is gone or was replaced"])
     else:
         for k, t in enumerate(state):
             old = e.guard.metas[e.n_user + k]
@@ -505,7 +569,7 @@ def diff_leaves(e: Entry, leaves: Sequence[Any], paths: Sequence[str]) -> List[s
                    ["module training flags, attributes, hooks or optimizer hyperparameters changed"])
     glob = global_key()
     for name, old, new in zip(("grad mode (torch.is_grad_enabled())", "the default dtype", "autocast",
-                               "torch.use_deterministic_algorithms"), e.glob, glob):
+                               "torch.use_deterministic_algorithms", "inference mode"), e.glob, glob):
         if old != new:
             out.append(f"{name}: {old} -> {new}")
     return out
@@ -519,6 +583,20 @@ def _leaf_kind(values: Set[Any]) -> str:
     if not types:
         return "value"
     return " / ".join(types)
+
+
+_VALUE_TYPES = (int, float, bool, str, bytes, complex, type(None), tuple, frozenset, torch.dtype, torch.device)
+
+
+def _objects(values: Set[Any]) -> bool:
+    """Whether the static keys ``values`` are objects keyed by identity, not values."""
+    for v in values:
+        if not (isinstance(v, tuple) and v and isinstance(v[0], type)):
+            return False
+        t = v[0]
+        if issubclass(t, _VALUE_TYPES) or dataclasses.is_dataclass(t) or t.__module__ in ("numpy", "enum"):
+            return False
+    return True
 
 
 def explain_storm(desc: str, log: List[Any]) -> str:
@@ -545,6 +623,11 @@ def explain_storm(desc: str, log: List[Any]) -> str:
                     what.append(name)
             lines.append(f"{path} (a tensor) changed {', '.join(what) or 'layout'} {len(values)} times. "
                          "Fix: pad or bucket inputs to a few fixed shapes, and keep dtypes and layouts fixed.")
+        elif _objects(values):
+            lines.append(f"{path} (a {_leaf_kind(values)} object) was {len(values)} different objects: an object "
+                         "argument is part of the signature by identity (the recording reads its tensors), so "
+                         "each new object is a new signature. Fix: pass the same object on every call (e.g. "
+                         "one transformers StaticCache, .reset() between requests), or close over it.")
         else:
             lines.append(f"{path} (a Python {_leaf_kind(values)}) took {len(values)} values: non-tensor leaves are "
                          "static, so each value is a new signature. Fix: pass it as a tensor "
@@ -557,6 +640,9 @@ def explain_storm(desc: str, log: List[Any]) -> str:
 
 ENV_STORM_CALLS = (8, 32)
 """Warn when 8 recordings caused by environment changes fall within 32 calls."""
+STATE_STORM_CALLS = (4, 16)
+"""Warn when a signature is traced again 4 times within 16 calls because its state changed
+(each costs an eager call, a trace and a recording)."""
 
 
 def _env_fix(whats: List[str]) -> str:
@@ -592,6 +678,41 @@ def _env_fix(whats: List[str]) -> str:
     return "\n".join("Fix: " + f for f in fixes)
 
 
+def explain_state_storm(desc: str, log: List[List[str]], calls: int) -> str:
+    """The warning text for signatures traced again because their state changed (note_retrace)."""
+    counts: Dict[str, int] = {}
+    last: Dict[str, str] = {}
+    for changes in log:
+        for c in changes:
+            what = c.split(": ", 1)[0] if ": " in c else c.split(" is ", 1)[0]
+            counts[what] = counts.get(what, 0) + 1
+            last[what] = c
+    whats = sorted(counts, key=lambda w: -counts[w])
+    lines = [f"{desc} has traced and recorded the same signature again {len(log)} times in its last "
+             f"{calls} calls because the state it reads changed between calls (the arguments did not); "
+             "each time costs an eager call, a trace and a recording, far more than an eager call."]
+    lines += [f"  {last[w]}" + (f" ({counts[w]} times)" if counts[w] > 1 else "") for w in whats[:6]]
+    texts = list(last.values())
+    fixes = []
+    if any(" -> " in t and t.startswith("state ") for t in texts):
+        fixes.append("A state tensor changes shape between calls (a KV cache that grows, such as "
+                     "transformers' DynamicCache): keep it at a fixed size and write into it in place "
+                     "(transformers' StaticCache with cache_position; a preallocated buffer and a mask), "
+                     "or keep the growing part outside the graphified function.")
+    if any("rebound between calls" in t for t in texts):
+        fixes.append("A state tensor is bound to a new tensor before every call (model.h = h.detach()): "
+                     "keep one tensor there and write the new values into it in place "
+                     "(model.h.copy_(h.detach()), with h a buffer).")
+    if any("is gone" in t for t in texts):
+        fixes.append("A state tensor's slot is emptied between calls: keep a tensor there.")
+    if not fixes:
+        fixes.append("Keep the tensors the function reads (parameters, buffers, optimizer state, "
+                     "caches) the same objects with the same shapes between calls, and change their "
+                     "values in place.")
+    lines += ["Fix: " + f for f in fixes]
+    return "\n".join(lines)
+
+
 def explain_env_storm(desc: str, log: List[List[str]], calls: int) -> str:
     """The warning text for recordings caused by environment changes (see StormDetector.note_env)."""
     counts: Dict[str, int] = {}
@@ -622,7 +743,7 @@ class StormDetector:
     """
 
     __slots__ = ("desc", "log", "keys", "warned", "env_log", "env_calls", "env_warned", "again", "again_warned",
-                 "evicted")
+                 "evicted", "st_log", "st_calls", "st_warned")
 
     def __init__(self, desc: str):
         self.desc = desc
@@ -635,11 +756,14 @@ class StormDetector:
         self.again: List[int] = []  # call numbers of recordings of keys the cache evicted before
         self.again_warned = False
         self.evicted: Set[Any] = set()
+        self.st_log: List[List[str]] = []
+        self.st_calls: List[int] = []
+        self.st_warned = False
 
     def note_evicted(self, e: Any) -> None:
         """The cache evicted ``e``'s signature (least recently used, beyond maxsize)."""
         if not self.again_warned:
-            self.evicted.add((e.spec, e.key[1], e.statics))
+            self.evicted.add(hash((e.spec, e.key[1], e.statics)))
 
     def _again(self, calls: int, maxsize: Any, stacklevel: int) -> None:
         """A signature recorded before is recorded again: the cache keeps evicting what the calls use."""
@@ -659,6 +783,19 @@ class StormDetector:
             f"Fix: raise maxsize (gt.graphify(fn, maxsize={max(2 * len(self.keys), 8)})), or "
             "keep fewer signatures (pad inputs to a few shapes, pass changing numbers as tensors).",
             stacklevel + 1)
+
+    def note_retrace(self, changes: List[str], calls: int, stacklevel: int) -> None:
+        """A known signature traced again because the state it reads changed (``diff_leaves``)."""
+        if self.st_warned:
+            return
+        n, window = STATE_STORM_CALLS
+        self.st_log.append(changes)
+        self.st_calls.append(calls)
+        del self.st_log[:-n], self.st_calls[:-n]
+        if len(self.st_calls) < n or calls - self.st_calls[0] >= window:
+            return
+        self.st_warned = True
+        self._warn(explain_state_storm(self.desc, self.st_log, calls - self.st_calls[0] + 1), stacklevel + 1)
 
     def note_env(self, changes: List[str], calls: int, stacklevel: int) -> None:
         """A known signature recorded again: ``changes`` (env.diff) at call number ``calls``."""
@@ -687,7 +824,9 @@ class StormDetector:
 
     def note(self, spec: Any, parts: List[Any], paths: List[str], statics: Any, stacklevel: int,
              calls: int = 0, maxsize: Any = None) -> None:
-        key = (spec, tuple(parts), statics)
+        # hashes, not the keys: a key holds the call's static values (objects passed as
+        # arguments, such as a KV cache), which must not stay alive for a warning's sake
+        key = hash((spec, tuple(parts), statics))
         if key in self.keys:  # the same signature after eviction, or in another thread
             if key in self.evicted:
                 self.evicted.discard(key)
@@ -701,3 +840,4 @@ class StormDetector:
             return
         self.warned = True
         self._warn(explain_storm(self.desc, self.log), stacklevel + 1)
+        self.log = []  # (it holds the calls' static values)

@@ -49,6 +49,7 @@ from ._watch import (
     _compiling,
     _FnWatch,
     _no_seeding,
+    _parametrize_cache,
     _returned_as_is,
     _rnn_weights_as_they_are,
     _TensorAttr,
@@ -758,7 +759,8 @@ def trace(
     try:
         try:
             # fx tracing keeps global state (its patcher): one trace at a time
-            with TRACE_LOCK, _compiling(), _no_seeding(desc), _rnn_weights_as_they_are(), _quiet_fake_log(), mode:
+            with TRACE_LOCK, _compiling(), _parametrize_cache(), _no_seeding(desc), _rnn_weights_as_they_are(), \
+                    _quiet_fake_log(), mode:
                 _ACTIVE.depth = _ACTIVE.__dict__.get("depth", 0) + 1
                 try:
                     gm = make_fx(flat_fn, tracing_mode="real", _allow_non_fake_inputs=True)(*fakes)

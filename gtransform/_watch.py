@@ -1210,6 +1210,30 @@ class _compiling:
             tc._is_compiling_flag = self.old
 
 
+class _parametrize_cache:
+    """Keep ``torch.nn.utils.parametrize``'s cache as it was before the trace.
+
+    Under ``parametrize.cached()`` a parametrized weight computed while tracing is put in
+    torch's module-level cache: a placeholder that the eager first call (or any later
+    code in the block) would then read ("a tensor made while tracing it was used after
+    the trace").
+    """
+
+    def __enter__(self) -> None:
+        from torch.nn.utils import parametrize
+
+        cache = getattr(parametrize, "_cache", None)
+        self.saved = dict(cache) if isinstance(cache, dict) else None
+
+    def __exit__(self, *exc: Any) -> None:
+        from torch.nn.utils import parametrize
+
+        cache = getattr(parametrize, "_cache", None)
+        if self.saved is not None and isinstance(cache, dict):
+            cache.clear()
+            cache.update(self.saved)
+
+
 def drop_history(tensors: Sequence[torch.Tensor]) -> None:
     """Take off the autograd history a trace gave state tensors (see ``_Watch.no_history``).
 

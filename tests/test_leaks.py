@@ -175,3 +175,38 @@ def test_cuda_graphs_collected_during_a_capture_do_not_break_it(device, monkeypa
         gc.set_threshold(*old)
     assert_close(out, (x * 3).sin() + 1)
     gc.collect()
+
+
+@pytest.mark.filterwarnings("ignore::gtransform.RerecordWarning")
+def test_signatures_beyond_maxsize_do_not_keep_their_traces_or_argument_objects():
+    """Many signatures that read state (un-bucketed lengths; a new cache object per request):
+    before, the first-call traces and the marks of every signature ever seen were kept
+    whatever maxsize said (200 lengths: 200 graph modules alive, memory growing without end),
+    and the storm detector kept the argument objects (a KV cache per request) even after
+    cache_clear()."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
+    g = gt.graphify(model, maxsize=4)
+    with torch.no_grad():
+        for n in range(1, 61):
+            g(torch.randn(n, 8))
+    st = g._tls.state
+    assert len(st.pending) <= 4 and len(st.warmed) <= 8 and len(st.cache) <= 4
+
+    class Cache:  # an object argument, keyed by identity
+        def __init__(self):
+            self.k = torch.zeros(2, 8)
+
+    f = gt.graphify(lambda x, c: x + c.k, maxsize=4)
+    refs = []
+    with torch.no_grad():
+        for _ in range(30):
+            c = Cache()
+            refs.append(weakref.ref(c))
+            f(torch.ones(2, 8), c)
+            del c
+    gc.collect()
+    # (those of the cached signatures, the first-call traces and the marks of the latest)
+    assert sum(r() is not None for r in refs) <= 4 + 4 + 8
+    f.cache_clear()
+    gc.collect()
+    assert all(r() is None for r in refs)

@@ -791,3 +791,124 @@ def test_a_module_or_optimizer_name_rebound_between_calls_is_seen(device, what, 
         assert_close(get("model").weight, ref.weight)
         assert len(get("opt").state) == len(ref_opt.state)
     assert g.cache_info().hits >= 2  # the new objects are recorded and replayed
+
+
+def test_state_rebound_or_growing_before_every_call_warns_once_with_the_fix():
+    """model.h = h.detach() before every call (truncated BPTT), or a KV cache that grows: the
+    same signature traced again on every call (an eager call, a trace and a recording each).
+    Before, nothing said so, and the log said the slot "holds no tensor now"."""
+    import warnings
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.h = torch.zeros(2, 4)
+
+        def forward(self, x):
+            return torch.tanh(self.lin(x) + self.h)
+
+    m = M()
+    g = gt.graphify(m)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        for _ in range(10):
+            x = torch.randn(2, 4)
+            with torch.no_grad():
+                out = g(x)
+                assert_close(out, torch.tanh(m.lin(x) + m.h))
+                m.h = out.clone()
+    msgs = [str(x.message) for x in w if issubclass(x.category, gt.RerecordWarning)]
+    assert len(msgs) == 1, msgs
+    assert "state module.h is another tensor now (rebound between calls)" in msgs[0]
+    assert "copy_" in msgs[0]
+
+
+
+def test_a_growing_kv_cache_argument_warns_with_the_static_cache_fix():
+    import warnings
+
+    class Cache:  # a DynamicCache-like object: the same object, its tensors grow every step
+        def __init__(self):
+            self.k = torch.zeros(1, 4)
+
+    lin = nn.Linear(4, 4)
+
+    def step(q, cache):
+        cache.k = torch.cat([cache.k, lin(q)])
+        return (cache.k @ q.T).sum(0)
+
+    g = gt.graphify(step)
+    cache, ref = Cache(), Cache()
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        with torch.no_grad():
+            for _ in range(10):
+                q = torch.randn(1, 4)
+                try:
+                    out = g(q, cache)
+                except gt.GraphifyError:
+                    break  # refused (a binding on every call) is as good as warned
+                assert_close(out, step(q, ref))
+    msgs = [str(x.message) for x in w if issubclass(x.category, gt.RerecordWarning)]
+    assert len(msgs) <= 1, msgs
+    if msgs:
+        assert "StaticCache" in msgs[0] or "same object" in msgs[0]
+
+
+def test_calls_alternating_inference_mode_and_no_grad_keep_both_recordings(device):
+    """Before: every switch traced and recorded again (40 misses in 40 calls), as the tensors'
+    dispatch keys differ under inference mode, which the signature did not include."""
+    m = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)).to(device)
+    g = gt.graphify(m)
+    x = torch.randn(3, 4, device=device)
+    for i in range(12):
+        with (torch.inference_mode() if i % 2 else torch.no_grad()):
+            assert_close(g(x), m(x))
+    assert g.cache_info().misses <= 4
+
+
+def test_a_parametrized_module_called_inside_parametrize_cached(device):
+    """Before: the first call crashed ("a tensor made while tracing it was used after the
+    trace"): the trace left its placeholder weight in torch's parametrize cache."""
+    import torch.nn.utils.parametrize as P
+
+    class Sym(nn.Module):
+        def forward(self, X):
+            return X.triu() + X.triu(1).T
+
+    lin = nn.Linear(4, 4).to(device)
+    P.register_parametrization(lin, "weight", Sym())
+    g = gt.graphify(lin)
+    x = torch.randn(2, 4, device=device)
+    for _ in range(3):
+        with P.cached():
+            y = g(x)
+            assert_close(y, lin(x))
+    assert g.cache_info().hits >= 1
+
+
+def test_library_code_sees_one_is_compiling_in_forward_and_differentiated_recordings():
+    """The joint forward-backward trace of a differentiated call ran without
+    torch.compiler.is_compiling() set, the forward's trace with it: library code branching on
+    it (Hugging Face's MoE picks torch._grouped_mm) took one branch under no_grad and the other
+    in grad mode."""
+    class Lib(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(3))
+
+        def forward(self, x):
+            return x * self.w * (2.0 if torch.compiler.is_compiling() else 3.0)
+
+    m = Lib()
+    g = gt.graphify(m)
+    x = torch.ones(3)
+    with torch.no_grad():
+        for _ in range(3):
+            plain = g(x).clone()
+    for i in range(4):
+        y = g(x)
+        if i > 0:  # (the first call of a signature that reads state runs eagerly)
+            assert_close(y.detach(), plain)  # the recordings agree (3.0 before)
+        y.sum().backward()
