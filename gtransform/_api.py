@@ -437,6 +437,18 @@ class Graphified(Generic[P, R]):
     def __repr__(self) -> str:
         return f"<{self._desc}>"
 
+    def __getattr__(self, name: str) -> Any:
+        # only for names ordinary lookup did not find: graphify(model) is not the module
+        fn = self.__dict__.get("_fn")
+        if name.startswith("_") or not isinstance(fn, torch.nn.Module) or not hasattr(fn, name):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        raise AttributeError(
+            f"{self._desc} is a function, not an nn.Module: it has no attribute {name!r} (the module "
+            f"{type(fn).__name__} has). Reach the module itself (f.__wrapped__.{name}), and for "
+            "torch.func.functional_call graphify a function that calls it: "
+            "gt.graphify(lambda params, x: torch.func.functional_call(model, params, (x,)))."
+        )
+
     # -- internals -----------------------------------------------------------
     def _new_state(self) -> ThreadState:
         pool = self._pool._state if self._pool is not None else PoolState()
@@ -538,7 +550,12 @@ class Graphified(Generic[P, R]):
                         "register its type as a pytree node with optree (namespace='gtransform')."
                     ) from None
         ts = [leaves[i] for i in tpos]
-        alias = (alias_pattern(ts), same_objects(ts))
+        # the conjugate and negative bits and inference tensors change the tensors' dispatch keys,
+        # which the guards check: a key of their own (an input alternating between z.conj() and
+        # z traced again on every switch)
+        bits = tuple((k, t.is_conj(), t.is_neg(), t.is_inference()) for k, t in enumerate(ts)
+                     if t.is_conj() or t.is_neg() or t.is_inference())
+        alias = (alias_pattern(ts), same_objects(ts), bits)
         return (spec, tuple(parts), alias, statics, glob, dict_orders((args, kwargs))), parts, tpos, device, paths
 
     def _lookup(self, st: ThreadState, leaves: List[Any], spec: Any, args: Any, kwargs: Any, statics: Tuple[Any, ...], record: bool, glob: Any = None) -> Optional[Tuple[Entry, List[torch.Tensor]]]:

@@ -521,7 +521,12 @@ def _recompute_refusal(desc: str, plan: Any, what: str, why: str, fix: str) -> G
     elif plan.joint_error:
         how = f"the joint trace of its forward and backward failed ({plan.joint_error})"
     else:
-        how = "an output is an input or a view of one"
+        how = plan.no_partition or "an output is an input or a view of one"
+        if plan.no_partition.startswith("it stores a tensor"):
+            # (a Grad-CAM forward hook keeping the activation): that store is what to change
+            fix = ("return the stored tensor as an output of the function instead of keeping it in "
+                   "Python state (or store it outside the graphified function); then the function's "
+                   "forward and backward are recorded together and the hook is part of it.")
     return GraphifyError(
         f"{desc}: the function {what} and is differentiated, but its backward cannot be traced "
         f"from the function: {how}.\nWhy: the backward is then recomputed from the recorded "

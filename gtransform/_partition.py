@@ -100,14 +100,20 @@ def build_partition(plan: Any, metas: Sequence[Any], need: Sequence[bool], owner
     from ._trace import TRACE_LOCK, _TraceMode
     from ._watch import _compiling, _parametrize_cache, _rnn_weights_as_they_are, _RnnScope, _Watch
 
-    if plan.fn is None or plan.escape_slots or plan.mutated:
+    # (why not, for the messages of what the recompute path refuses: see _recompute_refusal)
+    if plan.fn is None or plan.mutated:
+        return None
+    if plan.escape_slots:
+        plan.no_partition = f"it stores a tensor in Python state ({plan.escape_slots[0].path})"
         return None
     if any(t.grad_fn is not None for t in plan.state):
         # state with autograd history (a hidden state carried from an earlier call): the
         # joint trace's backward would run on into that history, which is not the function's;
         # the recompute path differentiates from the state as a leaf, and autograd goes on
+        plan.no_partition = "state it reads carries autograd history from an earlier call"
         return None
     if any(e.kind == "input" for e in plan.out_entries):
+        plan.no_partition = "an output is an input or a view of one"
         return None  # outputs that alias inputs: the partitioner cannot split them (recompute instead)
     n_user = plan.n_user_in
     n_state = len(plan.state)

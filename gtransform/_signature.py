@@ -544,17 +544,23 @@ def diff_leaves(e: Entry, leaves: Sequence[Any], paths: Sequence[str]) -> List[s
                     same = False
                 if not same:
                     out.append(f"{paths[i]}: static value {old_v!r} -> {x!r}")
+    if e.attrs is not None or any(isinstance(leaves[i], torch.Tensor) and leaves[i].__dict__ for i in e.tpos):
+        olds = e.attrs or ((),) * len(e.tpos)
+        for i, old_a in zip(e.tpos, olds):
+            x = leaves[i]
+            if isinstance(x, torch.Tensor) and attrs_key(x) != old_a:
+                out.append(f"{paths[i]}: its Python attributes changed ({', '.join(sorted(x.__dict__)) or 'none now'})")
     state = e.resolve_state() if e.state_src else []
     if state is None:
         gone: List[str] = []
-        for k, (slot, _const, same) in enumerate(e.state_src):
+        for k, (slot, _const, traced) in enumerate(e.state_src):
             if slot is None:
                 continue
             v = slot.get()
             name = e.plan.state_names[k] if k < len(e.plan.state_names) else slot.path
             if not isinstance(v, torch.Tensor):
                 gone.append(f"state {name} is gone (its slot holds {type(v).__name__} now)")
-            elif same is not None and v is not same:
+            elif traced is not None and v is not traced:
                 gone.append(f"state {name} is another tensor now (rebound between calls)")
         out.extend(gone or ["a state tensor the function reads is gone or was replaced"])
     else:
@@ -688,9 +694,12 @@ def explain_state_storm(desc: str, log: List[List[str]], calls: int) -> str:
             counts[what] = counts.get(what, 0) + 1
             last[what] = c
     whats = sorted(counts, key=lambda w: -counts[w])
+    state = any(c.startswith("state ") for changes in log for c in changes)
     lines = [f"{desc} has traced and recorded the same signature again {len(log)} times in its last "
-             f"{calls} calls because the state it reads changed between calls (the arguments did not); "
-             "each time costs an eager call, a trace and a recording, far more than an eager call."]
+             f"{calls} calls because " + ("the state it reads changed between calls (the arguments did not)"
+                                          if state else "something the recording depends on changed between calls")
+             + "; each time costs a trace and a recording (and an eager call where it reads state), far "
+             "more than an eager call."]
     lines += [f"  {last[w]}" + (f" ({counts[w]} times)" if counts[w] > 1 else "") for w in whats[:6]]
     texts = list(last.values())
     fixes = []
@@ -705,6 +714,9 @@ def explain_state_storm(desc: str, log: List[List[str]], calls: int) -> str:
                      "(model.h.copy_(h.detach()), with h a buffer).")
     if any("is gone" in t for t in texts):
         fixes.append("A state tensor's slot is emptied between calls: keep a tensor there.")
+    if any("Python attributes changed" in t for t in texts):
+        fixes.append("Python attributes set on an input tensor (t.scale = v) change between calls, and "
+                     "the trace read them: pass the value as an argument of its own (a tensor) instead.")
     if not fixes:
         fixes.append("Keep the tensors the function reads (parameters, buffers, optimizer state, "
                      "caches) the same objects with the same shapes between calls, and change their "
@@ -788,12 +800,18 @@ class StormDetector:
         """A known signature traced again because the state it reads changed (``diff_leaves``)."""
         if self.st_warned:
             return
-        n, window = STATE_STORM_CALLS
         self.st_log.append(changes)
         self.st_calls.append(calls)
-        del self.st_log[:-n], self.st_calls[:-n]
-        if len(self.st_calls) < n or calls - self.st_calls[0] >= window:
+        # (state that keeps changing costs an eager call, a trace and a recording each time:
+        # warned sooner than other changes, such as Python attributes set on an input)
+        state = all(any(c.startswith("state ") for c in ch) for ch in self.st_log[-STATE_STORM_CALLS[0]:])
+        n, window = STATE_STORM_CALLS if state else ENV_STORM_CALLS
+        del self.st_log[:-ENV_STORM_CALLS[0]], self.st_calls[:-ENV_STORM_CALLS[0]]
+        if len(self.st_calls) < n:
             return
+        if calls - self.st_calls[-n] >= window:
+            return
+        self.st_log, self.st_calls = self.st_log[-n:], self.st_calls[-n:]
         self.st_warned = True
         self._warn(explain_state_storm(self.desc, self.st_log, calls - self.st_calls[0] + 1), stacklevel + 1)
 

@@ -115,6 +115,24 @@ _FRIENDLY = {
     "aten.unique_consecutive.default": "has an output shape that depends on the data",
     "aten.masked_select.default": "has an output shape that depends on the data (masked_select)",
 }
+# ops torch cannot run on fake tensors (no shape rule), whose output shapes depend on values
+_NO_SHAPE_RULE = {
+    "aten._ctc_loss.default": (
+        "has no shape rule in torch for fake tensors (CTC loss: torch computes its output size by "
+        "running it)",
+        " Compute the CTC loss outside the graphified function: return the log-probabilities "
+        "from it and call F.ctc_loss on them."),
+    "aten._ctc_loss.Tensor": (
+        "has no shape rule in torch for fake tensors (CTC loss: torch computes its output size by "
+        "running it)",
+        " Compute the CTC loss outside the graphified function: return the log-probabilities "
+        "from it and call F.ctc_loss on them."),
+    "aten._pack_padded_sequence.default": (
+        "computes a packed sequence's batch sizes on the host (pack_padded_sequence)",
+        " Run the recurrent layer on the padded batch and mask the padded steps (or pack and "
+        "unpack outside the graphified function)."),
+}
+_FRIENDLY.update({k: v[0] for k, v in _NO_SHAPE_RULE.items()})
 _SPARSE_NNZ = ("makes a sparse tensor whose number of nonzeros depends on the data (its nnz, values() "
                "and indices() are known only when it runs: while tracing they would read 0)")
 # the ops that make such a tensor (a sparse tensor built from known indices, as nn.Embedding(sparse=True)'s
@@ -229,6 +247,8 @@ class Plan:
     cuda: bool = False
     # why the joint trace failed, if it did (named by the recompute path's refusals)
     joint_error: Optional[str] = None
+    # why the forward and backward are not partitioned (set by _partition.build_partition)
+    no_partition: str = ""
 
     def __post_init__(self) -> None:
         self.tensor_entries = [e for e in self.out_entries if e.kind != "const"]
@@ -398,6 +418,7 @@ def _public_library_frame(filename: str) -> bool:
 
 def _data_dependent(desc: str, exc: BaseException, cuda: bool = False) -> GraphifyError:
     op = str(exc).split("\n", 1)[0].strip()
+    key = ""
     if isinstance(exc, GuardOnDataDependentSymNode):
         op_desc = "branches on a tensor's value"
         op = "a data-dependent guard"
@@ -415,6 +436,13 @@ def _data_dependent(desc: str, exc: BaseException, cuda: bool = False) -> Graphi
     if inner is not None and (fr is None or (inner.filename, inner.lineno) != (fr.filename, fr.lineno)):
         where += f"\n  read at {format_frame(inner)}"
     hint = ""
+    if key in _NO_SHAPE_RULE:
+        hint = _NO_SHAPE_RULE[key][1]
+    own_fix = bool(hint) or op_desc is _SPARSE_NNZ  # the fix is the hint alone (the generic one misleads)
+    one_hot = [f for f in tb if f.line and "one_hot" in f.line]
+    if one_hot and not hint:
+        hint = (" F.one_hot without num_classes reads the largest class index on the host: pass "
+                "num_classes= (e.g. F.one_hot(t, num_classes=10)).")
     if op_desc is _SPARSE_NNZ:
         hint = (" A sparse tensor's nonzeros are known only when it runs. Keep sparse tensors out of "
                 "the graphified function: compute densely (a dense mask and torch.where instead of "
@@ -477,9 +505,10 @@ def _data_dependent(desc: str, exc: BaseException, cuda: bool = False) -> Graphi
         "Why: a recording is made once for each input signature and replayed without Python; "
         "a value read from a tensor while tracing would be frozen into the recording, "
         "and an output whose shape depends on the data cannot be replayed into fixed memory.\n"
-        "Fix: keep the value on the device (e.g. torch.where instead of `if`), make it static "
-        "(pass a Python number, or mark the argument with static_argnums/static_argnames), "
-        "or move this part out of the graphified function." + hint
+        + (f"Fix:{hint}" if own_fix else
+           "Fix: keep the value on the device (e.g. torch.where instead of `if`), make it static "
+           "(pass a Python number, or mark the argument with static_argnums/static_argnames), "
+           "or move this part out of the graphified function." + hint)
     )
 
 

@@ -557,3 +557,61 @@ def test_library_frames_beside_torch_are_not_taken_for_torchs_own():
                                            (inside, 10, "f", "x")])
     assert innermost_frame(tb).filename == beside
     assert is_library_file(beside) and is_library_file(inside)  # both library code (site-packages)
+
+
+@pytest.mark.parametrize("case", ["ctc", "packed", "one_hot", "gradcam"])
+def test_refusals_name_the_real_cause_and_fix(case):
+    """Before: CTC loss and pack_padded_sequence with static Python lengths were told to "make it
+    static"; F.one_hot(t) got no hint of num_classes; a forward hook keeping an activation (the
+    Grad-CAM pattern) was told "an output is an input or a view of one"."""
+    import torch.nn.functional as F
+
+    if case == "ctc":
+        def f(lp):
+            return F.ctc_loss(lp, torch.ones(3, 4, dtype=torch.long), [12, 10, 12], [4, 2, 3])
+
+        args = (torch.randn(12, 3, 5).log_softmax(2),)
+        fix = r"has no shape rule.*Fix: Compute the CTC loss outside"
+    elif case == "packed":
+        from torch.nn.utils.rnn import pack_padded_sequence
+
+        def f(x):
+            return pack_padded_sequence(x, [6, 3, 2], batch_first=True).data
+
+        args = (torch.randn(3, 6, 4),)
+        fix = r"batch sizes on the host.*Fix: Run the recurrent layer on the padded batch"
+    elif case == "one_hot":
+        def f(t):
+            return F.one_hot(t)
+
+        args = (torch.tensor([1, 2]),)
+        fix = r"pass num_classes="
+    else:
+        store = {}
+        net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+
+        def hook(mod, inp, out):
+            store["act"] = out.detach()
+            out.register_hook(lambda g: store.__setitem__("grad", g.detach()))
+
+        net[1].register_forward_hook(hook)
+        g = gt.graphify(net)
+        with pytest.raises(gt.GraphifyError, match=r"(?s)it stores a tensor in Python state \(.*store\['act'\]\)"
+                                                   r".*Fix: return the stored tensor as an output"):
+            for _ in range(3):
+                g(torch.randn(3, 4)).sum().backward()
+        return
+    with pytest.raises(gt.GraphifyError, match="(?s)" + fix):
+        gt.graphify(f)(*args)
+
+
+def test_module_attributes_on_graphify_of_a_module_say_it_is_a_function():
+    """torch.func.functional_call(gt.graphify(model), ...) was a bare AttributeError from torch."""
+    model = torch.nn.Linear(3, 1)
+    g = gt.graphify(model)
+    params = {k: torch.zeros_like(v) for k, v in model.named_parameters()}
+    with pytest.raises(AttributeError, match=r"graphify\(Linear\) is a function, not an nn\.Module.*functional_call"):
+        torch.func.functional_call(g, params, (torch.randn(2, 3),))
+    assert not hasattr(g, "no_such_attribute") and g.__wrapped__ is model
+    f = gt.graphify(lambda p, x: torch.func.functional_call(model, p, (x,)))
+    assert_close(f(params, torch.randn(2, 3)), torch.zeros(2, 1))
