@@ -225,9 +225,13 @@ def build_fast_path(owner: Any, entry: Any, rec: Any, pool: Any) -> Any:
         checks.append(f"if _alias([{', '.join(tens)}]) != {entry.alias!r}: return MISS")
     if len(user) > 1:
         # the same tensor passed twice is another signature (see _signature.same_objects)
+        static_user = [i for i in rec.static_idx if i < len(user)]
+        ptrs = [rec.static_ptrs[k] for k, i in enumerate(rec.static_idx) if i < len(user)]
         if entry.same:
             checks.append(f"if _same([{', '.join(user)}]) != {entry.same!r}: return MISS")
-        else:
+        elif len(static_user) < len(user) or len(set(ptrs)) < len(ptrs):
+            # (inputs read in place at distinct recorded addresses cannot be one object: the
+            # address check above sees it)
             checks.append(f"if len(set(map(id, ({''.join(u + ', ' for u in user)})))) != {len(user)}: return MISS")
 
     call: List[str] = []
