@@ -723,13 +723,15 @@ class Graphified(Generic[P, R]):
             return None
         if device is None and plan.uses_cuda and torch.cuda.is_available():
             cuda = True
-        model_changes = [c for c in plan.py_changes if c.model]
+        # Python numbers the trace changed in modules or optimizers (self.calls += 1 in
+        # forward), and in plain dicts and lists of a function that reaches state (a training
+        # step's accumulation counter, ctr["i"] += 1; if ctr["i"] % K == 0: opt.step()):
+        # undone, so that this call, run eagerly, does exactly what eager does. Changed again
+        # by a trace after an eager call, they change on every call, which a replay cannot do.
+        # (A function that reaches no state keeps the trace-time changes of its plain dicts,
+        # as in JAX: a counter of traces.)
+        model_changes = [c for c in plan.py_changes if c.model or plan.touches_state]
         if model_changes and record:
-            # Python numbers the trace changed in modules or optimizers (self.calls += 1 in
-            # forward): undone, so that this call, run eagerly, does exactly what eager does.
-            # Changed again by a trace after an eager call, they change on every call, which a
-            # replay cannot do. (Plain dicts and objects keep trace-time changes, as in JAX:
-            # a counter of traces.)
             for c in model_changes:
                 c.undo()
             if key in st.warmed:

@@ -1369,6 +1369,11 @@ def change_error(desc: str, changes: Sequence[Change]) -> GraphifyError:
     else:
         fix = ("Fix: keep the value in a tensor updated in place (e.g. self.register_buffer('n', "
                "torch.zeros(())) and self.n += 1), or move the update out of the graphified function.")
+        if any(c.owner is None for c in changes):  # a plain dict's or list's number
+            fix += (" A counter that decides what the function does (gradient accumulation: "
+                    "opt.step() every K-th call) belongs outside: count in your loop and pass the "
+                    "decision as a static argument (gt.graphify(step, static_argnames=('do_step',)), "
+                    "step(x, y, do_step=(i + 1) % K == 0)).")
     if rebind is not None:
         return GraphifyError(
             f"{desc}: the function binds state to other tensors on every call ({listing}).\n{where}"

@@ -598,3 +598,32 @@ def test_gradient_accumulation_keeps_a_recording_for_each_kind_of_micro_batch(de
             if p.grad is not None:
                 assert_close(q.grad, p.grad)
     assert g.cache_info().misses == settled  # every kind of call recorded once, then replayed
+
+
+def test_an_accumulation_counter_in_a_closed_over_dict_is_exact_then_refused():
+    """ctr["i"] += 1; if ctr["i"] % K == 0: opt.step(). Before, the first call incremented it
+    twice (the trace and the eager call), and the replays froze it: optimizer steps on the
+    wrong calls, silently. Now the first call is eager's, and the second is refused with the
+    fix (a static flag)."""
+    K = 3
+    (m1, o1, _s1), (m2, o2, _s2) = _pair(lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9))
+
+    def make(m, o, ctr):
+        def step(x, y):
+            (F.mse_loss(m(x), y) / K).backward()
+            ctr["i"] += 1
+            if ctr["i"] % K == 0:
+                o.step()
+                o.zero_grad()
+        return step
+
+    c1, c2 = {"i": 0}, {"i": 0}
+    ref, g = make(m1, o1, c1), gt.graphify(make(m2, o2, c2))
+    x, y = _data(0)
+    ref(x, y)
+    g(x, y)
+    assert c1 == c2 == {"i": 1}
+    _same(m1, m2)
+    with pytest.raises(gt.GraphifyError, match=r"(?s)ctr\['i'\]: 1 -> 2.*static argument"):
+        g(*_data(1))
+    assert c2 == {"i": 1}  # the refused call changed nothing
