@@ -746,6 +746,25 @@ def explain_env_storm(desc: str, log: List[List[str]], calls: int) -> str:
     return "\n".join(lines)
 
 
+def _burst(calls: List[int], log: Optional[List[Any]], limits: Tuple[int, int]) -> bool:
+    """Whether the last ``n`` events (their call numbers in ``calls``) fell within ``window`` calls.
+
+    ``calls`` (and ``log``, kept beside it) are trimmed to the last ``ENV_STORM_CALLS[0]``
+    events, and, when the answer is yes, to the last ``n``: what the warning reports.
+    """
+    n, window = limits
+    keep = max(n, ENV_STORM_CALLS[0])
+    del calls[:-keep]
+    if log is not None:
+        del log[:-keep]
+    if len(calls) < n or calls[-1] - calls[-n] >= window:
+        return False
+    del calls[:-n]
+    if log is not None:
+        del log[:-n]
+    return True
+
+
 class StormDetector:
     """Warns once when a function keeps recording new signatures, or recording again.
 
@@ -781,11 +800,10 @@ class StormDetector:
         """A signature recorded before is recorded again: the cache keeps evicting what the calls use."""
         if self.again_warned or maxsize is None:
             return
-        n, window = ENV_STORM_CALLS
         self.again.append(calls)
-        del self.again[:-n]
-        if len(self.again) < n or calls - self.again[0] >= window:
+        if not _burst(self.again, None, ENV_STORM_CALLS):
             return
+        n = ENV_STORM_CALLS[0]
         self.again_warned = True
         self._warn(
             f"{self.desc} has recorded again {n} signatures it had recorded before, in its last "
@@ -805,13 +823,8 @@ class StormDetector:
         # (state that keeps changing costs an eager call, a trace and a recording each time:
         # warned sooner than other changes, such as Python attributes set on an input)
         state = all(any(c.startswith("state ") for c in ch) for ch in self.st_log[-STATE_STORM_CALLS[0]:])
-        n, window = STATE_STORM_CALLS if state else ENV_STORM_CALLS
-        del self.st_log[:-ENV_STORM_CALLS[0]], self.st_calls[:-ENV_STORM_CALLS[0]]
-        if len(self.st_calls) < n:
+        if not _burst(self.st_calls, self.st_log, STATE_STORM_CALLS if state else ENV_STORM_CALLS):
             return
-        if calls - self.st_calls[-n] >= window:
-            return
-        self.st_log, self.st_calls = self.st_log[-n:], self.st_calls[-n:]
         self.st_warned = True
         self._warn(explain_state_storm(self.desc, self.st_log, calls - self.st_calls[0] + 1), stacklevel + 1)
 
@@ -819,11 +832,9 @@ class StormDetector:
         """A known signature recorded again: ``changes`` (env.diff) at call number ``calls``."""
         if self.env_warned:
             return
-        n, window = ENV_STORM_CALLS
         self.env_log.append(changes)
         self.env_calls.append(calls)
-        del self.env_log[:-n], self.env_calls[:-n]
-        if len(self.env_calls) < n or calls - self.env_calls[0] >= window:
+        if not _burst(self.env_calls, self.env_log, ENV_STORM_CALLS):
             return
         self.env_warned = True
         self._warn(explain_env_storm(self.desc, self.env_log, calls - self.env_calls[0] + 1), stacklevel + 1)
