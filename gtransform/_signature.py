@@ -338,7 +338,7 @@ class Entry:
             except TypeError:
                 return False
         tensors = [leaves[i] for i in self.tpos]
-        if same_objects(tensors) != self.same:
+        if len(tensors) > 1 and same_objects(tensors) != self.same:
             return False
         tensors.extend(state)
         if not self.guard.check(tensors):
@@ -684,8 +684,8 @@ def _env_fix(whats: List[str]) -> str:
     return "\n".join("Fix: " + f for f in fixes)
 
 
-def explain_state_storm(desc: str, log: List[List[str]], calls: int) -> str:
-    """The warning text for signatures traced again because their state changed (note_retrace)."""
+def _tally(log: List[List[str]]) -> Tuple[List[str], Dict[str, int], Dict[str, str]]:
+    """What changed in ``log`` (lines "what: old -> new" or "what is ..."), most often first."""
     counts: Dict[str, int] = {}
     last: Dict[str, str] = {}
     for changes in log:
@@ -693,7 +693,12 @@ def explain_state_storm(desc: str, log: List[List[str]], calls: int) -> str:
             what = c.split(": ", 1)[0] if ": " in c else c.split(" is ", 1)[0]
             counts[what] = counts.get(what, 0) + 1
             last[what] = c
-    whats = sorted(counts, key=lambda w: -counts[w])
+    return sorted(counts, key=lambda w: -counts[w]), counts, last
+
+
+def explain_state_storm(desc: str, log: List[List[str]], calls: int) -> str:
+    """The warning text for signatures traced again because their state changed (note_retrace)."""
+    whats, counts, last = _tally(log)
     state = any(c.startswith("state ") for changes in log for c in changes)
     lines = [f"{desc} has traced and recorded the same signature again {len(log)} times in its last "
              f"{calls} calls because " + ("the state it reads changed between calls (the arguments did not)"
@@ -727,14 +732,7 @@ def explain_state_storm(desc: str, log: List[List[str]], calls: int) -> str:
 
 def explain_env_storm(desc: str, log: List[List[str]], calls: int) -> str:
     """The warning text for recordings caused by environment changes (see StormDetector.note_env)."""
-    counts: Dict[str, int] = {}
-    last: Dict[str, str] = {}
-    for changes in log:
-        for c in changes:
-            what = c.split(": ", 1)[0]
-            counts[what] = counts.get(what, 0) + 1
-            last[what] = c
-    whats = sorted(counts, key=lambda w: -counts[w])
+    whats, counts, last = _tally(log)
     lines = [f"{desc} has recorded again {len(log)} times in its last {calls} calls because what else "
              "decides its computation changed between calls (the arguments did not); each change costs "
              "a trace and a recording, more than an eager call."]
@@ -768,9 +766,11 @@ def _burst(calls: List[int], log: Optional[List[Any]], limits: Tuple[int, int]) 
 class StormDetector:
     """Warns once when a function keeps recording new signatures, or recording again.
 
-    ``note`` counts new signatures (argument keys); ``note_env`` counts recordings of
-    a known key made again because its environment changed (a Python-float lr set by
-    a scheduler, a module attribute the function reads), which ``note`` cannot see.
+    ``note`` counts new signatures (argument keys), and recordings of signatures the
+    cache evicted (``note_evicted``); ``note_env`` counts recordings of a known key made
+    again because its environment changed (a Python-float lr set by a scheduler, a module
+    attribute the function reads), and ``note_retrace`` those made again because the state
+    it reads changed (a growing KV cache, a rebound tensor), which ``note`` cannot see.
     """
 
     __slots__ = ("desc", "log", "keys", "warned", "env_log", "env_calls", "env_warned", "again", "again_warned",
@@ -793,8 +793,9 @@ class StormDetector:
 
     def note_evicted(self, e: Any) -> None:
         """The cache evicted ``e``'s signature (least recently used, beyond maxsize)."""
-        if not self.again_warned:
-            self.evicted.add(hash((e.spec, e.key[1], e.statics)))
+        k = hash((e.spec, e.key[1], e.statics))
+        if not self.again_warned and k in self.keys:  # (only those ``note`` can see again)
+            self.evicted.add(k)
 
     def _again(self, calls: int, maxsize: Any, stacklevel: int) -> None:
         """A signature recorded before is recorded again: the cache keeps evicting what the calls use."""

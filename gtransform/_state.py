@@ -65,7 +65,6 @@ _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 # Python values whose change by a trace is seen (undone in modules and objects; a change on
 # every call refused): numbers, and flags and names (`self.initialized = True`, a mode string)
 _NUMBERS = (int, float, bool, str, type(None), complex, bytes)
-_call: Any = getattr(operator, "call", None) or (lambda f, *a: f(*a))  # (operator.call: Python 3.11)
 _MAX_CONTAINER = 4096
 # a module's own tables, covered as parameters, buffers and submodules
 _MODULE_DICTS = frozenset(("_parameters", "_buffers", "_modules"))
@@ -1092,9 +1091,8 @@ def env_key_fn(roots: Sequence[Root], reads: Optional[AttrReads] = None) -> Opti
         out += [f"the class of module {name} changed: {a.__name__} -> {b.__name__}"
                 for (name, _), a, b in zip(named, old[7], new[7]) if a is not b]
         if old[3] != new[3] and len(old[3]) == len(new[3]):
-            named_keys = [(n, ks) for n, ks in zip(group_names, keys) if ks]
-            for (gname, ks), a, b in zip(named_keys, old[3], new[3]):
-                a, b = (a, b) if len(ks) > 1 else ((a,), (b,))
+            # (a tuple of values per group, keys in ``keys``' order: see _compile_env)
+            for gname, ks, a, b in zip(group_names, keys, old[3], new[3]):
                 out += [f"optimizer hyperparameter {gname}[{k!r}]: {x!r} -> {y!r}"
                         for k, x, y in zip(ks, a, b) if x != y]
         if list(old[1:3]) + list(old[4:6]) != list(new[1:3]) + list(new[4:6]) or len(old[3]) != len(new[3]):

@@ -115,18 +115,14 @@ _FRIENDLY = {
     "aten.unique_consecutive.default": "has an output shape that depends on the data",
     "aten.masked_select.default": "has an output shape that depends on the data (masked_select)",
 }
-# ops torch cannot run on fake tensors (no shape rule), whose output shapes depend on values
+# ops torch cannot run on fake tensors (no shape rule), whose output shapes depend on values:
+# what they are, and the fix
+_CTC = ("has no shape rule in torch for fake tensors (CTC loss: torch computes its output size by running it)",
+        " Compute the CTC loss outside the graphified function: return the log-probabilities from it "
+        "and call F.ctc_loss on them.")
 _NO_SHAPE_RULE = {
-    "aten._ctc_loss.default": (
-        "has no shape rule in torch for fake tensors (CTC loss: torch computes its output size by "
-        "running it)",
-        " Compute the CTC loss outside the graphified function: return the log-probabilities "
-        "from it and call F.ctc_loss on them."),
-    "aten._ctc_loss.Tensor": (
-        "has no shape rule in torch for fake tensors (CTC loss: torch computes its output size by "
-        "running it)",
-        " Compute the CTC loss outside the graphified function: return the log-probabilities "
-        "from it and call F.ctc_loss on them."),
+    "aten._ctc_loss.default": _CTC,
+    "aten._ctc_loss.Tensor": _CTC,
     "aten._pack_padded_sequence.default": (
         "computes a packed sequence's batch sizes on the host (pack_padded_sequence)",
         " Run the recurrent layer on the padded batch and mask the padded steps (or pack and "
@@ -135,16 +131,12 @@ _NO_SHAPE_RULE = {
 _FRIENDLY.update({k: v[0] for k, v in _NO_SHAPE_RULE.items()})
 _SPARSE_NNZ = ("makes a sparse tensor whose number of nonzeros depends on the data (its nnz, values() "
                "and indices() are known only when it runs: while tracing they would read 0)")
-# the ops that make such a tensor (a sparse tensor built from known indices, as nn.Embedding(sparse=True)'s
-# gradient, keeps a known number of nonzeros: allowed)
-_SPARSE_DATA_OPS = frozenset(f"aten.{n}.default" for n in (
-    "_to_sparse", "to_sparse", "_to_sparse_csr", "_to_sparse_csc", "_to_sparse_bsr",
-    "_to_sparse_bsc", "to_sparse_csr", "to_sparse_csc", "to_sparse_bsr", "to_sparse_bsc"))
-_FRIENDLY.update({k: _SPARSE_NNZ for k in _SPARSE_DATA_OPS})
-_FRIENDLY.update({k.replace(".default", ".sparse_dim"): _SPARSE_NNZ for k in _SPARSE_DATA_OPS})
-
-
-_SPARSE_MAKERS = frozenset(k.rsplit(".", 1)[0].replace("aten.", "aten::") for k in _SPARSE_DATA_OPS)
+# the ops that make such a tensor from a dense one (a sparse tensor built from known indices, as
+# nn.Embedding(sparse=True)'s gradient, keeps a known number of nonzeros: allowed)
+_SPARSE_MAKERS = frozenset(f"aten::{n}" for n in (
+    "_to_sparse", "to_sparse", "_to_sparse_csr", "_to_sparse_csc", "_to_sparse_bsr", "_to_sparse_bsc",
+    "to_sparse_csr", "to_sparse_csc", "to_sparse_bsr", "to_sparse_bsc"))
+_FRIENDLY.update({f"aten.{m[6:]}.{o}": _SPARSE_NNZ for m in _SPARSE_MAKERS for o in ("default", "sparse_dim")})
 
 
 def _sparse(t: Any) -> bool:
