@@ -249,8 +249,9 @@ def build_fast_path(owner: Any, entry: Any, rec: Any, pool: Any) -> Any:
         stale = " or ".join(f"type({tens[i]}) is _Stale" for i in rec.returned_inputs)
         call.append(f"if {stale}: REC.rescue_returned([{', '.join(tens)}])")
     if bind and cuda_replay:
-        # (a new output generation is captured on them)
-        call += ["if REC.must_retire:"] + ["    " + b for b in bind] + ["    REC._maybe_retire()"]
+        # (bound if a new output generation is captured on them)
+        st = "".join(f"{tens[i]}, " for i in rec.static_idx)
+        call.append(f"if REC.must_retire: REC._maybe_retire(({st}))")
     else:
         call.append("if REC.must_retire: REC._maybe_retire()")
     if esc:

@@ -377,11 +377,6 @@ class Handout:
         return pins or None
 
     def fresh(self, views_gone: bool = False) -> None:
-        """Give the groups the caller held (see ``poison``) other objects (see ``_fresh``)."""
-        self._fresh(views_gone)
-        self.vsum = sum(map(_version, self.objs))
-
-    def _fresh(self, views_gone: bool) -> None:
         """Give the groups the caller held (see ``poison``) other objects.
 
         They come from a spare generation whose objects of those groups
@@ -395,80 +390,84 @@ class Handout:
                 ``Recording._maybe_retire``): the objects handed out last, if
                 the caller dropped them too, are handed out again.
         """
-        self.need_fresh = False
-        spare = self.spare
-        held_groups = self.held_groups
-        # the caller changed an object (see poison): this generation is dropped, not kept
-        tainted, self.tainted = self.tainted, False
-        if held_groups is None:  # (always, when tainted)
-            if (
-                views_gone
-                and not tainted
-                and self.poisoned is None
-                and self.sealed == -2 - _seal_epoch[0]
-                and list(map(_getrefcount, self.objs)) == self.rc_base
-            ):
-                # every object was poisoned: no view appeared after the pins
-                for o in self.objs:
-                    o.__class__ = torch.Tensor
-                    del o._gt_message  # type: ignore[attr-defined]
-                return
-            for gen in spare:
-                if list(map(_getrefcount, gen.objs)) != gen.rc_base or (
-                    gen.sealed != _seal_epoch[0] and list(map(_use_count, gen.cdatas)) != self.uc_base
+        try:
+            self.need_fresh = False
+            spare = self.spare
+            held_groups = self.held_groups
+            # the caller changed an object (see poison): this generation is dropped, not kept
+            tainted, self.tainted = self.tainted, False
+            if held_groups is None:  # (always, when tainted)
+                if (
+                    views_gone
+                    and not tainted
+                    and self.poisoned is None
+                    and self.sealed == -2 - _seal_epoch[0]
+                    and list(map(_getrefcount, self.objs)) == self.rc_base
                 ):
-                    continue
-                poisoned = gen.poisoned
-                # (an object copy_back_stale took back has other memory now: the
-                # storage's use count above keeps its generation from coming back)
-                if poisoned is None:
-                    for o in gen.objs:
+                    # every object was poisoned: no view appeared after the pins
+                    for o in self.objs:
                         o.__class__ = torch.Tensor
                         del o._gt_message  # type: ignore[attr-defined]
-                elif poisoned:
-                    _revive(gen.objs if poisoned is SCAN else map(gen.objs.__getitem__, poisoned))
-                if tainted:
-                    spare.remove(gen)
-                    self.objs, self.storages, self.cdatas, self.rc_base = gen.objs, gen.storages, gen.cdatas, gen.rc_base
                     return
-                gen.objs, self.objs = self.objs, gen.objs
-                gen.storages, self.storages = self.storages, gen.storages
-                gen.cdatas, self.cdatas = self.cdatas, gen.cdatas
-                gen.rc_base, self.rc_base = self.rc_base, gen.rc_base
-                gen.poisoned, gen.sealed = self.poisoned, self.sealed
+                for gen in spare:
+                    if list(map(_getrefcount, gen.objs)) != gen.rc_base or (
+                        gen.sealed != _seal_epoch[0] and list(map(_use_count, gen.cdatas)) != self.uc_base
+                    ):
+                        continue
+                    poisoned = gen.poisoned
+                    # (an object copy_back_stale took back has other memory now: the
+                    # storage's use count above keeps its generation from coming back)
+                    if poisoned is None:
+                        for o in gen.objs:
+                            o.__class__ = torch.Tensor
+                            del o._gt_message  # type: ignore[attr-defined]
+                    elif poisoned:
+                        _revive(gen.objs if poisoned is SCAN else map(gen.objs.__getitem__, poisoned))
+                    if tainted:
+                        spare.remove(gen)
+                        self.objs, self.storages, self.cdatas, self.rc_base = gen.objs, gen.storages, gen.cdatas, gen.rc_base
+                        return
+                    gen.objs, self.objs = self.objs, gen.objs
+                    gen.storages, self.storages = self.storages, gen.storages
+                    gen.cdatas, self.cdatas = self.cdatas, gen.cdatas
+                    gen.rc_base, self.rc_base = self.rc_base, gen.rc_base
+                    gen.poisoned, gen.sealed = self.poisoned, self.sealed
+                    return
+                objs, storages, cdatas, rc_base = self._make()
+                if not tainted:
+                    spare.append(_Generation(self.objs, self.storages, self.cdatas, self.rc_base, self.poisoned, self.sealed))
+                    if len(spare) > 2:
+                        del spare[0]
+                self.objs, self.storages, self.cdatas, self.rc_base = objs, storages, cdatas, rc_base
                 return
-            objs, storages, cdatas, rc_base = self._make()
-            if not tainted:
-                spare.append(_Generation(self.objs, self.storages, self.cdatas, self.rc_base, self.poisoned, self.sealed))
-                if len(spare) > 2:
-                    del spare[0]
-            self.objs, self.storages, self.cdatas, self.rc_base = objs, storages, cdatas, rc_base
-            return
-        # some groups held: only those change objects, one group at a time
-        starts = self.starts
-        for gen in spare:
-            rcs = list(map(_getrefcount, gen.objs))
-            for gi in held_groups:
-                a, b = starts[gi], starts[gi + 1]
-                if _use_count(gen.cdatas[gi]) != self.uc_base[gi] or rcs[a:b] != gen.rc_base[a:b]:
+            # some groups held: only those change objects, one group at a time
+            starts = self.starts
+            for gen in spare:
+                rcs = list(map(_getrefcount, gen.objs))
+                for gi in held_groups:
+                    a, b = starts[gi], starts[gi + 1]
+                    if _use_count(gen.cdatas[gi]) != self.uc_base[gi] or rcs[a:b] != gen.rc_base[a:b]:
+                        break
+                else:
                     break
             else:
-                break
-        else:
-            objs, storages, cdatas, rc_base = self._make()
-            gen = _Generation(objs, storages, cdatas, rc_base, [], -1)
-            spare.append(gen)
-            if len(spare) > 2:
-                del spare[0]
-        for gi in held_groups:
-            a, b = starts[gi], starts[gi + 1]
-            got = gen.objs[a:b]
-            _revive(got)
-            gen.objs[a:b], self.objs[a:b] = self.objs[a:b], got
-            gen.rc_base[a:b], self.rc_base[a:b] = self.rc_base[a:b], gen.rc_base[a:b]
-            gen.storages[gi], self.storages[gi] = self.storages[gi], gen.storages[gi]
-            gen.cdatas[gi], self.cdatas[gi] = self.cdatas[gi], gen.cdatas[gi]
-        gen.poisoned, gen.sealed = SCAN, -1
+                objs, storages, cdatas, rc_base = self._make()
+                gen = _Generation(objs, storages, cdatas, rc_base, [], -1)
+                spare.append(gen)
+                if len(spare) > 2:
+                    del spare[0]
+            for gi in held_groups:
+                a, b = starts[gi], starts[gi + 1]
+                got = gen.objs[a:b]
+                _revive(got)
+                gen.objs[a:b], self.objs[a:b] = self.objs[a:b], got
+                gen.rc_base[a:b], self.rc_base[a:b] = self.rc_base[a:b], gen.rc_base[a:b]
+                gen.storages[gi], self.storages[gi] = self.storages[gi], gen.storages[gi]
+                gen.cdatas[gi], self.cdatas[gi] = self.cdatas[gi], gen.cdatas[gi]
+            gen.poisoned, gen.sealed = SCAN, -1
+        finally:
+            # (the objects handed out next: their versions as handed out, see poison)
+            self.vsum = sum(map(_version, self.objs))
 
     def adopt(self, old: Handout) -> None:
         """Keep handing out ``old``'s tensor objects, now over this memory.

@@ -236,7 +236,7 @@ class Recording:
         self.ring = [slot]
         self.active = 0
 
-    def _maybe_retire(self) -> None:
+    def _maybe_retire(self, statics: Sequence[torch.Tensor] = ()) -> None:
         """The caller keeps views of the active generation's outputs: write elsewhere.
 
         The caller's views of an earlier call then keep their values instead
@@ -246,6 +246,11 @@ class Recording:
         own), up to RING_SLOTS. Beyond that the active generation is replaced
         by new memory (its old memory stays with the views) and, where that
         costs a capture per call, a warning says so once.
+
+        Args:
+            statics: the call's in-place inputs (``static_idx`` order) where the
+                caller has not bound them yet (the fast path): bound only if a
+                new generation is captured (see bind_statics).
         """
         self.must_retire = False
         ring = self.ring
@@ -271,6 +276,10 @@ class Recording:
             if self.handout.need_fresh:
                 self.handout.fresh(views_gone=True)
             return
+        if statics:
+            args = self.gm_args
+            for i, t in zip(self.static_idx, statics):
+                args[i] = t
         if n < RING_SLOTS:
             ring.append(self._new_slot())
             self._use_slot(n)

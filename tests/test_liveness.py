@@ -679,3 +679,40 @@ def test_an_output_autograd_saved_and_then_overwritten_is_an_error_not_new_numbe
     w.grad = None
     losses[1].backward()
     assert w.grad.tolist() == [30.0, 60.0]
+
+
+def test_views_held_of_a_function_reading_its_inputs_in_place(device):
+    """The same tensor objects every call (read where they are, no copy; updated in place
+    between calls, as an optimizer does): the output generations that held views need are
+    made from the fast path, on this call's tensors, and every view keeps its own call's
+    values."""
+    w = torch.arange(4.0, device=device)
+    x = torch.ones(4, device=device)
+    g = gt.graphify(lambda w, x: (w * x + 1, w.sum()))
+    history = []
+    for k in range(12):
+        w.add_(1)
+        y, s = g(w, x)
+        history.append((y[1:], (w * x + 1)[1:]))
+        history = history[-5:]
+        for v, want in history:
+            assert_close(v, want)
+        assert_close(s, w.sum())
+    assert g.cache_info().hits >= 9
+
+
+def test_views_held_of_a_recurrent_state_fed_back(device):
+    """`h = g(h, w)` keeping views of the last calls' states: the fed-back output is the
+    caller's argument while the next call poisons it."""
+    w = torch.full((4,), 0.5, device=device)
+    g = gt.graphify(lambda h, w: torch.tanh(h * w + 1))
+    h = torch.zeros(4, device=device)
+    he = h.clone()
+    views = []
+    for k in range(12):
+        h = g(h, w)
+        he = torch.tanh(he * w + 1)
+        views.append((h[:2], he[:2].clone()))
+        views = views[-4:]
+        for v, want in views:
+            assert_close(v, want)
