@@ -690,7 +690,7 @@ def test_views_held_of_a_function_reading_its_inputs_in_place(device):
     x = torch.ones(4, device=device)
     g = gt.graphify(lambda w, x: (w * x + 1, w.sum()))
     history = []
-    for k in range(12):
+    for _ in range(12):
         w.add_(1)
         y, s = g(w, x)
         history.append((y[1:], (w * x + 1)[1:]))
@@ -709,7 +709,7 @@ def test_views_held_of_a_recurrent_state_fed_back(device):
     h = torch.zeros(4, device=device)
     he = h.clone()
     views = []
-    for k in range(12):
+    for _ in range(12):
         h = g(h, w)
         he = torch.tanh(he * w + 1)
         views.append((h[:2], he[:2].clone()))
