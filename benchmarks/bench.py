@@ -1536,13 +1536,17 @@ def time_method(p: Prepared, ctx: Ctx, opts: argparse.Namespace) -> Dict[str, An
     return timing_summary([time_block(p, ctx, n) for _ in range(opts.repeats)], n)
 
 
-INTERLEAVED = ("graph_replay", "gt_same", "gt_held", "gt_views")
-"""Columns whose ratios are targets (gt ÷ floor, views ÷ held): timed in turn, repeat by repeat.
+INTERLEAVED = ("graph_replay", "gt_same", "gt_held", "gt_views", "compile", "jax", "gt_fused")
+"""Columns whose ratios are targets (gt ÷ floor, views ÷ held, fuse=True ÷ torch.compile and
+jax.jit): timed in turn, repeat by repeat.
 
 On the lent GPU hosts the host's speed drifts within a process: the same torch call
 (`fill_`, `cudaLaunchKernel`) was seen to cost 2.5x more from one second to the next
 (benchmarks/NOTES.md). Host-bound rows timed column after column then compare different
-moments of the host, not the columns; timed in turn, each drift falls on all of them.
+moments of the host, not the columns; timed in turn, each drift falls on all of them. The
+device drifts too: on the Llama decode row, whose fuse=True and torch.compile graphs run the
+same kernels (76 and 77 per call), timed one after the other they gave 192.7 and 191.7 us,
+in turn 191.4 and 195.0 (benchmarks/_probe_llama.py, NOTES, thirteenth session).
 """
 
 
