@@ -1536,17 +1536,19 @@ def time_method(p: Prepared, ctx: Ctx, opts: argparse.Namespace) -> Dict[str, An
     return timing_summary([time_block(p, ctx, n) for _ in range(opts.repeats)], n)
 
 
-INTERLEAVED = ("graph_replay", "gt_same", "gt_held", "gt_views", "compile", "jax", "gt_fused")
-"""Columns whose ratios are targets (gt ÷ floor, views ÷ held, fuse=True ÷ torch.compile and
-jax.jit): timed in turn, repeat by repeat.
+INTERLEAVED = ("graph_replay", "gt_same", "gt_held", "gt_views")
+"""Columns whose ratios are targets (gt ÷ floor, views ÷ held): timed in turn, repeat by repeat.
 
 On the lent GPU hosts the host's speed drifts within a process: the same torch call
 (`fill_`, `cudaLaunchKernel`) was seen to cost 2.5x more from one second to the next
 (benchmarks/NOTES.md). Host-bound rows timed column after column then compare different
-moments of the host, not the columns; timed in turn, each drift falls on all of them. The
-device drifts too: on the Llama decode row, whose fuse=True and torch.compile graphs run the
-same kernels (76 and 77 per call), timed one after the other they gave 192.7 and 191.7 us,
-in turn 191.4 and 195.0 (benchmarks/_probe_llama.py, NOTES, thirteenth session).
+moments of the host, not the columns; timed in turn, each drift falls on all of them.
+
+torch.compile's column is not among them: timed in turn with CUDA graphs replayed between
+its calls, its CUDA graph trees left the process with an illegal memory access by the next
+row (torch 2.11, H100; jax.jit and fuse=True in turn were fine; NOTES, thirteenth session).
+Its ratio to fuse=True is timed one column after the other; `benchmarks/_probe_llama.py`
+times the two in turn on the row where they are closest.
 """
 
 
@@ -2203,17 +2205,13 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(f"[{w.name}] {row_cell['status']}: {row_cell.get('reason') or row_cell.get('error')}", flush=True)
             continue
         pending = []
-        # torch.compile's column is built last: every later column starts by clearing dynamo's
-        # caches (compile_caches), which destroys its CUDA graph trees, and it is timed after
-        # them (time_interleaved)
-        for m in sorted(methods, key=lambda m: m == "compile"):
+        for m in methods:
             cell = run_cell(m, ctx, opts)
             wr["cells"][m] = cell
             if cell["status"] == "pending":
                 pending.append(m)
             else:
                 print_cell(w.name, m, cell)
-        wr["cells"] = {m: wr["cells"][m] for m in methods}
         time_interleaved(ctx, wr, opts)
         for m in pending:
             print_cell(w.name, m, wr["cells"][m])

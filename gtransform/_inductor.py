@@ -104,10 +104,13 @@ class _Inductor:
             from torch._inductor.compile_fx import compile_fx
             from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-            from . import _gemm
+            from . import _gemm, _gemv
             from ._log import log
 
             gm = torch.fx.GraphModule(self.gm, copy.deepcopy(self.gm.graph))
+            small = _gemv.rewrite(gm)  # x @ w.t() of a few rows: first (_gemm leaves them alone)
+            if small["gemv"]:
+                log.info("fuse=True: %s", _gemv.describe(small))
             launches: list = []
             counts = _gemm.rewrite(gm, launches=launches)
             building = []
