@@ -111,18 +111,9 @@ def _launch(a: torch.Tensor, ws: Sequence[torch.Tensor], biases: Sequence[Option
     kernel = _kernel()
     dev = torch.cuda.current_device()
     for s in range(0, len(ws), SLOTS):
-        args: List[Any] = [a, m, k, a.stride(0), a.stride(1)]
-        progs = 0
-        for j in range(s, s + SLOTS):
-            if j < len(ws):
-                w, b, o = ws[j].contiguous(), biases[j], outs[j]
-                n = w.shape[0]
-                args += [w, o if b is None else b, o, n, int(b is not None)]
-                progs += -(-n // BN)
-            else:
-                args += [a, a, outs[s], 0, 0]
-        consts = dict(BN=BN, BK=_block_k(k), num_warps=4, num_stages=2)
-        grid = (progs,)
+        part = range(s, min(s + SLOTS, len(ws)))
+        grid, args, consts = _plan(a, [ws[j].contiguous() for j in part], [biases[j] for j in part],
+                                   [outs[j] for j in part])
         # as gtransform._gemm: Triton's binding picks (or compiles) the variant, the CUDA
         # driver launches it (no C launcher built for it)
         compiled = kernel.warmup(*args, grid=grid, **consts)
@@ -134,6 +125,90 @@ def _launch(a: torch.Tensor, ws: Sequence[torch.Tensor], biases: Sequence[Option
         else:
             run(grid, torch.cuda.current_stream().cuda_stream, args)
     return outs
+
+
+def _plan(a: Any, ws: Sequence[Any], biases: Sequence[Any], outs: Sequence[Any]
+          ) -> Tuple[Tuple[int], List[Any], Dict[str, Any]]:
+    """The grid, arguments and compile-time constants of one launch (at most SLOTS products).
+
+    Tensors may be dtypes (:func:`precompile`: Triton builds the same variant from them).
+    """
+    m, k = _shape(a)
+    args: List[Any] = [a, m, k, *_strides(a)]
+    progs = 0
+    for j in range(SLOTS):
+        if j < len(ws):
+            n = _shape(ws[j])[0]
+            args += [ws[j], outs[j] if biases[j] is None else biases[j], outs[j], n, int(biases[j] is not None)]
+            progs += -(-n // BN)
+        else:
+            args += [a, a, outs[0], 0, 0]
+    return (progs,), args, dict(BN=BN, BK=_block_k(k), num_warps=4, num_stages=2)
+
+
+class _Spec:
+    """A tensor's sizes and strides: what :func:`precompile` plans a launch from."""
+
+    def __init__(self, shape: Sequence[int], strides: Sequence[int]):
+        self.shape, self.strides = tuple(int(x) for x in shape), tuple(int(x) for x in strides)
+
+
+def _shape(t: Any) -> Tuple[int, ...]:
+    return t.shape if isinstance(t, _Spec) else tuple(t.shape)
+
+
+def _strides(t: Any) -> Tuple[int, ...]:
+    return t.strides if isinstance(t, _Spec) else tuple(t.stride())
+
+
+def precompile(groups: Sequence[Tuple[Any, Sequence[Any], Sequence[bool]]]) -> List[Any]:
+    """Start compiling, in threads, the kernel variants these groups' launches will need.
+
+    Each group is ``(a, ns, has_bias)``: the input's fake tensor (a graph value), each
+    product's output count and whether it adds a bias. As
+    :func:`gtransform._gemm.precompile`: the kernels build while inductor compiles the
+    rest of the graph; a launch whose variant is not ready compiles it then.
+
+    Returns:
+        Futures to wait on (their failures are only logged: the launch reports them).
+    """
+    if not groups:
+        return []
+    import concurrent.futures
+
+    import triton  # noqa: F401  (imported here, once, not in each thread)
+
+    kernel = _kernel()
+    f32 = torch.float32
+    seen, jobs = set(), []
+    for a, ns, has_bias in groups:
+        m, k = (int(x) for x in a.shape)
+        for s in range(0, len(ns), SLOTS):
+            part = range(s, min(s + SLOTS, len(ns)))
+            grid, args, consts = _plan(_Spec(a.shape, a.stride()), [_Spec((ns[j], k), (k, 1)) for j in part],
+                                       [f32 if has_bias[j] else None for j in part],
+                                       [_Spec((m, ns[j]), (ns[j], 1)) for j in part])
+            # Triton specializes integers on being 1 or a multiple of 16 (the bias flags not at all)
+            ints = tuple(v for v in args if isinstance(v, int))
+            key = (tuple(1 if v == 1 else 16 if v % 16 == 0 else 0 for v in ints), tuple(sorted(consts.items())))
+            if key not in seen:
+                seen.add(key)
+                jobs.append(([f32 if isinstance(v, _Spec) or v is f32 else v for v in args], grid, consts))
+    device = groups[0][0].device.index
+    device = torch.cuda.current_device() if device is None else device
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=min(4, len(jobs)), thread_name_prefix="gtransform-gemv")
+
+    def build(args: List[Any], grid: Any, consts: Dict[str, Any]) -> None:
+        with torch.cuda.device(device):  # Triton compiles for (and caches under) the current device
+            compiled = kernel.warmup(*args, grid=grid, **consts)
+            if _cubin.launcher(compiled, device) is None:  # loads it for our own launch
+                init = getattr(compiled, "_init_handles", None)
+                if init is not None:
+                    init()
+
+    futures = [pool.submit(build, args, grid, consts) for args, grid, consts in jobs]
+    pool.shutdown(wait=False)
+    return futures
 
 
 def _reference(a: torch.Tensor, ws: Sequence[torch.Tensor], biases: Sequence[Optional[torch.Tensor]]) -> List[torch.Tensor]:
@@ -209,12 +284,14 @@ def _match(node: Any, device: str) -> Optional[Tuple[Any, Any, Any]]:
     return a, w, bias
 
 
-def rewrite(gm: torch.fx.GraphModule, device: str = "cuda") -> Dict[str, int]:
+def rewrite(gm: torch.fx.GraphModule, device: str = "cuda", launches: Optional[List[Any]] = None) -> Dict[str, int]:
     """Swap small products ``x @ w.t()`` in ``gm`` for ``gtransform::gemv``, those reading one input grouped.
 
     Args:
         gm: a traced graph whose nodes carry their fake values (``meta["val"]``).
         device: the device type whose products are swapped (the tests swap CPU ones).
+        launches: if given, each group's ``(a, ns, has_bias)`` is appended to it (for
+            :func:`precompile`).
 
     Returns:
         ``{"gemv": products swapped, "launches": kernels they became}``.
@@ -249,6 +326,8 @@ def rewrite(gm: torch.fx.GraphModule, device: str = "cuda") -> Dict[str, int]:
     op = _op()
     for group in groups:
         first, a = group[0][0], group[0][1]
+        if launches is not None:
+            launches.append((_val(a), [int(_val(g[0]).shape[1]) for g in group], [g[3] is not None for g in group]))
         with graph.inserting_before(first):
             new = graph.call_function(op, (a, [g[2] for g in group], [g[3] for g in group]))
             new.meta["val"] = [_val(g[0]) for g in group]

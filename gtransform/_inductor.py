@@ -108,20 +108,22 @@ class _Inductor:
             from ._log import log
 
             gm = torch.fx.GraphModule(self.gm, copy.deepcopy(self.gm.graph))
-            small = _gemv.rewrite(gm)  # x @ w.t() of a few rows: first (_gemm leaves them alone)
+            groups: list = []
+            small = _gemv.rewrite(gm, launches=groups)  # x @ w.t() of a few rows (_gemm leaves them alone)
+            building: list = []
             if small["gemv"]:
                 log.info("fuse=True: %s", _gemv.describe(small))
+                building += _gemv.precompile(groups)  # in threads, while inductor compiles
             launches: list = []
             counts = _gemm.rewrite(gm, launches=launches)
-            building = []
             if counts["gemm"]:
                 log.info("fuse=True: %s", _gemm.describe(counts))
-                building = _gemm.precompile(launches)  # in threads, while inductor compiles
+                building += _gemm.precompile(launches)
             fake = FakeTensorMode(shape_env=ShapeEnv(), static_shapes=True, allow_non_fake_inputs=True)
             examples = [fake.from_tensor(a, static_shapes=True) if isinstance(a, torch.Tensor) else a for a in args]
             with tracing(TracingContext(fake)), torch._inductor.config.patch(config()):
                 fn = self.fn = compile_fx(gm, examples)
             for job in building:
                 if job.exception() is not None:  # waits; the launch will compile it and report
-                    log.debug("fuse=True: precompiling a gemm kernel failed: %r", job.exception())
+                    log.debug("fuse=True: precompiling a kernel failed: %r", job.exception())
         return fn(*args)

@@ -201,8 +201,8 @@ def test_closed_over_linear_layers_are_grouped_and_match_eager(monkeypatch):
     seen = []
     real = _gemv.rewrite
 
-    def on_cpu(gm, device="cuda"):
-        seen.append(real(gm, "cpu"))
+    def on_cpu(gm, device="cuda", launches=None):
+        seen.append(real(gm, "cpu"))  # (no launches: nothing for Triton to precompile)
         return seen[-1]
 
     monkeypatch.setattr(_gemv, "rewrite", on_cpu)
@@ -219,3 +219,20 @@ def test_closed_over_linear_layers_are_grouped_and_match_eager(monkeypatch):
             x = torch.randn(1, 1, 16) + i
             assert_close(g(x), f(x))
     assert seen and seen[0] == {"gemv": 3, "launches": 1}
+
+
+def test_precompile_plans_the_launch_s_very_arguments():
+    """precompile builds the kernel variant from sizes and strides alone: the integers it
+    plans must be the launch's (Triton keys its variants on them)."""
+    a = torch.randn(8, 3).t()[:2]  # a strided input: (2, 8) with strides (1, 3)
+    ws = [torch.randn(n, 8) for n in (5, 16, 7, 1, 9)]
+    bs = [None, torch.randn(16), None, torch.randn(1), None]
+    outs = [torch.empty(2, w.shape[0]) for w in ws]
+    for s in (0, _gemv.SLOTS):
+        part = range(s, min(s + _gemv.SLOTS, len(ws)))
+        real = _gemv._plan(a, [ws[j] for j in part], [bs[j] for j in part], [outs[j] for j in part])
+        spec = _gemv._plan(_gemv._Spec(a.shape, a.stride()), [_gemv._Spec(ws[j].shape, (8, 1)) for j in part],
+                           [torch.float32 if bs[j] is not None else None for j in part],
+                           [_gemv._Spec((2, ws[j].shape[0]), (ws[j].shape[0], 1)) for j in part])
+        ints = lambda args: [v for v in args if isinstance(v, int)]  # noqa: E731
+        assert real[0] == spec[0] and real[2] == spec[2] and ints(real[1]) == ints(spec[1])
