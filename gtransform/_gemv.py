@@ -308,6 +308,12 @@ def rewrite(gm: torch.fx.GraphModule, device: str = "cuda", launches: Optional[L
             continue
         hit = _match(node, device)
         if hit is None:
+            # the trace is not functional: an op writing in place (the input, a weight, a
+            # cache) between two products ends every group (a later product must not move
+            # before it); calls of unknown effect too
+            schema = getattr(node.target, "_schema", None)
+            if (schema.is_mutable if schema is not None else node.target is not operator.getitem):
+                open_group.clear()
             continue
         a, w, bias = hit
         key = _source(a)

@@ -236,3 +236,31 @@ def test_precompile_plans_the_launch_s_very_arguments():
                            [_gemv._Spec((2, ws[j].shape[0]), (ws[j].shape[0], 1)) for j in part])
         ints = lambda args: [v for v in args if isinstance(v, int)]  # noqa: E731
         assert real[0] == spec[0] and real[2] == spec[2] and ints(real[1]) == ints(spec[1])
+
+
+@pytest.mark.parametrize("write", ["input", "input_view", "weight_view", "other"])
+def test_a_write_in_place_between_two_products_keeps_them_apart(write):
+    """The trace is not functional and a group runs where its first product was: a product
+    after a write in place must not move before it (it would read the old input or weight).
+    A write to the tensor itself shows in the graph (later uses read the write's result);
+    one through a view does not (later uses read the same node): the pass ends its groups
+    at every write."""
+    x, w1, w2, c = torch.randn(1, 16), torch.randn(8, 16), torch.randn(8, 16), torch.zeros(3)
+
+    def f(x, w1, w2, c):
+        y1 = F.linear(x, w1)
+        if write == "input":
+            x.mul_(2)
+        elif write == "input_view":
+            x[:, :4].mul_(2)
+        elif write == "weight_view":
+            w2[0].add_(1)
+        else:
+            c.add_(1)  # writes neither: still a barrier (the pass does not track aliasing)
+        return y1, F.linear(x, w2)
+
+    gm = traced(f, x, w1, w2, c)
+    args = lambda: (x.clone(), w1.clone(), w2.clone(), c.clone())  # noqa: E731
+    ref = gm(*args())
+    assert _gemv.rewrite(gm, "cpu") == {"gemv": 2, "launches": 2}
+    assert_close(gm(*args()), ref)
