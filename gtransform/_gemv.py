@@ -131,7 +131,8 @@ def _plan(a: Any, ws: Sequence[Any], biases: Sequence[Any], outs: Sequence[Any]
           ) -> Tuple[Tuple[int], List[Any], Dict[str, Any]]:
     """The grid, arguments and compile-time constants of one launch (at most SLOTS products).
 
-    Tensors may be dtypes (:func:`precompile`: Triton builds the same variant from them).
+    The tensors may be :class:`_Spec` (sizes and strides alone: :func:`precompile`, which
+    hands Triton dtypes in their place, and it builds the variant a launch will pick).
     """
     m, k = _shape(a)
     args: List[Any] = [a, m, k, *_strides(a)]
