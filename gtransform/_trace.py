@@ -129,6 +129,22 @@ _NO_SHAPE_RULE = {
         "unpack outside the graphified function)."),
 }
 _FRIENDLY.update({k: v[0] for k, v in _NO_SHAPE_RULE.items()})
+_FRIENDLY["aten.equal.default"] = "compares two tensors on the host (torch.equal)"
+# public functions that read values on the host inside torch (a line of the call stack
+# matching the pattern), and the fix: an equivalent without the read
+_PUBLIC_HINTS = (
+    (r"\b(cov|corrcoef)\(",
+     " torch.cov and torch.corrcoef check their normalisation factor on the host. Write the "
+     "product out: xc = x - x.mean(dim=1, keepdim=True); cov = xc @ xc.T.conj() / (x.shape[1] - 1) "
+     "(corrcoef: d = cov.diagonal().sqrt(); cov / torch.outer(d, d))."),
+    (r"\blstsq\(",
+     " torch.linalg.lstsq picks its driver's work and its result from the matrix on the host. "
+     "Use torch.linalg.pinv(A) @ B, or, for a well-conditioned full-rank A, "
+     "torch.linalg.solve(A.mT @ A, A.mT @ B)."),
+    (r"\bcombinations\(",
+     " torch.combinations selects its pairs with a mask. Index with fixed indices instead: "
+     "i, j = torch.triu_indices(n, n, offset=1, device=x.device); torch.stack([x[i], x[j]], dim=-1)."),
+)
 _SPARSE_NNZ = ("makes a sparse tensor whose number of nonzeros depends on the data (its nnz, values() "
                "and indices() are known only when it runs: while tracing they would read 0)")
 # the ops that make such a tensor from a dense one (a sparse tensor built from known indices, as
@@ -430,6 +446,10 @@ def _data_dependent(desc: str, exc: BaseException, cuda: bool = False) -> Graphi
     hint = ""
     if key in _NO_SHAPE_RULE:
         hint = _NO_SHAPE_RULE[key][1]
+    if not hint:
+        # public functions whose aten ops read values on the host (their names alone say little)
+        called = " ".join(f.line for f in tb if f.line)
+        hint = next((h for pattern, h in _PUBLIC_HINTS if re.search(pattern, called)), "")
     own_fix = bool(hint) or op_desc is _SPARSE_NNZ  # the fix is the hint alone (the generic one misleads)
     one_hot = [f for f in tb if f.line and "one_hot" in f.line]
     if one_hot and not hint:

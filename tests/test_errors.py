@@ -615,3 +615,40 @@ def test_module_attributes_on_graphify_of_a_module_say_it_is_a_function():
     assert not hasattr(g, "no_such_attribute") and g.__wrapped__ is model
     f = gt.graphify(lambda p, x: torch.func.functional_call(model, p, (x,)))
     assert_close(f(params, torch.randn(2, 3)), torch.zeros(2, 1))
+
+
+@pytest.mark.parametrize("name", ["cov", "corrcoef", "lstsq", "combinations"])
+def test_public_functions_reading_values_on_the_host_name_a_fix_that_records(name):
+    """torch.cov / corrcoef (a host check of their normalisation), linalg.lstsq and
+    combinations are refused with their own fix; the fix given records and gives eager's
+    numbers."""
+    x = torch.randn(3, 6)
+    bad = {"cov": lambda x: torch.cov(x), "corrcoef": lambda x: torch.corrcoef(x),
+           "lstsq": lambda x: torch.linalg.lstsq(x.T, torch.ones(6, 2)).solution,
+           "combinations": lambda x: torch.combinations(x[0])}[name]
+    with pytest.raises(gt.GraphifyError) as ei:
+        gt.graphify(bad)(x)
+    msg = str(ei.value)
+    want = {"cov": "xc @ xc.T.conj()", "corrcoef": "torch.outer(d, d)", "lstsq": "torch.linalg.pinv(A) @ B",
+            "combinations": "torch.triu_indices"}[name]
+    assert want in msg and "Fix:" in msg and "test_errors.py" in msg, msg
+    assert "static_argnums" not in msg  # the generic fix would mislead
+
+    def cov(x):
+        xc = x - x.mean(dim=1, keepdim=True)
+        return xc @ xc.T.conj() / (x.shape[1] - 1)
+
+    def comb(v):
+        i, j = torch.triu_indices(v.shape[0], v.shape[0], offset=1, device=v.device)
+        return torch.stack([v[i], v[j]], dim=-1)
+
+    fixed, eager = {
+        "cov": (cov, torch.cov),
+        "corrcoef": (lambda x: (lambda c, d: c / torch.outer(d, d))(cov(x), cov(x).diagonal().sqrt()), torch.corrcoef),
+        "lstsq": (lambda x: torch.linalg.pinv(x.T) @ torch.ones(6, 2), lambda x: torch.linalg.lstsq(x.T, torch.ones(6, 2)).solution),
+        "combinations": (lambda x: comb(x[0]), lambda x: torch.combinations(x[0])),
+    }[name]
+    g = gt.graphify(fixed)
+    for _ in range(2):
+        x = torch.randn(3, 6)
+        torch.testing.assert_close(g(x), eager(x), rtol=1e-4, atol=1e-5)
