@@ -620,19 +620,23 @@ def test_module_attributes_on_graphify_of_a_module_say_it_is_a_function():
 @pytest.mark.parametrize("name", ["cov", "corrcoef", "lstsq", "combinations"])
 def test_public_functions_reading_values_on_the_host_name_a_fix_that_records(name):
     """torch.cov / corrcoef (a host check of their normalisation), linalg.lstsq and
-    combinations are refused with their own fix; the fix given records and gives eager's
-    numbers."""
+    combinations are refused with their own fix where torch reads values on the host (a
+    torch that does not records them: eager's numbers); the fix given records and gives
+    eager's numbers."""
     x = torch.randn(3, 6)
     bad = {"cov": lambda x: torch.cov(x), "corrcoef": lambda x: torch.corrcoef(x),
            "lstsq": lambda x: torch.linalg.lstsq(x.T, torch.ones(6, 2)).solution,
            "combinations": lambda x: torch.combinations(x[0])}[name]
-    with pytest.raises(gt.GraphifyError) as ei:
-        gt.graphify(bad)(x)
-    msg = str(ei.value)
-    want = {"cov": "xc @ xc.T.conj()", "corrcoef": "torch.outer(d, d)", "lstsq": "torch.linalg.pinv(A) @ B",
-            "combinations": "torch.triu_indices"}[name]
-    assert want in msg and "Fix:" in msg and "test_errors.py" in msg, msg
-    assert "static_argnums" not in msg  # the generic fix would mislead
+    try:
+        got = gt.graphify(bad)(x)
+    except gt.GraphifyError as e:
+        msg = str(e)
+        want = {"cov": "xc @ xc.T.conj()", "corrcoef": "torch.outer(d, d)", "lstsq": "torch.linalg.pinv(A) @ B",
+                "combinations": "torch.triu_indices"}[name]
+        assert want in msg and "Fix:" in msg and "test_errors.py" in msg, msg
+        assert "static_argnums" not in msg  # the generic fix would mislead
+    else:  # a torch whose implementation reads nothing on the host (torch 2.14's combinations)
+        torch.testing.assert_close(got, bad(x), rtol=1e-4, atol=1e-5)
 
     def cov(x):
         xc = x - x.mean(dim=1, keepdim=True)
