@@ -37,7 +37,7 @@ import torch
 
 from . import _cubin
 
-__all__ = ["rewrite", "gemm", "precompile", "pick_config", "Config", "ACT_NONE", "ACT_RELU"]
+__all__ = ["rewrite", "gemm", "precompile", "pick_config", "product_operands", "Config", "ACT_NONE", "ACT_RELU"]
 
 ACT_NONE, ACT_RELU = 0, 1
 
@@ -342,6 +342,16 @@ def _bias_ok(bias: Any, m: int, n: int, device: str) -> bool:
         return False
 
 
+def product_operands(node: Any) -> Optional[Tuple[Any, Any, Any]]:
+    """``(bias, a, b)`` of a node ``a @ b`` (``mm``, bias None) or ``bias + a @ b`` (unscaled ``addmm``), else None."""
+    if node.target is _aten.mm.default and len(node.args) == 2 and not node.kwargs:
+        return (None, *node.args)
+    if node.target is _aten.addmm.default and len(node.args) == 3 \
+            and all(node.kwargs.get(k, 1) == 1 for k in ("beta", "alpha")) and set(node.kwargs) <= {"beta", "alpha"}:
+        return tuple(node.args)  # type: ignore[return-value]
+    return None
+
+
 def _only_user(node: Any) -> Any:
     users = list(node.users)
     return users[0] if len(users) == 1 else None
@@ -377,14 +387,10 @@ def rewrite(gm: torch.fx.GraphModule, device: str = "cuda", launches: Optional[L
     for node in list(graph.nodes):
         if node.op != "call_function":
             continue
-        bias = None
-        if node.target is _aten.mm.default and len(node.args) == 2 and not node.kwargs:
-            a, b = node.args
-        elif node.target is _aten.addmm.default and len(node.args) == 3 \
-                and all(node.kwargs.get(k, 1) == 1 for k in ("beta", "alpha")) and set(node.kwargs) <= {"beta", "alpha"}:
-            bias, a, b = node.args
-        else:
+        operands = product_operands(node)
+        if operands is None:
             continue
+        bias, a, b = operands
         if not _eligible(a, b, device):
             continue
         m, n = _val(a).shape[0], _val(b).shape[1]

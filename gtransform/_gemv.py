@@ -33,7 +33,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from . import _cubin
-from ._gemm import _f32_on, _reach, _val, enabled
+from ._gemm import _f32_on, _reach, _val, enabled, product_operands
 
 __all__ = ["rewrite", "gemv", "describe", "MAX_ROWS", "MAX_WEIGHT", "SLOTS"]
 
@@ -256,14 +256,10 @@ def _source(a: Any) -> Tuple[Any, Tuple[int, ...]]:
 
 def _match(node: Any, device: str) -> Optional[Tuple[Any, Any, Any]]:
     """``(a, w, bias)`` if ``node`` is ``a @ t(w)`` (+ bias) the kernel takes, else None."""
-    bias = None
-    if node.target is _aten.mm.default and len(node.args) == 2 and not node.kwargs:
-        a, b = node.args
-    elif node.target is _aten.addmm.default and len(node.args) == 3 \
-            and all(node.kwargs.get(k, 1) == 1 for k in ("beta", "alpha")) and set(node.kwargs) <= {"beta", "alpha"}:
-        bias, a, b = node.args
-    else:
+    operands = product_operands(node)
+    if operands is None:
         return None
+    bias, a, b = operands
     if getattr(b, "op", None) != "call_function" or b.target is not _aten.t.default:
         return None
     w = b.args[0]

@@ -11,24 +11,12 @@ import torch.nn.functional as F
 from conftest import assert_close
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.fx.experimental.proxy_tensor import make_fx
+
+# the gemm tests' helpers, and their autouse fixture (full float32 precision, the kernels' mode)
+from test_gemm import _ieee, cuda, traced  # noqa: F401
 
 import gtransform as gt
 from gtransform import _gemv
-
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-
-
-@pytest.fixture(autouse=True)
-def _ieee():
-    old = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = old
-
-
-def traced(fn, *args):
-    return make_fx(fn, tracing_mode="fake")(*args)
 
 
 def gemv_nodes(gm):
