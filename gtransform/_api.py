@@ -1071,8 +1071,11 @@ def _resolve_static(fn: Callable[..., Any], nums: Tuple[int, ...], names: Tuple[
         known = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
         unknown = [n for n in names if n not in known]
         if unknown:
-            warnings.warn(f"{desc}: static_argnames {unknown} name no parameter of the function "
-                          f"(its parameters: {sorted(known)}); they have no effect.", stacklevel=4)
+            # (jax.jit raises too: a misspelt name would leave the argument traced, silently)
+            raise ValueError(
+                f"{desc}: static_argnames {unknown} name no parameter of the function (its parameters: "
+                f"{sorted(known)}). Fix: name a parameter of the function, or give its position with "
+                "static_argnums.")
     for j in list(nums_out):
         if j < len(positional) and positional[j].kind == positional[j].POSITIONAL_OR_KEYWORD:
             names_out.add(positional[j].name)

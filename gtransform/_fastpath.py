@@ -133,7 +133,8 @@ def _const_check(g: _Gen, name: str, value: Any) -> str:
         if math.isnan(value):
             return f"type({name}) is not float or {name} == {name}"
         sign = math.copysign(1.0, value)
-        return f"type({name}) is not float or {name} != {value!r} or _copysign(1.0, {name}) != {sign!r}"
+        # (a named constant: repr(inf) is `inf`, not a Python expression)
+        return f"type({name}) is not float or {name} != {g.const(value)} or _copysign(1.0, {name}) != {sign!r}"
     if t in _SIMPLE_LEAF_TYPES:
         return f"type({name}) is not {g.const(t)} or {name} != {g.const(value)}"
     return f"_key({name}) != {g.const(static_leaf_key(value))}"

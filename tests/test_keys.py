@@ -48,6 +48,19 @@ def test_a_nan_static_argument_is_one_signature():
     assert g.cache_info().currsize == 1
 
 
+@pytest.mark.parametrize("static", [False, True], ids=["leaf", "argnum"])
+def test_infinite_static_floats_replay(static):
+    # the fast path's generated code wrote repr(inf), `inf`: a NameError from the third call
+    g = gt.graphify(lambda x, p: torch.linalg.vector_norm(x, ord=p), static_argnums=1 if static else ())
+    for p in (float("inf"), float("-inf"), float("inf"), float("-inf"), 2.0):
+        for _ in range(3):
+            x = torch.randn(5)
+            assert_close(g(x, p), torch.linalg.vector_norm(x, ord=p))
+    assert g.cache_info().currsize == 3
+    # a different float is a different signature, inf and -inf included
+    assert g.cache_info().misses == 3
+
+
 def test_a_dataclass_input_is_taken_apart_whatever_the_process_met_first():
     import dataclasses
 
@@ -81,5 +94,11 @@ def test_static_argnames_none_and_unknown_names():
     assert_close(g(torch.ones(2)), torch.full((2,), 2.0))
     with pytest.raises(TypeError, match=r"static_argnames=\.\.\.\): expected a string or strings, got 3"):
         gt.graphify(lambda x: x, static_argnames=3)
-    with pytest.warns(UserWarning, match=r"static_argnames \['nope'\] name no parameter"):
+    # a misspelt name is an error, as in jax.jit (it left the argument traced, silently)
+    with pytest.raises(ValueError, match=r"(?s)static_argnames \['nope'\] name no parameter.*Fix: name a parameter"):
         gt.graphify(lambda x: x, static_argnames="nope")
+    with pytest.raises(ValueError, match=r"\['typo'\]"):
+        gt.graphify(lambda x, k: x * k, static_argnames=("k", "typo"))
+    # **kwargs takes any name
+    g = gt.graphify(lambda x, **kw: x * kw["k"], static_argnames="k")
+    assert_close(g(torch.ones(2), k=3), torch.full((2,), 3.0))
