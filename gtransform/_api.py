@@ -239,6 +239,9 @@ class Graphified(Generic[P, R]):
         nums, names = _resolve_static(fn, nums, names, self._desc)
         self._static_argnums = frozenset(nums)
         self._static_argnames = frozenset(names)
+        # (what copies are made with: see __deepcopy__)
+        self._options = {"static_argnums": nums, "static_argnames": names, "pool": pool, "maxsize": maxsize,
+                         "fuse": fuse}
         self._has_static = bool(nums or names)
         self._pool = pool
         self._maxsize = maxsize
@@ -436,6 +439,24 @@ class Graphified(Generic[P, R]):
 
     def __repr__(self) -> str:
         return f"<{self._desc}>"
+
+    # -- copies: a new graphified function of a copy of ``fn``, with the same options and no
+    # recordings (recordings hold memory and thread state, which are not copied). So
+    # copy.deepcopy(model) after `model.forward = gt.graphify(model.forward)` (EMA,
+    # swa_utils.AveragedModel) graphifies the copy's forward, and pickling keeps the options.
+    def __copy__(self) -> Graphified[P, R]:
+        return Graphified(self._fn, **self._options)
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> Graphified[P, R]:
+        import copy
+
+        return Graphified(copy.deepcopy(self._fn, memo), **self._options)
+
+    def __getstate__(self) -> Dict[str, Any]:
+        return {"fn": self._fn, "options": self._options}
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.__init__(state["fn"], **state["options"])  # type: ignore[misc]
 
     def __getattr__(self, name: str) -> Any:
         # only for names ordinary lookup did not find: graphify(model) is not the module

@@ -912,3 +912,61 @@ def test_library_code_sees_one_is_compiling_in_forward_and_differentiated_record
         if i > 0:  # (the first call of a signature that reads state runs eagerly)
             assert_close(y.detach(), plain)  # the recordings agree (3.0 before)
         y.sum().backward()
+
+
+def test_deepcopy_of_a_graphified_function_and_of_a_module_holding_one(device):
+    # copy.deepcopy raised "cannot pickle '_thread._local' object"
+    w = torch.randn(3, device=device)
+    f = gt.graphify(lambda x: x * w + 1)
+    x = torch.randn(3, device=device)
+    f(x)
+    g = copy.deepcopy(f)
+    assert g is not f and g.cache_info().currsize == 0  # a copy records for itself
+    for _ in range(3):
+        assert_close(g(x), x * w + 1)  # (the copy closes over a copy of w: equal values)
+    assert copy.copy(f).__wrapped__ is f.__wrapped__
+
+    m = nn.Linear(3, 2).to(device)
+    m.forward = gt.graphify(m.forward)
+    m2 = copy.deepcopy(m)
+    with torch.no_grad():
+        m2.weight.add_(1.0)  # the copy's forward reads the copy's parameters
+    for _ in range(3):
+        assert_close(m2(x), torch.nn.functional.linear(x, m2.weight, m2.bias))
+        assert_close(m(x), torch.nn.functional.linear(x, m.weight, m.bias))
+
+
+def test_averaged_model_of_a_module_with_a_graphified_forward(device):
+    # torch.optim.swa_utils.AveragedModel deep-copies the model: an EMA of a graphified model
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)).to(device)
+    m = copy.deepcopy(ref)
+    m.forward = gt.graphify(m.forward)
+    ema = torch.optim.swa_utils.AveragedModel(m, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.9))
+    ema_ref = torch.optim.swa_utils.AveragedModel(ref, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.9))
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for _ in range(4):
+        x = torch.randn(5, 4, device=device)
+        for model, o, e in ((m, opt, ema), (ref, opt_ref, ema_ref)):
+            o.zero_grad()
+            model(x).square().sum().backward()
+            o.step()
+            e.update_parameters(model)
+        assert_close(ema(x), ema_ref(x))
+
+
+def test_a_module_with_a_graphified_forward_pickles(device):
+    import io
+
+    m = nn.Linear(3, 2).to(device)
+    m.forward = gt.graphify(m.forward, static_argnames=())
+    x = torch.randn(4, 3, device=device)
+    m(x)
+    buf = io.BytesIO()
+    torch.save(m, buf)
+    buf.seek(0)
+    m2 = torch.load(buf, weights_only=False)
+    assert isinstance(m2.forward, gt.Graphified) and m2.forward.cache_info().currsize == 0
+    for _ in range(2):
+        assert_close(m2(x), torch.nn.functional.linear(x, m.weight, m.bias))
