@@ -585,10 +585,21 @@ STORM_THRESHOLD = 16
 
 
 def _leaf_kind(values: Set[Any]) -> str:
-    types = sorted({v[0].__name__ for v in values if isinstance(v, tuple) and v and isinstance(v[0], type)})
-    if not types:
+    """The types of a leaf's static values, the most frequent first, with counts where several.
+
+    ("int (8 values), float (8) and bool (1)": a lone bool among numbers is not what changed.)
+    """
+    counts: Dict[str, int] = {}
+    for v in values:
+        if isinstance(v, tuple) and v and isinstance(v[0], type):
+            counts[v[0].__name__] = counts.get(v[0].__name__, 0) + 1
+    if not counts:
         return "value"
-    return " / ".join(types)
+    order = sorted(counts, key=lambda k: (-counts[k], k))
+    if len(order) == 1:
+        return order[0]
+    parts = [f"{order[0]} ({counts[order[0]]} values)"] + [f"{k} ({counts[k]})" for k in order[1:]]
+    return ", ".join(parts[:-1]) + " and " + parts[-1]
 
 
 _VALUE_TYPES = (int, float, bool, str, bytes, complex, type(None), tuple, frozenset, torch.dtype, torch.device)

@@ -436,6 +436,17 @@ def test_describe_and_explain(device):
     assert f.cache_info().misses == 1  # explain traces nothing
 
 
+def test_rerecord_storm_names_the_types_that_changed_most_first():
+    # ints and floats and one bool: it said "a Python bool / float / int" (the bool first)
+    f = gt.graphify(lambda x, s: x * s)
+    vals = list(range(8)) + [i + 0.5 for i in range(8)] + [True]
+    with pytest.warns(gt.RerecordWarning) as rec:
+        for v in vals:
+            f(torch.ones(2), v)
+    msg = str(rec[0].message)
+    assert "args[1] (a Python float (8 values), int (8) and bool (1)) took 17 values" in msg, msg
+
+
 def test_rerecord_storm_warns_once_naming_the_leaf(device):
     f = gt.graphify(lambda x, s: x * s)
     with pytest.warns(gt.RerecordWarning, match=r"args\[1\] \(a Python float\) took 17 values.*pass it as a tensor"):
