@@ -601,7 +601,7 @@ class Graphified(Generic[P, R]):
                 st.last = e
                 return e, state
             env_only = e.env_only_mismatch(leaves, statics)
-            grads_only = not env_only and e.grads_came_or_went()
+            grads_only = not env_only and e.grads_came_or_went(leaves)
         else:
             env_only = grads_only = False
         if (env_only or grads_only or e is None) and st.alts.get(key):
@@ -703,7 +703,7 @@ class Graphified(Generic[P, R]):
             try:
                 plan = trace(self._fn, rebuild, specs, in_paths, self._desc, cuda, roots, [plain_layout(t) for t in tensors],
                              [has_grad(t) for t in tensors], [tensor_attrs(t) for t in tensors],
-                             [t.grad_fn is not None for t in tensors])
+                             [t.grad_fn for t in tensors])
             except BaseException:
                 gens.check(self._desc, raise_=False)
                 raise

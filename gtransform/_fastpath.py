@@ -214,6 +214,10 @@ def build_fast_path(owner: Any, entry: Any, rec: Any, pool: Any) -> Any:
     if entry.plan.grad_idx:
         gr = " or ".join(f"_has_grad({tens[i]})" for i in sorted(entry.plan.grad_idx))
         checks.append(f"if {gr}: return MISS")
+    if entry.plan.leaf_idx:
+        # the function reads whether these inputs are leaves (is_leaf, grad_fn)
+        leaf = " or ".join(f"({tens[i]}.grad_fn is {'' if h else 'not '}None)" for i, h in sorted(entry.plan.leaf_idx.items()))
+        checks.append(f"if {leaf}: return MISS")
     if entry.plan.layout_idx:
         # the function reads these inputs' storage offset or layout (see _watch._FnWatch)
         lay = " and ".join(f"_plain({tens[i]})" for i in sorted(entry.plan.layout_idx))

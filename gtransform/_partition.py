@@ -112,6 +112,10 @@ def build_partition(plan: Any, metas: Sequence[Any], need: Sequence[bool], owner
         # the recompute path differentiates from the state as a leaf, and autograd goes on
         plan.no_partition = "state it reads carries autograd history from an earlier call"
         return None
+    if any(plan.leaf_idx.values()):
+        # the joint trace's inputs are leaves: it would take the other branch of `if x.is_leaf`
+        plan.no_partition = "it reads whether an input with autograd history is a leaf (is_leaf, grad_fn)"
+        return None
     if any(e.kind == "input" for e in plan.out_entries):
         plan.no_partition = "an output is an input or a view of one"
         return None  # outputs that alias inputs: the partitioner cannot split them (recompute instead)

@@ -272,16 +272,21 @@ class Entry:
         self.bwd: Dict[Tuple[bool, ...], Any] = {}
         self.parts: Dict[Tuple[bool, ...], Any] = {}
 
-    def grads_came_or_went(self) -> bool:
+    def grads_came_or_went(self, leaves: Sequence[Any] = ()) -> bool:
         """Whether a ``.grad`` the recording reads is gone, or one it expects absent is there.
 
         Gradient accumulation alternates between both (the first micro-batch after
         ``zero_grad()`` makes the ``.grad``s, the next ones add to them): each kind keeps
         its recording as an alternate of the key (see ``ThreadState.alts``) instead of
-        tracing again on every switch.
+        tracing again on every switch. So does an input whose leafness the function reads
+        (``x.is_leaf``) and that comes with and without autograd history.
         """
         if any(t.grad is not None for t in self.grad_none):
             return True
+        if self.plan.leaf_idx and leaves:
+            ts = [leaves[i] for i in self.tpos]
+            if any((ts[i].grad_fn is not None) != h for i, h in self.plan.leaf_idx.items() if i < len(ts)):
+                return True
         return any(slot is not None and slot.kind == "grad" and slot.get() is None for slot, _c, _s in self.state_src)
 
     def resolve_state(self) -> Optional[List[torch.Tensor]]:
@@ -355,6 +360,8 @@ class Entry:
             return False  # the function read these inputs' .grad as None
         if self.plan.layout_idx and not all(plain_layout(tensors[i]) for i in self.plan.layout_idx):
             return False  # the function reads these inputs' storage offset or layout
+        if self.plan.leaf_idx and any((tensors[i].grad_fn is not None) != h for i, h in self.plan.leaf_idx.items()):
+            return False  # the function reads whether these inputs are leaves
         if self.plan.mutated:
             # which inputs share memory decides what an in-place update changes: a call
             # whose inputs overlap where the recording's did not (or the other way) is

@@ -227,6 +227,9 @@ class Plan:
     layout_idx: Set[int] = field(default_factory=set)
     # caller's inputs whose ``.grad`` the function reads (it was None): keyed on staying None
     grad_idx: Set[int] = field(default_factory=set)
+    # caller's inputs whose leafness the function reads (``is_leaf``, ``grad_fn``): keyed on
+    # having autograd history (True) or not
+    leaf_idx: Dict[int, bool] = field(default_factory=dict)
     # lines that registered tensor hooks (honoured by the joint trace, lost by a recompute)
     hooks: List[str] = field(default_factory=list)
     # custom torch.autograd.Functions the outputs depend on (likewise: their backward is
@@ -726,8 +729,9 @@ def trace(
         grads: per tensor input, whether it has a ``.grad`` (reading it is refused).
         attrs: per tensor input, its Python attributes (``t.__dict__``) or None:
             set on the trace's stand-in, so the function reads their values.
-        histories: per tensor input, whether it carries autograd history of the
-            caller's (a loss computed outside and passed in), for messages.
+        histories: per tensor input, its autograd history in the caller's graph (its
+            ``grad_fn``, None for a leaf): what ``x.is_leaf`` and ``x.grad_fn`` read while
+            tracing, and for messages (a loss computed outside and passed in).
 
     Returns:
         The :class:`Plan` of the signature.
@@ -751,7 +755,8 @@ def trace(
     reads = AttrReads(roots)
     watch = _Watch(storages, paths, desc, cuda, mode, index, len(fakes))
     watch.overlapping = {i for i, sp in enumerate(in_specs) if _overlaps(sp[0], sp[1])}
-    fnwatch = _FnWatch(watch, storages, len(fakes), plain if plain is not None else [True] * len(fakes), grads)
+    fnwatch = _FnWatch(watch, storages, len(fakes), plain if plain is not None else [True] * len(fakes), grads,
+                       histories)
     for i, (t, a) in enumerate(zip(fakes, attrs)):
         if a:
             t.__dict__.update({k: (_TensorAttr(watch, paths[i], k) if v is TENSOR_ATTR else v) for k, v in a.items()})
@@ -781,7 +786,7 @@ def trace(
                                                [t.grad_fn for t in watch.state if t.grad_fn is not None])
         for i, t in enumerate(tensors):
             if t.requires_grad and is_ours(leaf_grad(t)):
-                _grad_of_argument(desc, paths[i], fnwatch.backward_at, i < len(histories) and histories[i])
+                _grad_of_argument(desc, paths[i], fnwatch.backward_at, i < len(histories) and histories[i] is not None)
         scan = snap.scan(is_ours)
         slots = {(id(s.obj), s.kind, s.key) for s, _ in scan.escapes}
         for k, t in enumerate(watch.state):
@@ -993,6 +998,7 @@ def trace(
         attr_reads=reads,
         layout_idx=set(fnwatch.layout_used),
         grad_idx=set(fnwatch.grad_read),
+        leaf_idx=dict(fnwatch.leaf_read),
         hooks=list(fnwatch.hooks),
         custom_grad=box.get("custom_grad", []),
         rg_traced=(any(sp[4] for sp in in_specs) or any(f.requires_grad for f in watch.state_fakes)) and not fnwatch.for_grad,

@@ -431,6 +431,11 @@ _DATA_SET = torch._C.TensorBase.__dict__["data"]
 _FORMAT = torch.Tensor.__format__
 _REPR = torch.Tensor.__repr__
 _GRAD_ATTR = torch._C.TensorBase.__dict__["grad"]
+# autograd facts of an input that its stand-in does not share: whether it is a leaf and its
+# grad_fn (an input with history is traced as a leaf), and its version counter
+_IS_LEAF_ATTR = torch._C.TensorBase.__dict__["is_leaf"]
+_GRAD_FN_ATTR = torch._C.TensorBase.__dict__["grad_fn"]
+_VERSION_ATTR = torch._C.TensorBase.__dict__["_version"]
 _REGISTER_HOOK = torch.Tensor.register_hook
 
 
@@ -490,6 +495,18 @@ class _NoHandle:
 
     def remove(self) -> None:
         return None
+_AUTOGRAD_FACTS = (_IS_LEAF_ATTR, _GRAD_FN_ATTR, _VERSION_ATTR)
+
+
+def _called_from_library(frame: Any) -> bool:
+    """Whether ``frame`` (the code that made a call) is torch's or a library's, not the user's."""
+    fn = frame.f_code.co_filename if frame is not None else ""
+    lib = _LIB_CACHE.get(fn)
+    if lib is None:
+        lib = _LIB_CACHE[fn] = is_library_file(fn)
+    return lib
+
+
 _LAYOUT_READS = frozenset(
     getattr(torch._C.TensorBase, n) for n in ("storage_offset", "as_strided", "as_strided_")
     if hasattr(torch._C.TensorBase, n)
@@ -505,13 +522,16 @@ class _FnWatch(TorchFunctionMode):
     """
 
     def __init__(self, watch: _Watch, storages: Dict[Any, int], n_in: int, plain: Sequence[bool],
-                 grads: Sequence[bool] = ()):
+                 grads: Sequence[bool] = (), histories: Sequence[Any] = ()):
         super().__init__()
         self.watch = watch
         self.storages = storages
         self.n_in = n_in
         self.plain = plain
         self.grads = grads
+        self.histories = histories  # per input, the caller's grad_fn (None for a leaf)
+        # inputs whose leafness the function read (is_leaf, grad_fn): input -> had history
+        self.leaf_read: Dict[int, bool] = {}
         self.layout_used: Set[int] = set()
         self.grad_read: Set[int] = set()
         self.hooks: List[str] = []
@@ -592,6 +612,8 @@ class _FnWatch(TorchFunctionMode):
                 # stand-in does not: the hook acts in the backward, which the joint
                 # trace of the function makes (see _partition.py)
                 return _NoHandle()
+        if args and getattr(func, "__name__", "") == "__get__" and getattr(func, "__self__", None) in _AUTOGRAD_FACTS:
+            return self._autograd_fact(func.__self__, args[0], func)
         if args and getattr(func, "__self__", None) is _GRAD_ATTR and getattr(func, "__name__", "") == "__get__":
             idx = self._input(args[0])
             if idx is not None and args[0] is self.inputs[idx]:
@@ -632,6 +654,39 @@ class _FnWatch(TorchFunctionMode):
             fail = self.watch._fail
             return self._call(lambda *a: _cudnn_rnn.call(func, a, fail), args, kwargs)
         return self._call(func, args, kwargs)
+
+    def _autograd_fact(self, attr: Any, t: Any, func: Any) -> Any:
+        """``x.is_leaf``, ``x.grad_fn`` or ``x._version`` of an input (or state), as eager sees them.
+
+        An input with autograd history is traced as a leaf: its leafness and grad_fn are the
+        caller's (and part of the signature from then on). Its version counter counts the
+        writes made to it before the call, which change from call to call: a value the
+        user's code reads is refused (torch's own reads, checkpoint's check of saved
+        values, are of the trace's tensors and stay as they are).
+        """
+        idx = self._input(t)
+        if attr is _VERSION_ATTR:
+            real = idx is not None or (isinstance(t, FakeTensor) and self.storages.get(
+                StorageWeakRef(t.untyped_storage()), -1) >= self.n_in)
+            if real and not _called_from_library(sys._getframe(2)):
+                name = self.watch.paths[idx] if idx is not None else "a tensor in state"
+                self.watch._fail(
+                    f"the function reads {name}._version, the count of in-place writes made to it.",
+                    "that count grows from call to call (and differs between the caller's tensor and "
+                    "the recording's), so a value read from it while tracing would be frozen into the "
+                    "recording.",
+                    "keep a counter of your own as a tensor (updated in place inside the function), or "
+                    "read _version outside the graphified function and pass what it decides as a "
+                    "static argument.",
+                )
+            return func(t)
+        if idx is None or t is not self.inputs[idx] or idx >= len(self.histories):
+            return func(t)
+        hist = self.histories[idx]
+        self.leaf_read[idx] = hist is not None
+        if attr is _IS_LEAF_ATTR:
+            return hist is None
+        return hist
 
     def __enter__(self) -> _FnWatch:
         _zero_grad_hooks(True)

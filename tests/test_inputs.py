@@ -491,3 +491,39 @@ def test_the_same_tensor_passed_twice_is_the_same_object_inside(device):
     assert_close(g(fresh, fresh), kernel(fresh, fresh))
     assert_close(g(fresh, fresh.clone()), kernel(fresh, fresh.clone()))
     assert g.cache_info().currsize == 2
+
+
+@pytest.mark.parametrize("read", ["is_leaf", "grad_fn"])
+def test_a_function_reading_whether_an_input_is_a_leaf_sees_the_callers(device, read):
+    # the trace's stand-in of an input is a leaf: `x * (2 if x.is_leaf else 3)` took eager's
+    # other branch for an input with history, silently
+    def f(x):
+        leaf = x.is_leaf if read == "is_leaf" else x.grad_fn is None
+        return x * (2 if leaf else 3)
+
+    g = gt.graphify(f)
+    makers = [lambda: torch.ones(2, device=device, requires_grad=True) * 1,  # history
+              lambda: torch.ones(2, device=device, requires_grad=True),  # a leaf
+              lambda: torch.ones(2, device=device)]
+    for mk in makers * 3:
+        a = mk()
+        with torch.no_grad():  # (the fast path serves these)
+            assert_close(g(a), f(a))
+        got, want = g(a), f(a)
+        assert_close(got, want)
+        if a.requires_grad:
+            assert_close(torch.autograd.grad(got.sum(), a)[0], torch.autograd.grad(want.sum(), a)[0])
+
+
+def test_reading_an_inputs_version_counter_is_refused(device):
+    g = gt.graphify(lambda x: x * x._version)
+    a = torch.ones(2, device=device)
+    a.add_(1)
+    with pytest.raises(gt.GraphifyError, match=r"(?s)reads args\[0\]\._version.*Fix: keep a counter"):
+        g(a)
+    # torch's own reads (non-reentrant checkpoint's check of saved values) are not the user's
+    lin = torch.nn.Linear(3, 3).to(device)
+    h = gt.graphify(lambda x: torch.utils.checkpoint.checkpoint(lin, x, use_reentrant=False).sum())
+    x = torch.randn(2, 3, device=device, requires_grad=True)
+    for _ in range(2):
+        assert_close(h(x), lin(x).sum())
