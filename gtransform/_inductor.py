@@ -19,8 +19,12 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 # among several: inductor compiles each candidate configuration and times them all
 # at the first launch, which is most of a cold first call for kernels this small
 # (launch-bound graphs: the configuration hardly changes their time).
+# emulate_precision_casts: a cast to a lower precision rounds as eager's does (inductor
+# otherwise keeps the value in float32 across `x.half().float()`: the cast vanished, and
+# `x.to(torch.bfloat16) * 3` multiplied the unrounded value).
 _CONFIG = {
     "fallback_random": True,
+    "emulate_precision_casts": True,
     "triton.cudagraphs": False,
     "triton.autotune_pointwise": False,
     "test_configs.force_filter_reduction_configs": True,
