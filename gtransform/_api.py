@@ -38,7 +38,7 @@ import torch
 from . import _fastpath
 from ._autograd import call_with_autograd, no_functorch
 from ._autograd import unwrap as unwrap_functorch
-from ._errors import GraphifyError, OverwrittenOutputError, describe_fn
+from ._errors import EagerWarning, GraphifyError, OverwrittenOutputError, describe_fn, user_frame
 from ._fastpath import MISS, build_fast_path
 from ._inductor import warm_pool
 from ._liveness import PoolState, StaleOutput, stale_message
@@ -61,6 +61,7 @@ from ._signature import (
     sig_brief,
     tensor_attrs,
 )
+from ._switch import OFF
 from ._state import GeneratorGuard, change_error, env_key_fn, find_roots, lazy_error, uninitialized_modules
 from ._trace import plain_layout, trace, tracing
 from ._tree import flatten, holds_tensor, leaf_paths, static_leaf_key, tensor_meta, unflatten
@@ -83,6 +84,7 @@ except AttributeError:  # pragma: no cover
         return None
 
 _is_grad_enabled = torch.is_grad_enabled
+_fwad = torch.autograd.forward_ad  # its _current_level: -1 unless a dual level is open
 _GRAD: Any
 try:
     _GRAD = torch._C._functorch.TransformType.Grad
@@ -250,6 +252,7 @@ class Graphified(Generic[P, R]):
         self._hits = 0
         self._misses = 0
         self._lazy_calls = 0  # calls run eagerly because a reachable lazy module is not initialised
+        self._eager_calls: Dict[str, int] = {}  # calls run eagerly (see _run_eagerly), by reason
         self._storm = StormDetector(self._desc)
         # __wrapped__, __name__, __qualname__, __doc__, __module__ (not __dict__:
         # fn may be an nn.Module)
@@ -260,6 +263,8 @@ class Graphified(Generic[P, R]):
 
     # -- public ------------------------------------------------------------
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
+        if OFF.on:  # gt.disable(), GTRANSFORM_DISABLE=1
+            return self._fn(*args, **kwargs)
         if self._has_static:
             args, kwargs, statics = self._split(args, kwargs)  # type: ignore[assignment]
         else:
@@ -280,6 +285,8 @@ class Graphified(Generic[P, R]):
             # trace's fake tensors): inline it, like jax.jit inside jax.jit
             return self._fallback(args, kwargs, statics)
         leaves, spec = _flatten_args(args, kwargs)
+        if _fwad._current_level >= 0 and _any_tangent(leaves):
+            return self._run_eagerly(_FORWARD_AD, args, kwargs, statics)
         e, st, tensors = self._entry_for(leaves, spec, statics, (args, kwargs))
         if e is None:
             return self._fallback(args, kwargs, statics)
@@ -336,7 +343,8 @@ class Graphified(Generic[P, R]):
         """A call under torch.func transforms.
 
         grad/vjp go through the autograd wrapper; vmap and jvp run the function eagerly
-        (correct, not recorded).
+        (correct, not recorded), with one :class:`EagerWarning` per function that says how
+        to get a recording.
         """
         if tracing():
             return self._fallback(args, kwargs, statics)
@@ -356,6 +364,20 @@ class Graphified(Generic[P, R]):
             self._hits -= 1  # counted again inside the autograd wrapper
             tensors = [leaves[i] for i in e.tpos] + tensors[e.n_user:]
             return call_with_autograd(self, e, leaves, spec, statics, tensors)
+        return self._run_eagerly(_transforms_reason(), args, kwargs, statics)
+
+    def _run_eagerly(self, reason: Tuple[str, str], args: Any, kwargs: Any, statics: Any) -> Any:
+        """Run a call that cannot be recorded as eager PyTorch: counted by reason, warned of once per function."""
+        what, fix = reason
+        first = not self._eager_calls
+        self._eager_calls[what] = self._eager_calls.get(what, 0) + 1
+        if first:
+            fr = user_frame()
+            warnings.warn_explicit(
+                EagerWarning(f"{self._desc}: called {what}, which gtransform does not record: the function "
+                             f"runs eagerly (correct, not faster; shown once per function, f.describe() counts such "
+                             f"calls). Fix: {fix}"),
+                EagerWarning, getattr(fr, "filename", "<unknown>") or "<unknown>", getattr(fr, "lineno", 0) or 0)
         return self._fallback(args, kwargs, statics)
 
     def trace(self, *args: P.args, **kwargs: P.kwargs) -> torch.fx.GraphModule:
@@ -963,6 +985,8 @@ class Graphified(Generic[P, R]):
                 buf = sum(b.numel() * b.element_size() for b in rec.bufs)
                 pool = sum(g.base.untyped_storage().nbytes() for g in rec.groups)
                 lines.append(f"  bytes: static input buffers {buf}, pool outputs {pool}")
+        for what, n in self._eager_calls.items():
+            lines.append(f"ran eagerly, not recorded: {n} call(s) {what}")
         return "\n".join(lines)
 
     def explain(self, *args: P.args, **kwargs: P.kwargs) -> str:
@@ -1051,6 +1075,42 @@ def _raised_by_fake_kernels(err: BaseException) -> bool:
     frames = _tb.extract_tb(err.__traceback__)
     return (bool(frames) and frames[-1].filename.startswith(_TORCH_DIR)
             and any(f.filename.startswith(_FAKE_KERNEL_DIRS) for f in frames))
+
+
+_FORWARD_AD = (
+    "with forward-mode dual tensors (torch.func.linearize, torch.autograd.forward_ad)",
+    "graphify the transformed function instead: gt.graphify(lambda x, t: torch.func.jvp(f, (x,), (t,))) "
+    "records the forward and its tangent, and for linearize, out, jvp_fn = torch.func.linearize(f, x); "
+    "gt.graphify(jvp_fn).",
+)
+
+
+def _any_tangent(leaves: Sequence[Any]) -> bool:
+    """Whether a tensor leaf is a forward-mode dual (has a tangent at the open dual level)."""
+    return any(isinstance(x, torch.Tensor) and _fwad.unpack_dual(x).tangent is not None for x in leaves)
+
+
+def _transforms_reason() -> Tuple[str, str]:
+    """What the active torch.func transforms are, and how to record them instead (see _run_eagerly)."""
+    try:
+        from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+
+        names = [i.key().name.lower() for i in retrieve_all_functorch_interpreters()]
+    except Exception:  # pragma: no cover
+        names = []
+    listed = ", ".join(dict.fromkeys(names)) or "a transform"
+    what = f"under torch.func.{names[0]}" if len(set(names)) == 1 else f"under torch.func transforms ({listed})"
+    if "jvp" in names:
+        fix = ("graphify the transformed function instead: gt.graphify(torch.func.jacfwd(f)), "
+               "gt.graphify(torch.func.hessian(f)) or gt.graphify(lambda x, t: torch.func.jvp(f, (x,), (t,))) "
+               "record the transform with the function.")
+    elif set(names) == {"vmap"}:
+        fix = ("graphify the batched function instead: gt.graphify(torch.func.vmap(f)) records it (as "
+               "jax.jit(jax.vmap(f)) does).")
+    else:
+        fix = ("graphify the transformed function instead (e.g. gt.graphify(torch.func.vmap(f)), "
+               "gt.graphify(torch.func.jacrev(f))): it records the transform with the function.")
+    return what, fix
 
 
 def _flatten_args(args: Any, kwargs: Any) -> Tuple[List[Any], Any]:

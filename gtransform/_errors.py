@@ -6,7 +6,7 @@ import os
 import traceback
 from typing import Optional
 
-__all__ = ["GraphifyError", "OverwrittenOutputError", "RerecordWarning", "user_frame", "innermost_frame", "format_frame", "is_library_file"]
+__all__ = ["GraphifyError", "OverwrittenOutputError", "RerecordWarning", "EagerWarning", "PrintWarning", "user_frame", "innermost_frame", "format_frame", "is_library_file"]
 
 _PKG_DIR = os.path.dirname(os.path.abspath(__file__))
 _TORCH_DIR: Optional[str] = None
@@ -171,6 +171,19 @@ class RerecordWarning(UserWarning):
         ...         _ = f(torch.ones(2), float(i))
         >>> issubclass(w[0].category, gt.RerecordWarning)
         True
+    """
+
+
+class EagerWarning(UserWarning):
+    """A graphified function ran its Python eagerly: this call was not recorded.
+
+    Issued once per function and reason, where gtransform cannot record a call and
+    runs it as eager PyTorch instead (correct, not faster): a call under a
+    ``torch.func`` transform it does not record (``vmap``, ``jvp``, ``jacfwd``,
+    ``hessian``) or with forward-mode dual tensors (``torch.func.linearize``,
+    ``torch.autograd.forward_ad``). The message says how to get a recording, usually
+    by graphifying the transformed function: ``gt.graphify(torch.func.vmap(f))``.
+    ``f.describe()`` counts such calls.
     """
 
 

@@ -194,8 +194,10 @@ def build_fast_path(owner: Any, entry: Any, rec: Any, pool: Any) -> Any:
         checks.append("if ENV() != ENVVAL: return MISS")
     # global settings (grad mode, default dtype, autocast) are part of the signature
     gm, dt, ac, det, inf = entry.glob
+    # (an open forward-AD level: its dual tensors take the generic path, which runs them eagerly)
     checks.append(f"if _grad_enabled() is not {gm!r} or _default_dtype() is not {g.const(dt)} "
-                  f"or _deterministic() is not {det!r} or _inference_mode() is not {inf!r}: return MISS")
+                  f"or _deterministic() is not {det!r} or _inference_mode() is not {inf!r} "
+                  "or FWAD._current_level >= 0: return MISS")
     checks.append("if _any_autocast(): return MISS" if ac is None else "return MISS")
     if entry.any_rg and gm:
         checks.append("return MISS")
@@ -343,6 +345,7 @@ def build_fast_path(owner: Any, entry: Any, rec: Any, pool: Any) -> Any:
         "_copysign": math.copysign,
         "_key": static_leaf_key,
         "_grad_enabled": torch.is_grad_enabled,
+        "FWAD": torch.autograd.forward_ad,
         "_inference_mode": torch.is_inference_mode_enabled,
         "_default_dtype": torch.get_default_dtype,
         "_deterministic": getattr(torch._C, "_get_deterministic_algorithms", torch.are_deterministic_algorithms_enabled),
