@@ -885,6 +885,7 @@ def trace(
         err.gt_touched_state = bool(watch.state)  # type: ignore[attr-defined]
         raise
 
+    watch.check_layouts(list(box["inputs"]) + list(watch.state_fakes))
     if host_drew:
         raise GraphifyError(
             f"{desc}: the function draws random numbers on the host ({' and '.join(host_drew)}).\n"

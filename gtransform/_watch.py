@@ -53,11 +53,12 @@ _COPIES = {_aten._to_copy.default, _aten.copy_.default, _aten.copy.default}
 _LIFTS = {_aten.lift_fresh.default, _aten.lift_fresh_copy.default}
 # ops that update arguments in place without saying so in their schema:
 # batch norm's running statistics (in training mode, the bool at index 5)
+# (every overload: native_batch_norm.out too)
 _HIDDEN_WRITES: Dict[Any, Tuple[int, ...]] = {}
 for _name in ("native_batch_norm", "cudnn_batch_norm", "miopen_batch_norm"):
     _op = getattr(_aten, _name, None)
-    if _op is not None and hasattr(_op, "default"):
-        _HIDDEN_WRITES[_op.default] = (3, 4)
+    for _ov in (_op.overloads() if _op is not None else ()):
+        _HIDDEN_WRITES[getattr(_op, _ov)] = (3, 4)
 _SEEDED: Any
 try:
     _SEEDED = torch.Tag.nondeterministic_seeded
@@ -144,6 +145,10 @@ class _Watch(TorchDispatchMode):
         # flatten_parameters, views of one buffer): a write to one marks each it overlaps
         self.sharing: Dict[Any, List[int]] = {}
         self.rng = _RngLedger(desc)
+        # inputs whose shape, strides or offset an in-place op changed: input -> (op, user's
+        # line, layout before). Refused unless the function changes them back before it ends
+        # (matmul(v, m, out=o) unsqueezes a 1-d `o` around its product): see check_layouts
+        self.reshaped: Dict[int, Tuple[str, str, Any]] = {}
 
     def __enter__(self) -> _Watch:
         super().__enter__()
@@ -311,7 +316,7 @@ class _Watch(TorchDispatchMode):
                     idx = self.inputs.get(StorageWeakRef(t.untyped_storage()))
                     if idx is None:
                         continue
-                    if func in _RESIZES or func in _SETS:
+                    if func in _SETS or (func in _RESIZES and not _same_size(func, t, args)):
                         self._fail(
                             f"{func} changes the size or storage of input {self.paths[idx]} in place.",
                             "a recording replays fixed memory; an input's storage cannot be resized "
@@ -358,15 +363,8 @@ class _Watch(TorchDispatchMode):
         if seeded:
             self.rng.drew(func, gen, out)
         for t, idx, meta in written:
-            if (t.shape, t.stride(), t.storage_offset()) != meta:
-                self._fail(
-                    f"{func} changes the shape or strides of input {self.paths[idx]} in place "
-                    f"({list(meta[0])} -> {list(t.shape)}).",
-                    "eager changes the caller's tensor object itself; a recording only writes "
-                    "values back into the caller's tensor, whose shape it cannot change.",
-                    "use the out-of-place op and return its result (e.g. y = x.t() instead of "
-                    "x.t_()), or change the tensor outside the graphified function.",
-                )
+            if (t.shape, t.stride(), t.storage_offset()) != meta and idx not in self.reshaped:
+                self.reshaped[idx] = (str(func), format_frame(user_frame(traceback.extract_stack())), meta)
         if func in _LIFTS:
             self.lifted.update(id(t) for t in _tensors_in(out))
         site = None
@@ -382,6 +380,28 @@ class _Watch(TorchDispatchMode):
                 if t.device.type == "cuda":
                     self.uses_cuda = True
         return out
+
+    def check_layouts(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Refuse an input (``tensors``: the trace's inputs, then state) left with another shape or strides.
+
+        Eager changes the caller's tensor object itself (``x.t_()``, ``x.unsqueeze_(0)``,
+        ``out=`` resizing a wrongly shaped output); a recording writes values back into the
+        caller's tensor, whose shape it cannot change. A change undone before the function
+        ends leaves the caller's tensor as it was and is recorded as it is.
+        """
+        for idx, (op, line, meta) in sorted(self.reshaped.items()):
+            t = tensors[idx] if idx < len(tensors) else None
+            if t is None or (t.shape, t.stride(), t.storage_offset()) == meta:
+                continue
+            raise GraphifyError(
+                f"{self.desc}: {op} changes the shape or strides of input {self.paths[idx]} in place "
+                f"({list(meta[0])} -> {list(t.shape)}).\n  at {line}\n"
+                "Why: eager changes the caller's tensor object itself; a recording only writes values "
+                "back into the caller's tensor, whose shape it cannot change.\n"
+                "Fix: use the out-of-place op and return its result (e.g. y = x.t() instead of x.t_()), "
+                "pass an out= tensor of the result's shape, or change the tensor outside the graphified "
+                "function."
+            )
 
     def _set_storage(self, func: Any, args: Sequence[Any]) -> Any:
         """``t.set_(storage)``: a graph has no node that holds a storage object.
@@ -425,6 +445,17 @@ class _Watch(TorchDispatchMode):
                     "create the tensor on the GPU (device=x.device), or move this work out of "
                     "the graphified function.",
                 )
+
+
+def _same_size(func: Any, t: torch.Tensor, args: Sequence[Any]) -> bool:
+    """Whether ``resize_`` / ``resize_as_`` keeps ``t``'s shape (a no-op: out= tensors of the right shape)."""
+    if len(args) < 2:
+        return False
+    want = args[1].shape if func is _aten.resize_as_.default and isinstance(args[1], torch.Tensor) else args[1]
+    try:
+        return tuple(want) == tuple(t.shape)
+    except TypeError:
+        return False
 
 
 _DATA_SET = torch._C.TensorBase.__dict__["data"]
@@ -508,8 +539,10 @@ def _called_from_library(frame: Any) -> bool:
 
 
 _LAYOUT_READS = frozenset(
-    getattr(torch._C.TensorBase, n) for n in ("storage_offset", "as_strided", "as_strided_")
-    if hasattr(torch._C.TensorBase, n)
+    [getattr(torch._C.TensorBase, n) for n in ("storage_offset", "as_strided", "as_strided_", "as_strided_scatter")
+     if hasattr(torch._C.TensorBase, n)]
+    + [getattr(torch, n) for n in ("as_strided", "as_strided_", "as_strided_copy", "as_strided_scatter")
+       if hasattr(torch, n)]
 )
 
 
@@ -653,7 +686,38 @@ class _FnWatch(TorchFunctionMode):
         if func in _cudnn_rnn.FUNCS and not kwargs and _cudnn_rnn.applies(func, args):
             fail = self.watch._fail
             return self._call(lambda *a: _cudnn_rnn.call(func, a, fail), args, kwargs)
+        out = kwargs.get("out")
+        if out is not None:
+            return self._call_out(func, args, kwargs, out)
         return self._call(func, args, kwargs)
+
+    def _call_out(self, func: Any, args: Sequence[Any], kwargs: Dict[str, Any], out: Any) -> Any:
+        """A call with ``out=`` tensors made in the trace, which must be written.
+
+        Some composite ops take another branch under a dispatch mode, and that branch
+        forgets ``out`` (``torch.linalg.matrix_rank(A, out=r)`` computes the rank and leaves
+        ``r`` as it was, under any TorchDispatchMode): no write reaches the trace. Their
+        version counters tell; the result is then computed without ``out`` and copied into
+        it, as eager's branch does.
+        """
+        outs = _tensors_in(out)
+        if not outs or not all(isinstance(t, FakeTensor) for t in outs):
+            return self._call(func, args, kwargs)
+        before = [t._version for t in outs]
+        res = self._call(func, args, kwargs)
+        if all(t._version != v for t, v in zip(outs, before)):
+            return res
+        fresh = self._call(func, args, {k: v for k, v in kwargs.items() if k != "out"})
+        got = _tensors_in(fresh)
+        if len(got) != len(outs):
+            return res  # (not a result to copy: leave it as torch made it)
+        for o, r in zip(outs, got):
+            if o.shape != r.shape:
+                o.resize_(r.shape)
+            o.copy_(r)
+        if isinstance(out, torch.Tensor):
+            return out
+        return type(fresh)(tuple(outs)) if isinstance(fresh, tuple) and hasattr(type(fresh), "n_fields") else tuple(outs)
 
     def _autograd_fact(self, attr: Any, t: Any, func: Any) -> Any:
         """``x.is_leaf``, ``x.grad_fn`` or ``x._version`` of an input (or state), as eager sees them.
