@@ -41,7 +41,16 @@ from ._rewrite import (
     _lift_state,
     _reshape_computed_views,
 )
-from ._state import AttrReads, Root, Slot, Snapshot, StateIndex, escape_error, leaf_grad
+from ._state import (
+    AttrReads,
+    Root,
+    Slot,
+    Snapshot,
+    StateIndex,
+    escape_error,
+    leaf_grad,
+    stored_error,
+)
 from ._tree import unflatten
 from ._watch import (
     TENSOR_ATTR,
@@ -735,6 +744,32 @@ def trace(
     Raises:
         GraphifyError: something the recording cannot contain.
     """
+    snap = Snapshot(roots)
+    try:
+        return _trace(snap, fn, rebuild, in_specs, in_paths, desc, cuda, roots, plain, grads, attrs, histories)
+    except BaseException:
+        # a failed trace leaves no half-state (DESIGN semantics 9): the roots go back whole,
+        # Python values included (which a trace that succeeds leaves as it made them, as in
+        # JAX): the call then runs eagerly or raises, and finds the state as the caller left it
+        snap.restore(full=True)
+        raise
+
+
+def _trace(
+    snap: Snapshot,
+    fn: Callable[..., Any],
+    rebuild: Callable[[Sequence[torch.Tensor]], Tuple[Tuple[Any, ...], Dict[str, Any]]],
+    in_specs: Sequence[Tuple[Tuple[int, ...], Tuple[int, ...], torch.dtype, torch.device, bool]],
+    in_paths: List[str],
+    desc: str,
+    cuda: bool,
+    roots: Sequence[Root],
+    plain: Optional[Sequence[bool]],
+    grads: Sequence[bool],
+    attrs: Sequence[Optional[Dict[str, Any]]],
+    histories: Sequence[bool],
+) -> Plan:
+    """:func:`trace`, with the snapshot of the roots taken (put back whole by ``trace`` if this raises)."""
     mode = _TraceMode(allow_non_fake_inputs=True)
     with mode:
         fakes = []
@@ -747,7 +782,6 @@ def trace(
     storages: Dict[Any, int] = {}
     paths = list(in_paths)
     index = StateIndex(roots)
-    snap = Snapshot(roots)
     reads = AttrReads(roots)
     watch = _Watch(storages, paths, desc, cuda, mode, index, len(fakes))
     watch.overlapping = {i for i, sp in enumerate(in_specs) if _overlaps(sp[0], sp[1])}
@@ -895,6 +929,13 @@ def trace(
     if scan.appended:
         made = next((x for x in scan.sites if x), "")
         raise escape_error(desc, scan.appended, f"\n  made at {made}" if made else "")
+    if scan.stored:
+        made = next((x for x in scan.stored_sites if x), "")
+        refusal = stored_error(desc, scan.stored, f"\n  made at {made}" if made else "")
+        # an object made on first use (`if self.cache is None: self.cache = Cache(...)`): that
+        # call runs eagerly, and a trace that stores one again (every call does) is refused
+        refusal.gt_touched_state = True  # type: ignore[attr-defined]
+        raise refusal
     if torch.is_grad_enabled() and not fnwatch.for_grad and (
             any(sp[4] for sp in in_specs) or any(f.requires_grad for f in watch.state_fakes)):
         hooked = _backward_hooked_modules(roots)

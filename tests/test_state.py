@@ -417,6 +417,149 @@ class _Holder:
     pass
 
 
+class _Stash:
+    def __init__(self, t):
+        self.t = t
+
+
+@dataclasses.dataclass
+class _Pair:
+    t: torch.Tensor
+    n: int
+
+
+_NT = collections.namedtuple("_NT", ["t", "n"])
+
+
+def _shown(v):
+    """``v`` as plain Python values (tensors as lists), to compare state; a FakeTensor fails."""
+    if isinstance(v, torch.Tensor):
+        assert type(v) in (torch.Tensor, nn.Parameter), f"a {type(v).__name__} was left in state"
+        return ("tensor", v.tolist())
+    if isinstance(v, dict):
+        return {k: _shown(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return (type(v).__name__, [_shown(x) for x in v])
+    if hasattr(v, "__dict__") and not isinstance(v, (nn.Module, type)):
+        return (type(v).__name__, _shown(vars(v)))
+    return v
+
+
+# a new object holding a tensor made inside the function, stored into state it reaches: the
+# container it lives in, and the store
+_STORES = {
+    "object in a dict": (dict, lambda s, y: s.__setitem__("b", _Stash(y))),
+    "namespace in a dict": (dict, lambda s, y: s.__setitem__("b", types.SimpleNamespace(t=y))),
+    "dataclass in a dict": (dict, lambda s, y: s.__setitem__("b", _Pair(y, 1))),
+    "namedtuple in a dict": (dict, lambda s, y: s.__setitem__("b", _NT(y, 1))),
+    "list in an attribute": (types.SimpleNamespace, lambda s, y: setattr(s, "t", [y])),
+    "tuple in an attribute": (_Holder, lambda s, y: setattr(s, "t", (y, 2))),
+    "dict in a list": (lambda: [None], lambda s, y: s.__setitem__(0, {"t": y})),
+    "tuple appended to a list": (list, lambda s, y: s.append((y,))),
+}
+
+
+@pytest.mark.parametrize("reads_state", [False, True], ids=["pure", "reads-state"])
+@pytest.mark.parametrize("how", list(_STORES))
+def test_a_new_object_holding_a_traced_tensor_stored_in_state_is_refused_untouched(device, how, reads_state):
+    """Before: recorded as if pure, so replays stored nothing (the first call's value stayed:
+    [4, 8, 12] where eager gives [4, 8, 14]), and the caller's object held a FakeTensor or had
+    its attributes emptied. Now eager's values on the calls made, then a GraphifyError with the
+    fix, and the state as the caller left it before the refused call."""
+    make, store = _STORES[how]
+    w = torch.ones(1, device=device)
+
+    def fn_of(state):
+        def fn(x):
+            y = x * 2 * w if reads_state else x * 2
+            store(state, y)
+            return x + 1
+        return fn
+
+    state, ref = make(), make()
+    g, eager = gt.graphify(fn_of(state)), fn_of(ref)
+    refused = None
+    for k, v in enumerate([2.0, 4.0, 7.0]):
+        x = torch.tensor([v], device=device)
+        before = _shown(state)
+        try:
+            out = g(x)
+        except gt.GraphifyError as e:
+            refused = k, str(e)
+            assert _shown(state) == before  # the caller's object exactly as before the call
+            break
+        assert_close(out, eager(x))
+        assert _shown(state) == _shown(ref)  # eager's (a first call that ran eagerly)
+    assert refused is not None and refused[0] <= 1, refused
+    msg = refused[1]
+    assert "test_state.py" in msg and "Fix:" in msg  # where the tensor was made, and the fix
+    if how == "tuple appended to a list":
+        assert "escapes into Python state: state[0] (appended: a new tuple" in msg
+        assert "Fix: return the tensor from the function" in msg
+    else:
+        assert "stores a new" in msg and "holding a tensor made inside it" in msg
+        assert "Fix: store the tensor itself in the slot" in msg and "return the tensor" in msg
+
+
+class _Memo(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.memo = types.SimpleNamespace(t=torch.zeros(1, 3))
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+def test_a_new_object_stored_on_a_module_the_function_calls_is_refused_after_an_eager_first_call(device):
+    """`mod.memo = SimpleNamespace(t=y)` in a step that calls mod: before, the trace's object (a
+    FakeTensor inside) stayed on the module, and the first call, eager, then failed on it."""
+    torch.manual_seed(0)
+    model, ref = _Memo().to(device), _Memo().to(device)
+    ref.load_state_dict(model.state_dict())
+
+    def step_of(mod):
+        def step(x):
+            y = mod(x)
+            mod.memo = types.SimpleNamespace(t=y)
+            return y.sum()
+        return step
+
+    g, eager = gt.graphify(step_of(model)), step_of(ref)
+    x = torch.randn(1, 3, device=device)
+    assert_close(g(x), eager(x))  # the first call reads state: eager, exactly
+    assert type(model.memo.t) is torch.Tensor
+    assert_close(model.memo.t, ref.memo.t)
+    kept = model.memo
+    with pytest.raises(gt.GraphifyError, match=r"(?s)stores a new SimpleNamespace holding a tensor made inside it "
+                       r"in mod\.memo \(the tensor: mod\.memo\.t\).*test_state\.py.*Fix: store the tensor itself"):
+        g(x * 2)
+    assert model.memo is kept and _shown(vars(model.memo)) == _shown(vars(ref.memo))
+    assert_close(model(x), ref(x))  # the module stays usable
+
+
+def test_an_object_made_once_on_first_use_and_updated_in_place_is_eagers(device):
+    """A cache object made lazily by the first call, then updated in place: the first call runs
+    eagerly (making it for real), the next ones are recorded. Before: the trace's object, holding
+    a FakeTensor, was left in the dict and the first call failed on it."""
+    memo, ref = {}, {}
+
+    def fn_of(m):
+        def fn(x):
+            if "acc" not in m:
+                m["acc"] = _Stash(torch.zeros(2, device=x.device))
+            m["acc"].t.add_(x)
+            return m["acc"].t * 2
+        return fn
+
+    g, eager = gt.graphify(fn_of(memo)), fn_of(ref)
+    for v in [1.0, 2.0, 5.0, -1.0]:
+        x = torch.full((2,), v, device=device)
+        assert_close(g(x), eager(x))
+        assert _shown(memo) == _shown(ref)
+    assert g.cache_info().currsize == 1
+
+
 def test_traced_tensor_used_after_the_trace_raises(device):
     deep = {"a": {"b": {"c": {"d": {"e": _Holder()}}}}}
 
