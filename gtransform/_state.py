@@ -34,6 +34,7 @@ import functools
 import inspect
 import operator
 import os
+import re
 import sys
 import threading
 import types
@@ -432,6 +433,7 @@ class ScanResult:
     escapes: List[Tuple[Slot, Any]] = field(default_factory=list)  # (slot, fake)
     appended: List[str] = field(default_factory=list)  # paths of containers a fake was appended to
     sites: List[str] = field(default_factory=list)  # where those tensors were made
+    grown: List[str] = field(default_factory=list)  # the containers appended to (for messages)
     # new objects holding a fake stored in a slot (`memo["b"] = Box(t)`): (slot path, path of the
     # fake inside, the object's type name), and where each fake was made
     stored: List[Tuple[str, str, str]] = field(default_factory=list)
@@ -457,6 +459,7 @@ class ScanResult:
             self.appended.append(f"{path} (appended: a new {type(now).__name__} holding a tensor made inside it, "
                                  f"{path}{inner})")
             self.sites.append(site)
+            self.grown.append(appended_to)
         else:
             self.stored.append((path, f"{path}{inner}", type(now).__name__))
             self.stored_sites.append(site)
@@ -582,6 +585,7 @@ class Snapshot:
                         else:
                             res.appended.append(f"{path} (appended at index {i})")
                             res.sites.append(v.__dict__.get("_gt_site", ""))
+                            res.grown.append(path)
                     elif not any(v is x for x in old):  # (an item moved along by an insert is no new one)
                         res.note_stored(f"{path}[{i}]", v, _MISSING, is_fake, appended_to=None if i < len(old) else path)
             elif kind == "dict":
@@ -1438,9 +1442,27 @@ def _alias(t: torch.Tensor) -> torch.Tensor:
         return torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
 
 
-def escape_error(desc: str, where: List[str], site: str) -> GraphifyError:
-    """A tensor made while tracing was left where no replay can put it."""
+def escape_error(desc: str, where: List[str], site: str, grown: Sequence[str] = ()) -> GraphifyError:
+    """A tensor made while tracing was left where no replay can put it.
+
+    ``grown``: the containers appended to; one inside an argument is a cache that grows.
+    """
     listing = "; ".join(where[:4]) + (" ..." if len(where) > 4 else "")
+    arg = next((p for p in grown if p.startswith(("args[", "kwargs["))), None)
+    if arg is not None:
+        m = re.match(r"(?:args|kwargs)\[[^\]]*\]", arg)
+        owner = m.group(0) if m else arg
+        return GraphifyError(
+            f"{desc}: a tensor made inside the function escapes into Python state: {listing}.{site}\n"
+            f"Why: {arg} belongs to {owner}, an object passed in, and the function appends to it: a "
+            "cache that grows on every call (new tensors appended, or made longer with torch.cat). A "
+            "recording reads and writes the same memory, of the same shapes, on every replay; an append "
+            "happens once, while tracing, and would leave a traced placeholder instead of a real tensor.\n"
+            "Fix: preallocate the cache at its full size and write each step into it in place "
+            "(cache.k[:, pos] = k, or index_copy_; transformers.StaticCache for Hugging Face models), "
+            "or keep the cache outside the graphified function and pass its tensors in. "
+            f"{owner} was left as it was before the call."
+        )
     return GraphifyError(
         f"{desc}: a tensor made inside the function escapes into Python state: {listing}.{site}\n"
         "Why: a recording replays tensor work only; Python-side effects (appending to a list, "
@@ -1465,6 +1487,29 @@ def stored_error(desc: str, stored: Sequence[Tuple[str, str, str]], site: str) -
         f"Fix: store the tensor itself in the slot ({path} = t, written back after each call), or make "
         f"the {kind} once, outside the function, and set its tensor inside ({inner} = t), or return the "
         f"tensor from the function and build the {kind} outside. {path} was left as it was before the call."
+    )
+
+
+def is_dynamic_cache(obj: Any) -> bool:
+    """Whether ``obj`` is a Hugging Face ``DynamicCache`` (or a subclass): it grows on every call."""
+    return any(c.__name__ == "DynamicCache" and (c.__module__ or "").startswith("transformers")
+               for c in type(obj).__mro__)
+
+
+def dynamic_cache_error(desc: str, name: str, obj: Any, changed: Sequence[str], site: str) -> GraphifyError:
+    """The trace grew a Hugging Face ``DynamicCache`` (appended layers, or longer keys and values)."""
+    listing = "; ".join(changed[:3]) + (" ..." if len(changed) > 3 else "")
+    return GraphifyError(
+        f"{desc}: {name} is a transformers {type(obj).__name__}, which grows by one step on every call: "
+        f"each call makes its keys and values anew, one step longer (torch.cat), and the trace left "
+        f"such tensors in it ({listing}).{site}\n"
+        "Why: a recording reads and writes fixed memory, the same tensors of the same shapes on every "
+        "replay; a cache whose tensors are new, and longer, after every call cannot be replayed (every "
+        "call would be a new signature, traced and run eagerly).\n"
+        "Fix: use a fixed-size cache written in place: transformers.StaticCache(config=model.config, "
+        "max_cache_len=N) as past_key_values, with cache_position (the transformers recipe for CUDA "
+        "graphs); or keep the DynamicCache outside the graphified function (run the steps that use it "
+        f"eagerly). {name} was left as it was before the call."
     )
 
 

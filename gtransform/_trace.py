@@ -44,10 +44,13 @@ from ._rewrite import (
 from ._state import (
     AttrReads,
     Root,
+    ScanResult,
     Slot,
     Snapshot,
     StateIndex,
+    dynamic_cache_error,
     escape_error,
+    is_dynamic_cache,
     leaf_grad,
     stored_error,
 )
@@ -607,6 +610,24 @@ def _no_traced_constants(gm: torch.fx.GraphModule, is_ours: Callable[[Any], bool
 
 
 
+def _no_dynamic_cache(desc: str, roots: Sequence[Root], scan: ScanResult) -> None:
+    """Refuse a trace that grew a Hugging Face ``DynamicCache`` the function reaches.
+
+    Its layers appended (an empty cache) or its keys and values made anew (a filled one):
+    it grows on every call, which the generic messages would blame on the user's code.
+    """
+    changed = scan.grown + [s.path for s, _ in scan.escapes] + [p for p, _, _ in scan.stored]
+    for r in roots:
+        if not is_dynamic_cache(r.obj):
+            continue
+        mine = [p for p in changed if p == r.name or p.startswith((r.name + ".", r.name + "["))]
+        if mine:
+            sites = scan.sites + scan.stored_sites + [f.__dict__.get("_gt_site", "") for _, f in scan.escapes]
+            made = next((x for x in sites if x), "")
+            raise dynamic_cache_error(desc, r.name, r.obj, list(dict.fromkeys(mine)),
+                                      f"\n  made at {made}" if made else "")
+
+
 def _backward_hooked_modules(roots: Sequence[Root]) -> List[str]:
     """Names of the modules the function reaches that have backward hooks ("(global)" for global ones)."""
     mm = torch.nn.modules.module
@@ -926,9 +947,10 @@ def _trace(
             "apply_spec_augment=False) while graphified."
         )
     scan = box["scan"]
+    _no_dynamic_cache(desc, roots, scan)
     if scan.appended:
         made = next((x for x in scan.sites if x), "")
-        raise escape_error(desc, scan.appended, f"\n  made at {made}" if made else "")
+        raise escape_error(desc, scan.appended, f"\n  made at {made}" if made else "", scan.grown)
     if scan.stored:
         made = next((x for x in scan.stored_sites if x), "")
         refusal = stored_error(desc, scan.stored, f"\n  made at {made}" if made else "")

@@ -879,6 +879,81 @@ def test_kv_cache_with_autograd_history_is_refused_in_grad_mode_and_exact_under_
     assert not [(w.filename, w.lineno, str(w.message)[:80]) for w in recwarn if "not a leaf Tensor" in str(w.message)]
 
 
+class _GrowingCache:
+    """A KV cache that grows, as Hugging Face's DynamicCache: lists of tensors, made longer with torch.cat."""
+
+    def __init__(self):
+        self.keys, self.values = [], []
+
+    def update(self, k, v, i):
+        if len(self.keys) <= i:
+            self.keys.append(k)
+            self.values.append(v)
+        else:
+            self.keys[i] = torch.cat([self.keys[i], k])
+            self.values[i] = torch.cat([self.values[i], v])
+        return self.keys[i], self.values[i]
+
+
+class _KV:
+    def __init__(self):
+        self.k = self.v = None
+
+
+class _LayeredCache:
+    """The same with DynamicCache's layout: layer objects appended on first use, holding the tensors."""
+
+    def __init__(self):
+        self.layers = []
+
+    def update(self, k, v, i):
+        while len(self.layers) <= i:
+            self.layers.append(_KV())
+        layer = self.layers[i]
+        layer.k = k if layer.k is None else torch.cat([layer.k, k])
+        layer.v = v if layer.v is None else torch.cat([layer.v, v])
+        return layer.k, layer.v
+
+
+def _attend(x, cache, proj):
+    for i in range(2):
+        k, v = cache.update(proj(x), x, i)
+        x = x + (torch.softmax(x @ k.T, -1) @ v)
+    return x
+
+
+@pytest.mark.parametrize("passed", [True, False], ids=["argument", "closed-over"])
+@pytest.mark.parametrize("kind", [_GrowingCache, _LayeredCache], ids=["lists", "layers"])
+def test_a_cache_that_grows_is_refused_and_left_as_it_was(device, kind, passed):
+    """Before: a cache whose containers got new objects holding traced tensors (the layered one)
+    was left holding them (FakeTensors, then used by the caller), and the message blamed a store
+    of the user's. Now the cache is as it was, and for an argument the message says the cache
+    grows, with the fix."""
+    proj = nn.Linear(4, 4).to(device)
+    cache, ref = kind(), kind()
+    if passed:
+        g = gt.graphify(lambda x, c: _attend(x, c, proj))
+        call = lambda x: g(x, cache)  # noqa: E731
+    else:
+        g = gt.graphify(lambda x: _attend(x, cache, proj))
+        call = g
+    x = torch.randn(1, 4, device=device)
+    with torch.no_grad():
+        with pytest.raises(gt.GraphifyError, match="escapes into Python state") as ei:
+            call(x)
+        assert _shown(cache) == _shown(kind())  # as it was: empty, no layer, no FakeTensor
+        msg = str(ei.value)
+        assert "test_state.py" in msg and "Fix:" in msg
+        if passed:
+            assert "an object passed in, and the function appends to it: a cache that grows" in msg
+            assert "Fix: preallocate the cache at its full size" in msg and "StaticCache" in msg
+            assert "args[1] was left as it was before the call" in msg
+        for _ in range(3):  # the cache stays usable: eager decoding gives eager's numbers
+            x = torch.randn(1, 4, device=device)
+            assert_close(_attend(x, cache, proj), _attend(x, ref, proj))
+        assert _shown(cache) == _shown(ref)
+
+
 def test_closed_over_tensor_with_autograd_history_passes_gradients_on(device):
     """W = base * 2 closed over: read-only state with a grad_fn is an input of the autograd
     node (like a parameter), and the gradient flows on into base, every call, as in eager."""
