@@ -4,7 +4,9 @@ A call goes: the generated fast path of the last recording (``_fastpath``), or
 the generic path: flatten, find the signature (``_signature``) or trace a new
 one (``_trace``, with state from ``_state``), record it (``_record``), replay,
 hand out outputs (``_liveness``); calls that need gradients go through
-``_autograd``.
+``_autograd``. A call that is not recorded runs eagerly: the first call of a
+signature that touches state, and a call whose trace raised the function's own
+exception (eager raises it again, after eager's side effects: ``_eager``).
 """
 
 from __future__ import annotations

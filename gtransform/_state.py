@@ -18,8 +18,11 @@ The rule (DESIGN semantics 10):
   ``backward()``, ``self.cache = ...``, ``optimizer.state``) are *escapes*:
   the recording returns them as extra outputs and writes them back after
   every replay, as eager would have left them. Escapes a replay cannot
-  reproduce (an ``append`` to a list) and Python numbers changed by the
-  function are errors.
+  reproduce (an ``append`` to a list, a new object holding a traced tensor:
+  ``memo["b"] = Box(t)``, a Hugging Face ``DynamicCache`` grown) and Python
+  numbers changed by the function are errors. A failed trace puts the roots
+  back whole, Python values included, so that the call, run eagerly or
+  refused, finds them as the caller left them.
 * What else decides what a module computes is part of the signature
   (:func:`env_key_fn`): every root module's ``training`` flag and hooks,
   and every root optimizer's Python hyperparameters (``lr``...), parameter groups and
