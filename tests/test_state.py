@@ -560,6 +560,35 @@ def test_an_object_made_once_on_first_use_and_updated_in_place_is_eagers(device)
     assert g.cache_info().currsize == 1
 
 
+class _LazyCacheAttr(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.cache = None
+
+    def forward(self, x):
+        if self.cache is None:  # made on first use
+            self.cache = {"acc": torch.zeros(3, device=x.device)}
+        self.cache["acc"].add_(self.lin(x).sum(0))
+        return self.cache["acc"] * 1
+
+
+def test_a_module_attribute_made_on_first_use_holding_a_tensor_is_eagers(device):
+    """`self.cache = {"acc": torch.zeros(3)}` where it was None: before, the trace left its dict
+    (a FakeTensor inside) on the module, as only a new attribute or a bare tensor was put back,
+    and the eager first call then failed on it ("used after the trace")."""
+    torch.manual_seed(0)
+    m, ref = _LazyCacheAttr().to(device), _LazyCacheAttr().to(device)
+    ref.load_state_dict(m.state_dict())
+    g = gt.graphify(m)
+    with torch.no_grad():
+        for _ in range(4):
+            x = torch.randn(2, 3, device=device)
+            assert_close(g(x), ref(x))
+            assert_close(m.cache["acc"], ref.cache["acc"])
+    assert g.cache_info().currsize == 1
+
+
 def test_traced_tensor_used_after_the_trace_raises(device):
     deep = {"a": {"b": {"c": {"d": {"e": _Holder()}}}}}
 
