@@ -4,7 +4,9 @@ A call goes: the generated fast path of the last recording (``_fastpath``), or
 the generic path: flatten, find the signature (``_signature``) or trace a new
 one (``_trace``, with state from ``_state``), record it (``_record``), replay,
 hand out outputs (``_liveness``); calls that need gradients go through
-``_autograd``.
+``_autograd``. A call that is not recorded runs eagerly: the first call of a
+signature that touches state, and a call whose trace raised the function's own
+exception (eager raises it again, after eager's side effects: ``_eager``).
 """
 
 from __future__ import annotations
@@ -289,7 +291,7 @@ class Graphified(Generic[P, R]):
             return self._run_eagerly(_FORWARD_AD, args, kwargs, statics)
         e, st, tensors = self._entry_for(leaves, spec, statics, (args, kwargs))
         if e is None:
-            return self._fallback(args, kwargs, statics)
+            return self._eager(st, args, kwargs, statics)
         if e.any_rg and _is_grad_enabled():
             self._hits -= 1  # counted again inside the autograd wrapper
             return call_with_autograd(self, e, leaves, spec, statics, tensors)
@@ -300,7 +302,7 @@ class Graphified(Generic[P, R]):
         leaves, spec = _flatten_args(args, kwargs)
         e, st, tensors = self._entry_for(leaves, spec, statics)
         if e is None:  # pragma: no cover - backward halves touch no state
-            return self._fallback(args, kwargs, statics)
+            return self._eager(st, args, kwargs, statics)
         return e.plan.assemble(self._run_flat(e, st, tensors))
 
     def _entry_for(self, leaves: List[Any], spec: Any, statics: Any, tree: Any = None, grad_mode: Optional[bool] = None) -> Tuple[Optional[Entry], ThreadState, List[torch.Tensor]]:
@@ -360,7 +362,7 @@ class Graphified(Generic[P, R]):
             finally:
                 FOR_GRAD.on = False
             if e is None:
-                return self._fallback(args, kwargs, statics)
+                return self._eager(_st, args, kwargs, statics)
             self._hits -= 1  # counted again inside the autograd wrapper
             tensors = [leaves[i] for i in e.tpos] + tensors[e.n_user:]
             return call_with_autograd(self, e, leaves, spec, statics, tensors)
@@ -558,6 +560,27 @@ class Graphified(Generic[P, R]):
         kw.update(kwargs)
         return self._fn(*a, **kw)
 
+    def _eager(self, st: ThreadState, args: Tuple[Any, ...], kwargs: Dict[str, Any], statics: Tuple[Any, ...]) -> Any:
+        """A call that runs eagerly (not recorded: see :meth:`_lookup`).
+
+        After a trace that raised the function's own exception (a shape check, an assert),
+        eager raises it again, with eager's side effects before the raise (a counter or an
+        input updated in place), which the trace, on placeholders, did not make. Where eager
+        runs fine instead, the exception was the trace's own (code that behaves otherwise on
+        fake tensors): that signature runs eagerly from now on, with a warning.
+        """
+        key = st.raised
+        if key is None:
+            return self._fallback(args, kwargs, statics)
+        st.raised = None
+        out = self._fallback(args, kwargs, statics)  # eager's exception propagates from here
+        st.eager_only.add(key)
+        log.warning("%s: the trace raised %s, but the call runs fine eagerly: this signature runs eagerly "
+                    "from now on (not recorded). Code that behaves otherwise on the trace's placeholders "
+                    "(fake tensors without data) raised it: look at f.trace(...) for the traceback",
+                    self._desc, st.raised_what)
+        return out
+
     def _key(self, leaves: List[Any], spec: Any, args: Any, kwargs: Any, statics: Tuple[Any, ...], glob: Any) -> Tuple[Any, List[Any], List[int], Optional[torch.device], List[str]]:
         """The cache key of a call (validating its leaves), its parts and tensor positions."""
         parts: List[Any] = []
@@ -752,8 +775,18 @@ class Graphified(Generic[P, R]):
                         "through the autograd wrapper of a recording.\nFix: make the update out of place "
                         "(nn.ReLU(inplace=False), x = x + 1 instead of x += 1), or call the function under "
                         "torch.no_grad() if no gradient is needed.") from None
-            if not record or not _raised_by_fake_kernels(err):
+            if not record or _raised_by_gtransform(err):
                 raise
+            if not _raised_by_fake_kernels(err):
+                # the function's own exception (a shape check, an assert): the call runs
+                # eagerly, which raises it again after eager's side effects before the raise
+                # (a counter, a buffer or an input updated in place: the trace made them on
+                # placeholders, and put the Python state it changed back; see _eager)
+                st.raised = key
+                st.raised_what = f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
+                log.info("%s: the trace raised the function's own exception (%s): this call runs eagerly",
+                         self._desc, st.raised_what)
+                return None
             # an error torch's fake or meta kernels raised (a bad view, a shape mismatch: the
             # user's own, but in their wording and sometimes another type): the call runs
             # eagerly (the trace left no trace), so eager's exception propagates unchanged; if
@@ -1063,9 +1096,18 @@ class _BoundGraphified:
 
 
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+_PKG_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _FAKE_KERNEL_DIRS = tuple(_TORCH_DIR + d
                           for d in ("_refs", "_prims", "_meta_registrations.py", "_decomp", "_subclasses",
                                     "_prims_common"))
+
+
+def _raised_by_gtransform(err: BaseException) -> bool:
+    """Whether an exception of the trace was raised by gtransform's own code (not the function's)."""
+    import traceback as _tb
+
+    frames = _tb.extract_tb(err.__traceback__)
+    return bool(frames) and frames[-1].filename.startswith(_PKG_DIR)
 
 
 def _raised_by_fake_kernels(err: BaseException) -> bool:

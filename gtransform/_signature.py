@@ -425,7 +425,7 @@ class ThreadState:
     """One thread's signature cache of one graphified function."""
 
     __slots__ = ("cache", "last", "pool", "fast", "fast_rec", "fast_statics", "warmed", "eager_only", "pending",
-                 "clear_requested", "alts", "pending_limit", "__weakref__")
+                 "clear_requested", "alts", "pending_limit", "raised", "raised_what", "__weakref__")
 
     ALTS = 3  # alternates kept per key (see alts)
 
@@ -440,6 +440,10 @@ class ThreadState:
         self.warmed: _Marks = _Marks()
         # signatures whose trace failed inside torch's fake kernels while eager ran fine
         self.eager_only: _Marks = _Marks()
+        # the key of the call being made whose trace raised the function's own exception, and
+        # that exception in words: the call runs eagerly (see Graphified._eager)
+        self.raised: Optional[Hashable] = None
+        self.raised_what = ""
         # the first call's trace of a signature that touches state, kept for its second call
         # (see reusable_after_eager); checked there as any cached signature is
         self.pending: Dict[Hashable, Entry] = OrderedDict()

@@ -18,8 +18,11 @@ The rule (DESIGN semantics 10):
   ``backward()``, ``self.cache = ...``, ``optimizer.state``) are *escapes*:
   the recording returns them as extra outputs and writes them back after
   every replay, as eager would have left them. Escapes a replay cannot
-  reproduce (an ``append`` to a list) and Python numbers changed by the
-  function are errors.
+  reproduce (an ``append`` to a list, a new object holding a traced tensor:
+  ``memo["b"] = Box(t)``, a Hugging Face ``DynamicCache`` grown) and Python
+  numbers changed by the function are errors. A failed trace puts the roots
+  back whole, Python values included, so that the call, run eagerly or
+  refused, finds them as the caller left them.
 * What else decides what a module computes is part of the signature
   (:func:`env_key_fn`): every root module's ``training`` flag and hooks,
   and every root optimizer's Python hyperparameters (``lr``...), parameter groups and
@@ -34,6 +37,7 @@ import functools
 import inspect
 import operator
 import os
+import re
 import sys
 import threading
 import types
@@ -43,7 +47,6 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 import torch
 
 from ._errors import GraphifyError, is_library_file
-from ._tree import holds_tensor
 
 __all__ = ["Root", "find_roots", "Snapshot", "Slot", "StateIndex", "env_key_fn", "EscapeWriter", "AttrReads"]
 
@@ -433,7 +436,36 @@ class ScanResult:
     escapes: List[Tuple[Slot, Any]] = field(default_factory=list)  # (slot, fake)
     appended: List[str] = field(default_factory=list)  # paths of containers a fake was appended to
     sites: List[str] = field(default_factory=list)  # where those tensors were made
+    grown: List[str] = field(default_factory=list)  # the containers appended to (for messages)
+    # new objects holding a fake stored in a slot (`memo["b"] = Box(t)`): (slot path, path of the
+    # fake inside, the object's type name), and where each fake was made
+    stored: List[Tuple[str, str, str]] = field(default_factory=list)
+    stored_sites: List[str] = field(default_factory=list)
     changes: List[Change] = field(default_factory=list)
+
+    def note_stored(self, path: str, now: Any, old: Any, is_fake: Callable[[Any], bool],
+                    appended_to: Optional[str] = None) -> None:
+        """``now`` is in ``path`` after the trace (``old`` before): a new object holding a fake?
+
+        A bare fake is an escape (written back after every call); a new object around one
+        (``Box(t)``, ``[t]``, ``(t,)``, ``SimpleNamespace(t=t)``) is made once, while tracing,
+        and no replay can make another.
+        """
+        if now is old or is_fake(now):
+            return
+        found = _inside(now, is_fake)
+        if found is None:
+            return
+        inner, fake = found
+        site = fake.__dict__.get("_gt_site", "")
+        if appended_to is not None:
+            self.appended.append(f"{path} (appended: a new {type(now).__name__} holding a tensor made inside it, "
+                                 f"{path}{inner})")
+            self.sites.append(site)
+            self.grown.append(appended_to)
+        else:
+            self.stored.append((path, f"{path}{inner}", type(now).__name__))
+            self.stored_sites.append(site)
 
 
 class Snapshot:
@@ -496,6 +528,8 @@ class Snapshot:
                     res.changes.append(Change(f"{path}.{k}", old[k], v, now, k, model, obj))
                 elif _rebound(v, old.get(k)):
                     res.changes.append(Change(f"{path}.{k}", old[k], v, now, k, True, obj))
+                else:
+                    res.note_stored(f"{path}.{k}", v, old.get(k, _MISSING), is_fake)
 
         for kind, path, obj, saved in self.items:
             if kind == "module":
@@ -527,6 +561,8 @@ class Snapshot:
                             res.escapes.append((Slot("item", s, k, f"{path}.state[...][{k!r}]"), v))
                         elif type(v) in _NUMBERS and k in old_s and type(old_s[k]) in _NUMBERS and old_s[k] != v:
                             res.changes.append(Change(f"{path}.state[...][{k!r}]", old_s[k], v, s, k, True, obj))
+                        else:
+                            res.note_stored(f"{path}.state[...][{k!r}]", v, old_s.get(k, _MISSING), is_fake)
                 for i, (g, old) in enumerate(groups):  # noqa: B007
                     for k, v in g.items():
                         if k == "params":
@@ -535,6 +571,8 @@ class Snapshot:
                             res.escapes.append((Slot("item", g, k, f"{path}.param_groups[{i}][{k!r}]"), v))
                         elif type(v) in _NUMBERS and k in old and type(old[k]) in _NUMBERS and old[k] != v:
                             res.changes.append(Change(f"{path}.param_groups[{i}][{k!r}]", old[k], v, g, k, True))
+                        else:
+                            res.note_stored(f"{path}.param_groups[{i}][{k!r}]", v, old.get(k, _MISSING), is_fake)
             elif kind == "tensor":
                 if is_fake(leaf_grad(obj)):
                     res.escapes.append((Slot("grad", obj, "grad", f"{path}.grad"), obj.grad))
@@ -550,6 +588,9 @@ class Snapshot:
                         else:
                             res.appended.append(f"{path} (appended at index {i})")
                             res.sites.append(v.__dict__.get("_gt_site", ""))
+                            res.grown.append(path)
+                    elif not any(v is x for x in old):  # (an item moved along by an insert is no new one)
+                        res.note_stored(f"{path}[{i}]", v, _MISSING, is_fake, appended_to=None if i < len(old) else path)
             elif kind == "dict":
                 for k, v in obj.items():
                     if is_fake(v):
@@ -558,6 +599,8 @@ class Snapshot:
                         res.changes.append(Change(f"{path}[{k!r}]", saved[k], v, obj, k))
                     elif _rebound(v, saved.get(k)):
                         res.changes.append(Change(f"{path}[{k!r}]", saved[k], v, obj, k, True))
+                    else:
+                        res.note_stored(f"{path}[{k!r}]", v, saved.get(k, _MISSING), is_fake)
             elif kind == "object":
                 # a Python number in an object's attributes (a hand-written EMA's
                 # `self.updates += 1`, an LR scheduler's last_epoch) is read back by later
@@ -565,16 +608,23 @@ class Snapshot:
                 attrs(path, obj, vars(obj), saved, set(), True)
         return res
 
-    def restore(self) -> None:
-        """Put every root back as it was when the snapshot was taken."""
+    def restore(self, full: bool = False) -> None:
+        """Put every root back as it was when the snapshot was taken.
+
+        Args:
+            full: put back Python values too (numbers, flags, objects holding no tensor),
+                which a trace that succeeds leaves as it made them (see ``_restore_dict``).
+                After a failed trace: the call then runs eagerly, or raises, and either way
+                must find the state as the caller left it (DESIGN semantics 9).
+        """
         for kind, _path, obj, saved in self.items:
             try:
                 if kind == "module":
                     d, params, bufs, mods, grads = saved
-                    _restore_dict(obj.__dict__, d)
-                    _restore_dict(obj._parameters, params)
-                    _restore_dict(obj._buffers, bufs)
-                    _restore_dict(obj._modules, mods)
+                    _restore_dict(obj.__dict__, d, full)
+                    _restore_dict(obj._parameters, params, full)
+                    _restore_dict(obj._buffers, bufs, full)
+                    _restore_dict(obj._modules, mods, full)
                     for n, g in grads.items():
                         p = params[n]
                         if p.grad is not g:
@@ -585,8 +635,8 @@ class Snapshot:
                         if leaf_grad(p) is not g:
                             p.grad = g
                     for g, old in groups:
-                        _restore_dict(g, old)
-                    _restore_dict(obj.__dict__, d)
+                        _restore_dict(g, old, full)
+                    _restore_dict(obj.__dict__, d, full)
                     state = obj.state
                     for p in [p for p in state if p not in st]:
                         del state[p]
@@ -601,17 +651,82 @@ class Snapshot:
                     if where is not None and where.get() is not obj:
                         where.set(obj)
                 elif kind == "list":
-                    if any(isinstance(v, torch.Tensor) for v in obj) or any(isinstance(v, torch.Tensor) for v in saved):
+                    if _list_changed(obj, saved, full):
                         obj[:] = saved
                 elif kind == "dict":
-                    _restore_dict(obj, saved)
+                    _restore_dict(obj, saved, full)
                 elif kind == "object":
-                    _restore_dict(vars(obj), saved)
+                    _restore_dict(vars(obj), saved, full)
             except Exception:  # pragma: no cover - best effort, never mask the user's error
                 continue
 
 
 _MISSING = object()
+
+
+# how far _inside looks into a value stored in state, and into how many items per container
+_INSIDE_DEPTH = 6
+_INSIDE_ITEMS = 4096
+_OPAQUE = (type, types.ModuleType, types.FunctionType, types.MethodType, types.BuiltinFunctionType,
+           functools.partial, enum.Enum, torch.dtype, torch.device)
+
+
+def _inside(v: Any, pred: Callable[[Any], bool], depth: int = _INSIDE_DEPTH) -> Optional[Tuple[str, Any]]:
+    """The first value in ``v`` that ``pred`` accepts, with its path in ``v`` (``.t``, ``[0]``), or None.
+
+    Looks into dicts, lists, tuples (namedtuples' fields by name), sets, dataclasses and
+    objects' attributes (``__dict__`` and ``__slots__``), ``depth`` levels down: what a
+    value stored in state holds (``Box(t)``, ``[t]``, ``(t,)``, ``SimpleNamespace(t=t)``,
+    a cache layer). Trace-time only.
+    """
+    seen: Set[int] = set()
+
+    def walk(x: Any, d: int) -> Optional[Tuple[str, Any]]:
+        if pred(x):
+            return "", x
+        if d <= 0 or isinstance(x, torch.Tensor) or type(x) in _NUMBERS or isinstance(x, _OPAQUE) or id(x) in seen:
+            return None
+        seen.add(id(x))
+        for key, y in _members(x):
+            found = walk(y, d - 1)
+            if found is not None:
+                return key + found[0], found[1]
+        return None
+
+    return walk(v, depth)
+
+
+def _members(x: Any) -> List[Tuple[str, Any]]:
+    """``x``'s items or attributes as ``(path suffix, value)``; none for what it cannot read plainly."""
+    try:
+        if isinstance(x, dict):
+            return [(f"[{k!r}]", y) for k, y in x.items()] if len(x) <= _INSIDE_ITEMS else []
+        if isinstance(x, (list, tuple)):
+            if len(x) > _INSIDE_ITEMS:
+                return []
+            names = getattr(type(x), "_fields", None)  # a namedtuple
+            if isinstance(names, tuple) and len(names) == len(x):
+                return [(f".{n}", y) for n, y in zip(names, x)]
+            return [(f"[{i}]", y) for i, y in enumerate(x)]
+        if isinstance(x, (set, frozenset)):
+            return [("{...}", y) for y in x] if len(x) <= _INSIDE_ITEMS else []
+        out: List[Tuple[str, Any]] = []
+        try:
+            d = object.__getattribute__(x, "__dict__")  # (not a __getattr__ of the object's own)
+        except AttributeError:
+            d = None
+        if type(d) is dict and len(d) <= _INSIDE_ITEMS:
+            out += [(f".{k}", y) for k, y in d.items()]
+        for c in type(x).__mro__:
+            slots = c.__dict__.get("__slots__", ())
+            for n in (slots,) if isinstance(slots, str) else slots if isinstance(slots, (tuple, list)) else ():
+                if n not in ("__dict__", "__weakref__"):
+                    y = getattr(x, n, _MISSING)
+                    if y is not _MISSING:
+                        out.append((f".{n}", y))
+        return out
+    except Exception:  # an object that does not let itself be read so
+        return []
 
 
 def _rebound(now: Any, old: Any) -> bool:
@@ -628,21 +743,40 @@ def _tensors_changed(d: Dict[Any, Any], saved: Dict[Any, Any]) -> bool:
         old = saved.get(k, _MISSING)
         if old is not v and (isinstance(v, torch.Tensor) or isinstance(old, torch.Tensor)):
             return True
-        if old is _MISSING and holds_tensor(v, 3):  # a new entry holding tensors (a defaultdict's:
-            return True                           # GradScaler's per-optimizer states)
+        if old is not v and _holds_tensor(v):  # a new value holding tensors: a defaultdict's entry
+            return True                       # (GradScaler's per-optimizer states), `memo["b"] = Box(t)`
     return any(k not in d and isinstance(v, torch.Tensor) for k, v in saved.items())
 
 
-def _restore_dict(d: Dict[Any, Any], saved: Dict[Any, Any]) -> None:
-    """Undo what a trace did to ``d``, if it touched a tensor there.
+def _holds_tensor(v: Any) -> bool:
+    return _inside(v, _is_tensor) is not None
 
-    A dict (or an object's attributes) where the trace left or replaced a tensor
-    is put back whole, flags included (a lazily initialised cache and its
-    ``is_initialized`` go back together). Where only Python values changed, the
-    changes stay: as in JAX, Python side effects such as a counter of traces
-    happen when the function is traced.
+
+def _is_tensor(v: Any) -> bool:
+    return isinstance(v, torch.Tensor)
+
+
+def _list_changed(obj: List[Any], saved: List[Any], full: bool) -> bool:
+    """Whether a trace changed list ``obj`` in a way to undo (see ``_restore_dict``)."""
+    if len(obj) == len(saved) and all(a is b for a, b in zip(obj, saved)):
+        return False
+    if full:
+        return True
+    return any(isinstance(v, torch.Tensor) for v in saved) or any(
+        _holds_tensor(v) for v in obj if not any(v is x for x in saved))
+
+
+def _restore_dict(d: Dict[Any, Any], saved: Dict[Any, Any], full: bool = False) -> None:
+    """Undo what a trace did to ``d``, if it touched a tensor there (or, ``full``, anything).
+
+    A dict (or an object's attributes) where the trace left or replaced a tensor,
+    or an object holding one, is put back whole, flags included (a lazily
+    initialised cache and its ``is_initialized`` go back together). Where only
+    Python values changed, the changes stay after a trace that succeeds: as in
+    JAX, Python side effects such as a counter of traces happen when the
+    function is traced.
     """
-    if not _tensors_changed(d, saved):
+    if not full and not _tensors_changed(d, saved):
         return
     for k in [k for k in d if k not in saved]:
         del d[k]
@@ -1311,9 +1445,27 @@ def _alias(t: torch.Tensor) -> torch.Tensor:
         return torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
 
 
-def escape_error(desc: str, where: List[str], site: str) -> GraphifyError:
-    """A tensor made while tracing was left where no replay can put it."""
+def escape_error(desc: str, where: List[str], site: str, grown: Sequence[str] = ()) -> GraphifyError:
+    """A tensor made while tracing was left where no replay can put it.
+
+    ``grown``: the containers appended to; one inside an argument is a cache that grows.
+    """
     listing = "; ".join(where[:4]) + (" ..." if len(where) > 4 else "")
+    arg = next((p for p in grown if p.startswith(("args[", "kwargs["))), None)
+    if arg is not None:
+        m = re.match(r"(?:args|kwargs)\[[^\]]*\]", arg)
+        owner = m.group(0) if m else arg
+        return GraphifyError(
+            f"{desc}: a tensor made inside the function escapes into Python state: {listing}.{site}\n"
+            f"Why: {arg} belongs to {owner}, an object passed in, and the function appends to it: a "
+            "cache that grows on every call (new tensors appended, or made longer with torch.cat). A "
+            "recording reads and writes the same memory, of the same shapes, on every replay; an append "
+            "happens once, while tracing, and would leave a traced placeholder instead of a real tensor.\n"
+            "Fix: preallocate the cache at its full size and write each step into it in place "
+            "(cache.k[:, pos] = k, or index_copy_; transformers.StaticCache for Hugging Face models), "
+            "or keep the cache outside the graphified function and pass its tensors in. "
+            f"{owner} was left as it was before the call."
+        )
     return GraphifyError(
         f"{desc}: a tensor made inside the function escapes into Python state: {listing}.{site}\n"
         "Why: a recording replays tensor work only; Python-side effects (appending to a list, "
@@ -1321,6 +1473,46 @@ def escape_error(desc: str, where: List[str], site: str) -> GraphifyError:
         "placeholder instead of a real tensor.\n"
         "Fix: return the tensor from the function and store it outside (e.g. log.append(f(x).clone())), "
         "or write into a preallocated tensor in place (buf.copy_(y))."
+    )
+
+
+def stored_error(desc: str, stored: Sequence[Tuple[str, str, str]], site: str) -> GraphifyError:
+    """A new object holding a tensor made while tracing was stored in Python state (``memo["b"] = Box(t)``)."""
+    path, inner, kind = stored[0]
+    more = (f" (also: {', '.join(p for p, _, _ in stored[1:4])}{' ...' if len(stored) > 4 else ''})"
+            if len(stored) > 1 else "")
+    return GraphifyError(
+        f"{desc}: the function stores a new {kind} holding a tensor made inside it in {path} "
+        f"(the tensor: {inner}){more}.{site}\n"
+        f"Why: a recording replays tensor work only: the {kind} would be made once, while tracing, around "
+        "a placeholder without data, and no replay makes another (eager makes a new one, holding new "
+        "values, on every call). A tensor stored by itself is fine: it is written back after every call.\n"
+        f"Fix: store the tensor itself in the slot ({path} = t, written back after each call), or make "
+        f"the {kind} once, outside the function, and set its tensor inside ({inner} = t), or return the "
+        f"tensor from the function and build the {kind} outside. {path} was left as it was before the call."
+    )
+
+
+def is_dynamic_cache(obj: Any) -> bool:
+    """Whether ``obj`` is a Hugging Face ``DynamicCache`` (or a subclass): it grows on every call."""
+    return any(c.__name__ == "DynamicCache" and (c.__module__ or "").startswith("transformers")
+               for c in type(obj).__mro__)
+
+
+def dynamic_cache_error(desc: str, name: str, obj: Any, changed: Sequence[str], site: str) -> GraphifyError:
+    """The trace grew a Hugging Face ``DynamicCache`` (appended layers, or longer keys and values)."""
+    listing = "; ".join(changed[:3]) + (" ..." if len(changed) > 3 else "")
+    return GraphifyError(
+        f"{desc}: {name} is a transformers {type(obj).__name__}, which grows by one step on every call: "
+        f"each call makes its keys and values anew, one step longer (torch.cat), and the trace left "
+        f"such tensors in it ({listing}).{site}\n"
+        "Why: a recording reads and writes fixed memory, the same tensors of the same shapes on every "
+        "replay; a cache whose tensors are new, and longer, after every call cannot be replayed (every "
+        "call would be a new signature, traced and run eagerly).\n"
+        "Fix: use a fixed-size cache written in place: transformers.StaticCache(config=model.config, "
+        "max_cache_len=N) as past_key_values, with cache_position (the transformers recipe for CUDA "
+        "graphs); or keep the DynamicCache outside the graphified function (run the steps that use it "
+        f"eagerly). {name} was left as it was before the call."
     )
 
 

@@ -41,7 +41,19 @@ from ._rewrite import (
     _lift_state,
     _reshape_computed_views,
 )
-from ._state import AttrReads, Root, Slot, Snapshot, StateIndex, escape_error, leaf_grad
+from ._state import (
+    AttrReads,
+    Root,
+    ScanResult,
+    Slot,
+    Snapshot,
+    StateIndex,
+    dynamic_cache_error,
+    escape_error,
+    is_dynamic_cache,
+    leaf_grad,
+    stored_error,
+)
 from ._tree import unflatten
 from ._watch import (
     TENSOR_ATTR,
@@ -601,6 +613,24 @@ def _no_traced_constants(gm: torch.fx.GraphModule, is_ours: Callable[[Any], bool
 
 
 
+def _no_dynamic_cache(desc: str, roots: Sequence[Root], scan: ScanResult) -> None:
+    """Refuse a trace that grew a Hugging Face ``DynamicCache`` the function reaches.
+
+    Its layers appended (an empty cache) or its keys and values made anew (a filled one):
+    it grows on every call, which the generic messages would blame on the user's code.
+    """
+    changed = scan.grown + [s.path for s, _ in scan.escapes] + [p for p, _, _ in scan.stored]
+    for r in roots:
+        if not is_dynamic_cache(r.obj):
+            continue
+        mine = [p for p in changed if p == r.name or p.startswith((r.name + ".", r.name + "["))]
+        if mine:
+            sites = scan.sites + scan.stored_sites + [f.__dict__.get("_gt_site", "") for _, f in scan.escapes]
+            made = next((x for x in sites if x), "")
+            raise dynamic_cache_error(desc, r.name, r.obj, list(dict.fromkeys(mine)),
+                                      f"\n  made at {made}" if made else "")
+
+
 def _backward_hooked_modules(roots: Sequence[Root]) -> List[str]:
     """Names of the modules the function reaches that have backward hooks ("(global)" for global ones)."""
     mm = torch.nn.modules.module
@@ -739,6 +769,32 @@ def trace(
     Raises:
         GraphifyError: something the recording cannot contain.
     """
+    snap = Snapshot(roots)
+    try:
+        return _trace(snap, fn, rebuild, in_specs, in_paths, desc, cuda, roots, plain, grads, attrs, histories)
+    except BaseException:
+        # a failed trace leaves no half-state (DESIGN semantics 9): the roots go back whole,
+        # Python values included (which a trace that succeeds leaves as it made them, as in
+        # JAX): the call then runs eagerly or raises, and finds the state as the caller left it
+        snap.restore(full=True)
+        raise
+
+
+def _trace(
+    snap: Snapshot,
+    fn: Callable[..., Any],
+    rebuild: Callable[[Sequence[torch.Tensor]], Tuple[Tuple[Any, ...], Dict[str, Any]]],
+    in_specs: Sequence[Tuple[Tuple[int, ...], Tuple[int, ...], torch.dtype, torch.device, bool]],
+    in_paths: List[str],
+    desc: str,
+    cuda: bool,
+    roots: Sequence[Root],
+    plain: Optional[Sequence[bool]],
+    grads: Sequence[bool],
+    attrs: Sequence[Optional[Dict[str, Any]]],
+    histories: Sequence[bool],
+) -> Plan:
+    """:func:`trace`, with the snapshot of the roots taken (put back whole by ``trace`` if this raises)."""
     mode = _TraceMode(allow_non_fake_inputs=True)
     with mode:
         fakes = []
@@ -751,7 +807,6 @@ def trace(
     storages: Dict[Any, int] = {}
     paths = list(in_paths)
     index = StateIndex(roots)
-    snap = Snapshot(roots)
     reads = AttrReads(roots)
     watch = _Watch(storages, paths, desc, cuda, mode, index, len(fakes))
     watch.overlapping = {i for i, sp in enumerate(in_specs) if _overlaps(sp[0], sp[1])}
@@ -898,9 +953,17 @@ def trace(
             "apply_spec_augment=False) while graphified."
         )
     scan = box["scan"]
+    _no_dynamic_cache(desc, roots, scan)
     if scan.appended:
         made = next((x for x in scan.sites if x), "")
-        raise escape_error(desc, scan.appended, f"\n  made at {made}" if made else "")
+        raise escape_error(desc, scan.appended, f"\n  made at {made}" if made else "", scan.grown)
+    if scan.stored:
+        made = next((x for x in scan.stored_sites if x), "")
+        refusal = stored_error(desc, scan.stored, f"\n  made at {made}" if made else "")
+        # an object made on first use (`if self.cache is None: self.cache = Cache(...)`): that
+        # call runs eagerly, and a trace that stores one again (every call does) is refused
+        refusal.gt_touched_state = True  # type: ignore[attr-defined]
+        raise refusal
     if torch.is_grad_enabled() and not fnwatch.for_grad and (
             any(sp[4] for sp in in_specs) or any(f.requires_grad for f in watch.state_fakes)):
         hooked = _backward_hooked_modules(roots)

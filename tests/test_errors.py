@@ -197,6 +197,97 @@ def test_user_exception_on_a_new_shape_keeps_old_recordings(device):
     assert info.currsize == 1
 
 
+class _Checked(torch.nn.Module):
+    """Counts its calls in a buffer and its rejected calls in a Python int, then checks the shape."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.register_buffer("calls", torch.zeros(()))
+        self.rejected = 0
+
+    def forward(self, x):
+        self.calls += 1
+        if x.shape[0] == 3:
+            self.rejected += 1
+            raise ValueError(f"a batch of 3 rejected ({self.rejected} so far)")
+        return self.lin(x)
+
+
+def _counter_step():
+    ctr = torch.zeros(())
+
+    def step(x):
+        ctr.add_(1)
+        if x.shape[0] == 3:
+            raise ValueError("bad")
+        return x + 1
+
+    return step, lambda: ctr
+
+
+def _argument_step():
+    def step(x):
+        x.mul_(2)  # the caller's tensor, updated in place before the check
+        assert x.shape[0] != 3, "a batch of 3"
+        return x + 1
+
+    return step, None
+
+
+def _module_step():
+    torch.manual_seed(0)
+    m = _Checked()
+    return m, lambda: (m.calls.clone(), m.rejected)
+
+
+@pytest.mark.parametrize("make", [_counter_step, _argument_step, _module_step], ids=["counter", "argument", "module"])
+def test_updates_made_before_the_functions_own_exception_are_eagers(device, make):
+    """Before: the call whose trace raised propagated the trace's exception, and the updates made
+    before the raise (a counter, a buffer, the caller's tensor) were lost: 4 where eager counts 6.
+    Now that call runs eagerly: eager's updates, once (a Python counter the trace changed is put
+    back first), and eager's exception."""
+    fn, state = make()
+    ref_fn, ref_state = make()
+    if isinstance(fn, torch.nn.Module):
+        fn.to(device)
+        ref_fn.to(device)
+    g = gt.graphify(fn)
+    for n in [2, 2, 3, 2, 3, 3, 2]:
+        x = torch.arange(n * 4.0, device=device).reshape(n, 4)
+        x_ref = x.clone()
+        try:
+            want = ref_fn(x_ref)
+        except (ValueError, AssertionError) as e:
+            with pytest.raises(type(e)) as got:
+                g(x)
+            assert str(got.value) == str(e)
+        else:
+            assert_close(g(x), want)
+        assert_close(x, x_ref)  # the caller's tensor, updated as eager updates it
+        if state is not None:
+            assert_close(state(), ref_state())
+
+
+def test_an_exception_raised_only_while_tracing_runs_that_signature_eagerly_with_a_warning(caplog):
+    """Code that raises on the trace's placeholders but runs fine eagerly: the call is eager's,
+    and the signature runs eagerly from then on, once warned (not traced again on every call)."""
+    def fn(x):
+        if torch.compiler.is_compiling():  # library code that refuses to be compiled
+            raise NotImplementedError("not while compiling")
+        return x + 1
+
+    g = gt.graphify(fn)
+    x = torch.ones(3)
+    with caplog.at_level("WARNING", logger="gtransform"):
+        for _ in range(3):
+            assert_close(g(x), x + 1)
+    assert g.cache_info().misses == 1
+    msgs = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(msgs) == 1 and "NotImplementedError: not while compiling" in msgs[0]
+    assert "runs fine eagerly: this signature runs eagerly from now on" in msgs[0]
+
+
 # -- call errors like a plain call -----------------------------------------------------
 
 

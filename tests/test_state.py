@@ -417,6 +417,178 @@ class _Holder:
     pass
 
 
+class _Stash:
+    def __init__(self, t):
+        self.t = t
+
+
+@dataclasses.dataclass
+class _Pair:
+    t: torch.Tensor
+    n: int
+
+
+_NT = collections.namedtuple("_NT", ["t", "n"])
+
+
+def _shown(v):
+    """``v`` as plain Python values (tensors as lists), to compare state; a FakeTensor fails."""
+    if isinstance(v, torch.Tensor):
+        assert type(v) in (torch.Tensor, nn.Parameter), f"a {type(v).__name__} was left in state"
+        return ("tensor", v.tolist())
+    if isinstance(v, dict):
+        return {k: _shown(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return (type(v).__name__, [_shown(x) for x in v])
+    if hasattr(v, "__dict__") and not isinstance(v, (nn.Module, type)):
+        return (type(v).__name__, _shown(vars(v)))
+    return v
+
+
+# a new object holding a tensor made inside the function, stored into state it reaches: the
+# container it lives in, and the store
+_STORES = {
+    "object in a dict": (dict, lambda s, y: s.__setitem__("b", _Stash(y))),
+    "namespace in a dict": (dict, lambda s, y: s.__setitem__("b", types.SimpleNamespace(t=y))),
+    "dataclass in a dict": (dict, lambda s, y: s.__setitem__("b", _Pair(y, 1))),
+    "namedtuple in a dict": (dict, lambda s, y: s.__setitem__("b", _NT(y, 1))),
+    "list in an attribute": (types.SimpleNamespace, lambda s, y: setattr(s, "t", [y])),
+    "tuple in an attribute": (_Holder, lambda s, y: setattr(s, "t", (y, 2))),
+    "dict in a list": (lambda: [None], lambda s, y: s.__setitem__(0, {"t": y})),
+    "tuple appended to a list": (list, lambda s, y: s.append((y,))),
+}
+
+
+@pytest.mark.parametrize("reads_state", [False, True], ids=["pure", "reads-state"])
+@pytest.mark.parametrize("how", list(_STORES))
+def test_a_new_object_holding_a_traced_tensor_stored_in_state_is_refused_untouched(device, how, reads_state):
+    """Before: recorded as if pure, so replays stored nothing (the first call's value stayed:
+    [4, 8, 12] where eager gives [4, 8, 14]), and the caller's object held a FakeTensor or had
+    its attributes emptied. Now eager's values on the calls made, then a GraphifyError with the
+    fix, and the state as the caller left it before the refused call."""
+    make, store = _STORES[how]
+    w = torch.ones(1, device=device)
+
+    def fn_of(state):
+        def fn(x):
+            y = x * 2 * w if reads_state else x * 2
+            store(state, y)
+            return x + 1
+        return fn
+
+    state, ref = make(), make()
+    g, eager = gt.graphify(fn_of(state)), fn_of(ref)
+    refused = None
+    for k, v in enumerate([2.0, 4.0, 7.0]):
+        x = torch.tensor([v], device=device)
+        before = _shown(state)
+        try:
+            out = g(x)
+        except gt.GraphifyError as e:
+            refused = k, str(e)
+            assert _shown(state) == before  # the caller's object exactly as before the call
+            break
+        assert_close(out, eager(x))
+        assert _shown(state) == _shown(ref)  # eager's (a first call that ran eagerly)
+    assert refused is not None and refused[0] <= 1, refused
+    msg = refused[1]
+    assert "test_state.py" in msg and "Fix:" in msg  # where the tensor was made, and the fix
+    if how == "tuple appended to a list":
+        assert "escapes into Python state: state[0] (appended: a new tuple" in msg
+        assert "Fix: return the tensor from the function" in msg
+    else:
+        assert "stores a new" in msg and "holding a tensor made inside it" in msg
+        assert "Fix: store the tensor itself in the slot" in msg and "return the tensor" in msg
+
+
+class _Memo(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.memo = types.SimpleNamespace(t=torch.zeros(1, 3))
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+def test_a_new_object_stored_on_a_module_the_function_calls_is_refused_after_an_eager_first_call(device):
+    """`mod.memo = SimpleNamespace(t=y)` in a step that calls mod: before, the trace's object (a
+    FakeTensor inside) stayed on the module, and the first call, eager, then failed on it."""
+    torch.manual_seed(0)
+    model, ref = _Memo().to(device), _Memo().to(device)
+    ref.load_state_dict(model.state_dict())
+
+    def step_of(mod):
+        def step(x):
+            y = mod(x)
+            mod.memo = types.SimpleNamespace(t=y)
+            return y.sum()
+        return step
+
+    g, eager = gt.graphify(step_of(model)), step_of(ref)
+    x = torch.randn(1, 3, device=device)
+    assert_close(g(x), eager(x))  # the first call reads state: eager, exactly
+    assert type(model.memo.t) is torch.Tensor
+    assert_close(model.memo.t, ref.memo.t)
+    kept = model.memo
+    with pytest.raises(gt.GraphifyError, match=r"(?s)stores a new SimpleNamespace holding a tensor made inside it "
+                       r"in mod\.memo \(the tensor: mod\.memo\.t\).*test_state\.py.*Fix: store the tensor itself"):
+        g(x * 2)
+    assert model.memo is kept and _shown(vars(model.memo)) == _shown(vars(ref.memo))
+    assert_close(model(x), ref(x))  # the module stays usable
+
+
+def test_an_object_made_once_on_first_use_and_updated_in_place_is_eagers(device):
+    """A cache object made lazily by the first call, then updated in place: the first call runs
+    eagerly (making it for real), the next ones are recorded. Before: the trace's object, holding
+    a FakeTensor, was left in the dict and the first call failed on it."""
+    memo, ref = {}, {}
+
+    def fn_of(m):
+        def fn(x):
+            if "acc" not in m:
+                m["acc"] = _Stash(torch.zeros(2, device=x.device))
+            m["acc"].t.add_(x)
+            return m["acc"].t * 2
+        return fn
+
+    g, eager = gt.graphify(fn_of(memo)), fn_of(ref)
+    for v in [1.0, 2.0, 5.0, -1.0]:
+        x = torch.full((2,), v, device=device)
+        assert_close(g(x), eager(x))
+        assert _shown(memo) == _shown(ref)
+    assert g.cache_info().currsize == 1
+
+
+class _LazyCacheAttr(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.cache = None
+
+    def forward(self, x):
+        if self.cache is None:  # made on first use
+            self.cache = {"acc": torch.zeros(3, device=x.device)}
+        self.cache["acc"].add_(self.lin(x).sum(0))
+        return self.cache["acc"] * 1
+
+
+def test_a_module_attribute_made_on_first_use_holding_a_tensor_is_eagers(device):
+    """`self.cache = {"acc": torch.zeros(3)}` where it was None: before, the trace left its dict
+    (a FakeTensor inside) on the module, as only a new attribute or a bare tensor was put back,
+    and the eager first call then failed on it ("used after the trace")."""
+    torch.manual_seed(0)
+    m, ref = _LazyCacheAttr().to(device), _LazyCacheAttr().to(device)
+    ref.load_state_dict(m.state_dict())
+    g = gt.graphify(m)
+    with torch.no_grad():
+        for _ in range(4):
+            x = torch.randn(2, 3, device=device)
+            assert_close(g(x), ref(x))
+            assert_close(m.cache["acc"], ref.cache["acc"])
+    assert g.cache_info().currsize == 1
+
+
 def test_traced_tensor_used_after_the_trace_raises(device):
     deep = {"a": {"b": {"c": {"d": {"e": _Holder()}}}}}
 
@@ -734,6 +906,81 @@ def test_kv_cache_with_autograd_history_is_refused_in_grad_mode_and_exact_under_
     assert_close(d.v, ref.v)
     assert f.cache_info().misses >= 1 and f.cache_info().hits >= 3
     assert not [(w.filename, w.lineno, str(w.message)[:80]) for w in recwarn if "not a leaf Tensor" in str(w.message)]
+
+
+class _GrowingCache:
+    """A KV cache that grows, as Hugging Face's DynamicCache: lists of tensors, made longer with torch.cat."""
+
+    def __init__(self):
+        self.keys, self.values = [], []
+
+    def update(self, k, v, i):
+        if len(self.keys) <= i:
+            self.keys.append(k)
+            self.values.append(v)
+        else:
+            self.keys[i] = torch.cat([self.keys[i], k])
+            self.values[i] = torch.cat([self.values[i], v])
+        return self.keys[i], self.values[i]
+
+
+class _KV:
+    def __init__(self):
+        self.k = self.v = None
+
+
+class _LayeredCache:
+    """The same with DynamicCache's layout: layer objects appended on first use, holding the tensors."""
+
+    def __init__(self):
+        self.layers = []
+
+    def update(self, k, v, i):
+        while len(self.layers) <= i:
+            self.layers.append(_KV())
+        layer = self.layers[i]
+        layer.k = k if layer.k is None else torch.cat([layer.k, k])
+        layer.v = v if layer.v is None else torch.cat([layer.v, v])
+        return layer.k, layer.v
+
+
+def _attend(x, cache, proj):
+    for i in range(2):
+        k, v = cache.update(proj(x), x, i)
+        x = x + (torch.softmax(x @ k.T, -1) @ v)
+    return x
+
+
+@pytest.mark.parametrize("passed", [True, False], ids=["argument", "closed-over"])
+@pytest.mark.parametrize("kind", [_GrowingCache, _LayeredCache], ids=["lists", "layers"])
+def test_a_cache_that_grows_is_refused_and_left_as_it_was(device, kind, passed):
+    """Before: a cache whose containers got new objects holding traced tensors (the layered one)
+    was left holding them (FakeTensors, then used by the caller), and the message blamed a store
+    of the user's. Now the cache is as it was, and for an argument the message says the cache
+    grows, with the fix."""
+    proj = nn.Linear(4, 4).to(device)
+    cache, ref = kind(), kind()
+    if passed:
+        g = gt.graphify(lambda x, c: _attend(x, c, proj))
+        call = lambda x: g(x, cache)  # noqa: E731
+    else:
+        g = gt.graphify(lambda x: _attend(x, cache, proj))
+        call = g
+    x = torch.randn(1, 4, device=device)
+    with torch.no_grad():
+        with pytest.raises(gt.GraphifyError, match="escapes into Python state") as ei:
+            call(x)
+        assert _shown(cache) == _shown(kind())  # as it was: empty, no layer, no FakeTensor
+        msg = str(ei.value)
+        assert "test_state.py" in msg and "Fix:" in msg
+        if passed:
+            assert "an object passed in, and the function appends to it: a cache that grows" in msg
+            assert "Fix: preallocate the cache at its full size" in msg and "StaticCache" in msg
+            assert "args[1] was left as it was before the call" in msg
+        for _ in range(3):  # the cache stays usable: eager decoding gives eager's numbers
+            x = torch.randn(1, 4, device=device)
+            assert_close(_attend(x, cache, proj), _attend(x, ref, proj))
+        assert _shown(cache) == _shown(ref)
 
 
 def test_closed_over_tensor_with_autograd_history_passes_gradients_on(device):

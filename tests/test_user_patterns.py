@@ -856,6 +856,49 @@ def test_a_growing_kv_cache_argument_warns_with_the_static_cache_fix():
         assert "StaticCache" in msgs[0] or "same object" in msgs[0]
 
 
+def _tiny_llama():
+    tr = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = tr.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+    return tr, tr.LlamaForCausalLM(cfg).eval()
+
+
+@pytest.mark.parametrize("filled", [False, True], ids=["empty", "after-a-prompt"])
+def test_a_dynamic_cache_is_refused_with_the_static_cache_fix_and_left_as_it_was(filled):
+    """Before: an empty DynamicCache gave "the function stored a traced tensor in Python state"
+    (the user's code blamed), and the caller's cache was left holding FakeTensors in half-made
+    layers. Now the message names the cause (it grows every call) and the fix, and the cache is
+    as it was: the same layers holding the same tensors."""
+    tr, model = _tiny_llama()
+
+    def step(ids, cache):
+        return model(input_ids=ids, past_key_values=cache, use_cache=True).logits
+
+    g = gt.graphify(step)
+    cache, ref = tr.DynamicCache(), tr.DynamicCache()
+    ids = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        if filled:  # a prompt run eagerly, then the decode step graphified
+            step(ids, cache)
+            step(ids, ref)
+            ids = torch.tensor([[4]])
+        before = [(layer, layer.keys, layer.values, layer.is_initialized) for layer in cache.layers]
+        with pytest.raises(gt.GraphifyError) as ei:
+            g(ids, cache)
+        msg = str(ei.value)
+        assert "args[1] is a transformers DynamicCache, which grows by one step on every call" in msg
+        assert "Fix: use a fixed-size cache written in place: transformers.StaticCache" in msg
+        assert "keep the DynamicCache outside the graphified function" in msg
+        assert "test_user_patterns.py" in msg  # the user's line
+        assert "args[1] was left as it was before the call" in msg
+        after = [(layer, layer.keys, layer.values, layer.is_initialized) for layer in cache.layers]
+        assert len(after) == len(before) and all(a is b for x, y in zip(after, before) for a, b in zip(x, y))
+        for nxt in ([[5]], [[6]]):  # the cache stays usable: eager decoding gives eager's numbers
+            assert_close(step(torch.tensor(nxt), cache), step(torch.tensor(nxt), ref))
+        assert all(type(layer.keys) is torch.Tensor for layer in cache.layers)
+
+
 def test_calls_alternating_inference_mode_and_no_grad_keep_both_recordings(device):
     """Before: every switch traced and recorded again (40 misses in 40 calls), as the tensors'
     dispatch keys differ under inference mode, which the signature did not include."""
