@@ -715,8 +715,8 @@ class _FnWatch(TorchFunctionMode):
             if o.shape != r.shape:
                 o.resize_(r.shape)
             o.copy_(r)
-        if isinstance(out, torch.Tensor):
-            return out
+        if res is None or isinstance(out, torch.Tensor):
+            return res if res is None else out  # (ops writing a list of outs return nothing)
         return type(fresh)(tuple(outs)) if isinstance(fresh, tuple) and hasattr(type(fresh), "n_fields") else tuple(outs)
 
     def _autograd_fact(self, attr: Any, t: Any, func: Any) -> Any:

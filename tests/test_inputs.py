@@ -5,6 +5,7 @@ tensors passed again are read in place, and strided/aliased inputs work."""
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import optree
 import pytest
@@ -527,3 +528,74 @@ def test_reading_an_inputs_version_counter_is_refused(device):
     x = torch.randn(2, 3, device=device, requires_grad=True)
     for _ in range(2):
         assert_close(h(x), lin(x).sum())
+
+
+def test_out_arguments_are_written_as_in_eager(device):
+    # matrix_rank(out=) left `out` untouched under a dispatch mode (a torch composite's branch)
+    A = torch.randn(6, 6, device=device)
+    A[:, 4], A[:, 5] = A[:, 0], A[:, 1]
+    f = gt.graphify(lambda A, r: torch.linalg.matrix_rank(A, out=r))
+    for k in range(3):
+        r, re = (torch.full((), -1, dtype=torch.long, device=device) for _ in range(2))
+        B = A * (k + 1)
+        assert f(B, r) is r
+        torch.linalg.matrix_rank(B, out=re)
+        assert r.item() == re.item() == 4
+    # native_batch_norm's out= overload updates the running statistics too
+    x, w, b = (torch.randn(*s, device=device) for s in ((8, 3), (3,), (3,)))
+
+    def bn(x, rm, rv, o):
+        return torch.native_batch_norm(x, w, b, rm, rv, True, 0.1, 1e-5, out=tuple(o))
+
+    g = gt.graphify(bn)
+    stats, stats_e = [torch.zeros(3, device=device), torch.ones(3, device=device)], [torch.zeros(3, device=device), torch.ones(3, device=device)]
+    for _ in range(3):
+        outs = [torch.empty(8, 3, device=device), torch.empty(3, device=device), torch.empty(3, device=device)]
+        outs_e = [torch.empty(8, 3, device=device), torch.empty(3, device=device), torch.empty(3, device=device)]
+        g(x, *stats, outs)
+        bn(x, *stats_e, outs_e)
+        assert_close(stats, stats_e)
+        assert_close(outs, outs_e)
+
+
+def test_out_tensors_of_the_right_shape_and_shapes_changed_back(device):
+    m = torch.randn(4, 5, device=device)
+    # matmul(v, m, out=o) unsqueezes a 1-d `o` around its product and squeezes it back
+    # (eager warns that it resized `o`: torch's own warning, the same through graphify)
+    f = gt.graphify(lambda v, o: torch.matmul(v, m, out=o))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "An output with one or more elements was resized")
+        for _ in range(3):
+            v, o = torch.randn(4, device=device), torch.empty(5, device=device)
+            f(v, o)
+            assert o.shape == (5,)
+            assert_close(o, v @ m)
+    # torch.randn(..., out=o) resizes `o` to its own shape: a no-op
+    r = gt.graphify(lambda o: torch.randn(3, 2, out=o))
+    o = torch.empty(3, 2, device=device)
+    torch.manual_seed(1)
+    r(o)
+    torch.manual_seed(1)
+    assert_close(o, torch.randn(3, 2, device=device))
+    # a shape changed for good is the caller's tensor object changed: refused
+    t = gt.graphify(lambda x: x.t_())
+    with pytest.raises(gt.GraphifyError, match=r"(?s)t_.*changes the shape or strides of input args\[0\].*Fix: use the out-of-place"):
+        t(torch.randn(2, 3, device=device))
+
+
+@pytest.mark.parametrize("op", ["as_strided", "as_strided_copy", "as_strided_scatter"])
+def test_as_strided_functions_of_a_view_input_are_refused(device, op):
+    # eager addresses the caller's storage; a static buffer is another one: every element
+    # differed (or torch raised "setStorage ... out of bounds")
+    def fn(x):
+        if op == "as_strided_scatter":
+            return torch.as_strided_scatter(x, torch.zeros(2, 2, device=x.device), (2, 2), (1, 2), 1)
+        return getattr(torch, op)(x, (2, 2), (1, 2), 1)
+
+    g = gt.graphify(fn)
+    base = torch.randn(20, device=device)
+    with pytest.raises(gt.GraphifyError, match=rf"(?s){op}\(\) reads the memory layout of input args\[0\].*Fix: pass args\[0\]\.contiguous\(\)"):
+        g(base[3:11])
+    for _ in range(3):  # an input that owns its storage: eager's numbers
+        x = torch.randn(8, device=device)
+        assert_close(g(x), fn(x))
