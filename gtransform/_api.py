@@ -40,6 +40,7 @@ import torch
 from . import _fastpath
 from ._autograd import call_with_autograd, no_functorch
 from ._autograd import unwrap as unwrap_functorch
+from ._batching import NOT_HANDLED, call_vmapped
 from ._errors import EagerWarning, GraphifyError, OverwrittenOutputError, describe_fn, user_frame
 from ._fastpath import MISS, build_fast_path
 from ._inductor import warm_pool
@@ -63,8 +64,8 @@ from ._signature import (
     sig_brief,
     tensor_attrs,
 )
-from ._switch import OFF
 from ._state import GeneratorGuard, change_error, env_key_fn, find_roots, lazy_error, uninitialized_modules
+from ._switch import OFF
 from ._trace import plain_layout, trace, tracing
 from ._tree import flatten, holds_tensor, leaf_paths, static_leaf_key, tensor_meta, unflatten
 from ._watch import FOR_GRAD
@@ -88,10 +89,12 @@ except AttributeError:  # pragma: no cover
 _is_grad_enabled = torch.is_grad_enabled
 _fwad = torch.autograd.forward_ad  # its _current_level: -1 unless a dual level is open
 _GRAD: Any
+_VMAP: Any
 try:
     _GRAD = torch._C._functorch.TransformType.Grad
+    _VMAP = torch._C._functorch.TransformType.Vmap
 except AttributeError:  # pragma: no cover
-    _GRAD = None
+    _GRAD = _VMAP = None
 _Parameter = torch.nn.Parameter
 
 
@@ -244,7 +247,7 @@ class Graphified(Generic[P, R]):
         self._static_argnums = frozenset(nums)
         self._static_argnames = frozenset(names)
         # (what copies are made with: see __deepcopy__)
-        self._options = {"static_argnums": nums, "static_argnames": names, "pool": pool, "maxsize": maxsize,
+        self._options: Dict[str, Any] = {"static_argnums": nums, "static_argnames": names, "pool": pool, "maxsize": maxsize,
                          "fuse": fuse}
         self._has_static = bool(nums or names)
         self._pool = pool
@@ -255,6 +258,7 @@ class Graphified(Generic[P, R]):
         self._misses = 0
         self._lazy_calls = 0  # calls run eagerly because a reachable lazy module is not initialised
         self._eager_calls: Dict[str, int] = {}  # calls run eagerly (see _run_eagerly), by reason
+        self._vmapped: Dict[Any, Graphified[Any, Any]] = {}  # graphify(vmap(fn)) per batching (see _batching)
         self._storm = StormDetector(self._desc)
         # __wrapped__, __name__, __qualname__, __doc__, __module__ (not __dict__:
         # fn may be an nn.Module)
@@ -366,20 +370,15 @@ class Graphified(Generic[P, R]):
             self._hits -= 1  # counted again inside the autograd wrapper
             tensors = [leaves[i] for i in e.tpos] + tensors[e.n_user:]
             return call_with_autograd(self, e, leaves, spec, statics, tensors)
+        if interp.key() == _VMAP:
+            out = call_vmapped(self, interp, args, kwargs, self._spawn_like)
+            if out is not NOT_HANDLED:
+                return out
         return self._run_eagerly(_transforms_reason(), args, kwargs, statics)
 
     def _run_eagerly(self, reason: Tuple[str, str], args: Any, kwargs: Any, statics: Any) -> Any:
         """Run a call that cannot be recorded as eager PyTorch: counted by reason, warned of once per function."""
-        what, fix = reason
-        first = not self._eager_calls
-        self._eager_calls[what] = self._eager_calls.get(what, 0) + 1
-        if first:
-            fr = user_frame()
-            warnings.warn_explicit(
-                EagerWarning(f"{self._desc}: called {what}, which gtransform does not record: the function "
-                             f"runs eagerly (correct, not faster; shown once per function, f.describe() counts such "
-                             f"calls). Fix: {fix}"),
-                EagerWarning, getattr(fr, "filename", "<unknown>") or "<unknown>", getattr(fr, "lineno", 0) or 0)
+        self._note_eager(reason)
         return self._fallback(args, kwargs, statics)
 
     def trace(self, *args: P.args, **kwargs: P.kwargs) -> torch.fx.GraphModule:
@@ -424,9 +423,14 @@ class Graphified(Generic[P, R]):
             >>> f.cache_info()
             CacheInfo(hits=1, misses=1, maxsize=64, currsize=1)
         """
-        # (alternates of a signature, such as a model's eval() recording next to its train() one, count)
+        # (alternates of a signature, such as a model's eval() recording next to its train() one, count;
+        # so do the recordings of its calls under vmap, made by graphified vmaps of it: see _batching)
         size = sum(len(s.cache) + sum(map(len, s.alts.values())) for s in list(self._states) if not s.clear_requested)
-        return CacheInfo(self._hits, self._misses, self._maxsize, size)
+        hits, misses = self._hits, self._misses
+        for h in list(self._vmapped.values()):
+            info = h.cache_info()
+            hits, misses, size = hits + info.hits, misses + info.misses, size + info.currsize
+        return CacheInfo(hits, misses, self._maxsize, size)
 
     def cache_clear(self) -> None:
         """Drop every recording of this function, in every thread.
@@ -453,6 +457,8 @@ class Graphified(Generic[P, R]):
         self._hits = 0
         self._misses = 0
         self._storm = StormDetector(self._desc)  # (its log holds static values of the calls)
+        for h in list(self._vmapped.values()):
+            h.cache_clear()
 
     def __get__(self, obj: Any, objtype: Any = None) -> Any:
         if obj is None or isinstance(self._fn, (staticmethod, classmethod)):
@@ -502,6 +508,10 @@ class Graphified(Generic[P, R]):
         self._tls.state = st
         self._states.add(st)
         return st
+
+    def _spawn_like(self, fn: Callable[..., Any]) -> Graphified[Any, Any]:
+        """A graphified function of ``fn`` with this one's options (a vmapped version of it)."""
+        return Graphified(fn, pool=self._pool, maxsize=self._maxsize, fuse=self._fuse)
 
     def _spawn(self, fn: Callable[..., Any]) -> Graphified[Any, Any]:
         """A graphified helper (a forward or backward half) with this function's options."""
@@ -571,15 +581,30 @@ class Graphified(Generic[P, R]):
         """
         key = st.raised
         if key is None:
+            if st.eager_now:  # a signature marked to run eagerly (below)
+                st.eager_now = False
+                self._eager_calls[_TRACE_FAILS[0]] = self._eager_calls.get(_TRACE_FAILS[0], 0) + 1
             return self._fallback(args, kwargs, statics)
         st.raised = None
         out = self._fallback(args, kwargs, statics)  # eager's exception propagates from here
         st.eager_only.add(key)
-        log.warning("%s: the trace raised %s, but the call runs fine eagerly: this signature runs eagerly "
-                    "from now on (not recorded). Code that behaves otherwise on the trace's placeholders "
-                    "(fake tensors without data) raised it: look at f.trace(...) for the traceback",
-                    self._desc, st.raised_what)
+        # eager runs fine where the trace raised: code that behaves otherwise on the trace's
+        # placeholders (fake tensors without data), or a fake kernel torch lacks
+        self._note_eager(_TRACE_FAILS, f" (the trace raised {st.raised_what})")
         return out
+
+    def _note_eager(self, reason: Tuple[str, str], detail: str = "") -> None:
+        """Count a call that ran eagerly, and warn of the first of this function's with an EagerWarning."""
+        what, fix = reason
+        first = not self._eager_calls
+        self._eager_calls[what] = self._eager_calls.get(what, 0) + 1
+        if first:
+            fr = user_frame()
+            warnings.warn_explicit(
+                EagerWarning(f"{self._desc}: called {what}{detail}, which gtransform does not record: the "
+                             "function runs eagerly (correct, not faster; shown once per function, "
+                             f"f.describe() counts such calls). Fix: {fix}"),
+                EagerWarning, getattr(fr, "filename", "<unknown>") or "<unknown>", getattr(fr, "lineno", 0) or 0)
 
     def _key(self, leaves: List[Any], spec: Any, args: Any, kwargs: Any, statics: Tuple[Any, ...], glob: Any) -> Tuple[Any, List[Any], List[int], Optional[torch.device], List[str]]:
         """The cache key of a call (validating its leaves), its parts and tensor positions."""
@@ -635,6 +660,7 @@ class Graphified(Generic[P, R]):
         """
         key, parts, tpos, device, paths = self._key(leaves, spec, args, kwargs, statics, glob if glob is not None else global_key())
         if record and key in st.eager_only:
+            st.eager_now = True  # (counted as it runs: see _eager)
             return None
         e = st.cache.get(key)
         if e is not None:
@@ -791,11 +817,13 @@ class Graphified(Generic[P, R]):
             # user's own, but in their wording and sometimes another type): the call runs
             # eagerly (the trace left no trace), so eager's exception propagates unchanged; if
             # eager runs it fine, the kernels could not trace it, and this signature runs eagerly
-            st.eager_only.add(key)
-            log.warning("%s: the trace failed inside torch's fake kernels (%s: %s): the call runs eagerly, "
-                        "so the function's own error is raised as eager raises it; if it runs fine, this "
-                        "signature runs eagerly from now on (not recorded)", self._desc, type(err).__name__,
-                        str(err).splitlines()[0][:200] if str(err) else "")
+            # (so eager's own exception propagates as eager raises it; see _eager for a call that
+            # runs fine)
+            st.raised = key
+            st.raised_what = f"{type(err).__name__} inside torch's fake kernels: " + (
+                str(err).splitlines()[0][:200] if str(err) else "")
+            log.info("%s: the trace failed inside torch's fake kernels (%s): this call runs eagerly",
+                     self._desc, st.raised_what)
             return None
         if device is None and plan.uses_cuda and torch.cuda.is_available():
             cuda = True
@@ -1020,6 +1048,8 @@ class Graphified(Generic[P, R]):
                 lines.append(f"  bytes: static input buffers {buf}, pool outputs {pool}")
         for what, n in self._eager_calls.items():
             lines.append(f"ran eagerly, not recorded: {n} call(s) {what}")
+        for h in list(self._vmapped.values()):
+            lines.append("calls under torch.func.vmap, recorded as " + h.describe().replace("\n", "\n  "))
         return "\n".join(lines)
 
     def explain(self, *args: P.args, **kwargs: P.kwargs) -> str:
@@ -1124,6 +1154,14 @@ _FORWARD_AD = (
     "graphify the transformed function instead: gt.graphify(lambda x, t: torch.func.jvp(f, (x,), (t,))) "
     "records the forward and its tangent, and for linearize, out, jvp_fn = torch.func.linearize(f, x); "
     "gt.graphify(jvp_fn).",
+)
+
+
+_TRACE_FAILS = (
+    "with a signature whose trace fails where eager runs",
+    "look at the traceback of f.trace(...) with the same arguments: code that behaves otherwise on the "
+    "trace's placeholders (fake tensors without data, e.g. a check of torch.compiler.is_compiling()), or an "
+    "operation torch's fake kernels cannot run; move that part out of the graphified function.",
 )
 
 

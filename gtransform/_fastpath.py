@@ -274,7 +274,7 @@ def build_fast_path(owner: Any, entry: Any, rec: Any, pool: Any) -> Any:
         cb = ", ".join(tens[i] for i in rec.cb_idx)
         # an output fed back in and updated in place was poisoned by begin_call, or an input has
         # the conj / neg bit, which the bulk copy refuses (zero-cost try; see copy_back_stale)
-        call += ["try:", f"    _copy([{cb}], CBBUFS)", "except RuntimeError:", f"    REC.copy_back_stale([{cb}])"]
+        call += ["try:", f"    _cbcopy([{cb}], CBBUFS)", "except RuntimeError:", f"    REC.copy_back_stale([{cb}])"]
     if esc:
         call.append(f"ESC.write(REC.escape_values([{', '.join(tens)}]))")
     for t in rec.grad_cleared:  # see Plan.grad_cleared
@@ -340,7 +340,8 @@ def build_fast_path(owner: Any, entry: Any, rec: Any, pool: Any) -> Any:
         "OWNER": owner,
         "SPEC": entry.spec,
         "OUTSPEC": plan.out_spec,
-        "_copy": torch._foreach_copy_,
+        "_copy": rec.copier,
+        "_cbcopy": rec.cb_copier,
         "_neg_view": torch._neg_view,
         "_copysign": math.copysign,
         "_key": static_leaf_key,

@@ -29,7 +29,21 @@ from ._trace import Plan
 
 __all__ = ["Recording", "make_recording"]
 
-_foreach_copy = torch._foreach_copy_
+# dtypes torch's foreach copy takes on every device (CUDA's has no kernel for complex32 or the
+# unsigned types beyond uint8: a recording of such inputs copies them one by one)
+_FOREACH_DTYPES = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64,
+                             torch.complex128, torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32,
+                             torch.int64))
+
+
+def _copy_each(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
+    for d, s in zip(dsts, srcs):
+        d.copy_(s)
+
+
+def _copier(tensors: Sequence[torch.Tensor]) -> Any:
+    """The batched copy for these destinations (``torch._foreach_copy_`` where it has a kernel)."""
+    return torch._foreach_copy_ if all(t.dtype in _FOREACH_DTYPES for t in tensors) else _copy_each
 
 
 def _toggle_bits(v: torch.Tensor, e: Any) -> torch.Tensor:
@@ -128,10 +142,11 @@ class Recording:
         self.bufs = [b if base is None else narrowed(b, base) for b, base in made]
         if not any(self.copy_base):
             self.copy_base = []
+        self.copier = _copier(self.bufs)
         if self.bufs:
             # warm-up and capture see the call's real inputs: no kernel ever reads
             # uninitialised memory (an embedding index, a cross_entropy target)
-            _foreach_copy(self.bufs, self.copy_sources(tensors))
+            self.copier(self.bufs, self.copy_sources(tensors))
         args: List[Any] = list(tensors)
         for i, b in zip(self.copy_idx, full):
             args[i] = b
@@ -139,6 +154,7 @@ class Recording:
         cb = [(i, b) for i, b in zip(self.copy_idx, full) if i in plan.mutated]
         self.cb_idx = tuple(i for i, _ in cb)
         self.cb_bufs = [b for _, b in cb]
+        self.cb_copier = _copier(self.cb_bufs)
         self.groups: List[OutputGroup] = []
         self.handout = Handout([])
         self.slots: Dict[int, int] = {}  # gm output -> index in the handout's objects
@@ -330,7 +346,7 @@ class Recording:
             The tensor outputs in the traced graph's order.
         """
         if self.copy_idx:
-            _foreach_copy(self.bufs, self.copy_sources(tensors))
+            self.copier(self.bufs, self.copy_sources(tensors))
         if self.static_idx:
             self.bind_statics(tensors)
         self.pool.begin_call(self.desc)
@@ -347,7 +363,7 @@ class Recording:
             self._adopt_now()
         if self.cb_idx:
             try:
-                _foreach_copy([tensors[i] for i in self.cb_idx], self.cb_bufs)
+                self.cb_copier([tensors[i] for i in self.cb_idx], self.cb_bufs)
             except RuntimeError:  # OverwrittenOutputError, or an input with the conj / neg bit
                 self.copy_back_stale([tensors[i] for i in self.cb_idx])
         if esc is not None:
@@ -416,7 +432,7 @@ class Recording:
             for t, b in zip(targets, self.cb_bufs):
                 t.copy_(b)
             return
-        _foreach_copy(list(targets), self.cb_bufs)
+        self.cb_copier(list(targets), self.cb_bufs)
 
     def escape_values(self, tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
         """The tensors to write back into Python state after this replay."""
@@ -599,16 +615,21 @@ class CUDARecording(Recording):
         with torch.cuda.device(dev):
             cur = torch.cuda.current_stream()
             side = _capture_stream(dev)
-            side.wait_stream(cur)
             args = self.gm_args
+            saved: List[Tuple[torch.Tensor, torch.Tensor]] = []
             if warmup:
                 # Warm-up (lazy library init, inductor's first call) must have no
                 # visible effect: it runs on the very tensors the capture will see
                 # (a compiled graph would otherwise specialise on other ones), and
                 # the in-place inputs it updates are put back from a snapshot, as
-                # is the RNG state.
+                # is the RNG state. (The snapshot is taken on the current stream
+                # before the side stream waits for it: taken after, it raced with
+                # the warm-up's update and could copy the updated values, so the
+                # update was applied twice, by the warm-up and by the replay.)
                 with torch.no_grad():
                     saved = [(args[i], args[i].detach().clone()) for i in self.static_idx if i in self.plan.mutated]
+            side.wait_stream(cur)
+            if warmup:
                 rng = torch.cuda.get_rng_state(dev) if self.plan.random else None
                 extra = [(gen, gen.get_state()) for gen in self._cuda_generators()]
                 try:
@@ -646,21 +667,12 @@ class CUDARecording(Recording):
                     # a failed capture never ran the generators' capture
                     # epilogue: put back states that are not "capturing"
                     _restore_generators(dev, rng_states)
-                    for snap in extra_states:
-                        _restore_generators(dev, snap)
+                    for gen_snap in extra_states:
+                        _restore_generators(dev, gen_snap)
                     torch.cuda.synchronize(dev)
                     if isinstance(e, GraphifyError):
                         raise
-                    first = str(e).splitlines()[0] if str(e) else type(e).__name__
-                    raise GraphifyError(
-                        f"{self.desc}: CUDA graph capture failed: {first}\n"
-                        "Why: some operation in the function cannot be recorded into a CUDA graph "
-                        "(a synchronisation with the host, a pageable host copy, or a library call "
-                        "that is not capture-safe).\n"
-                        "Fix: move that operation out of the graphified function; inspect what is "
-                        f"recorded with {self.desc}.trace(...). The function, its pool and eager "
-                        "CUDA work stay usable."
-                    ) from e
+                    raise _capture_error(self.desc, e, self.plan.gm, args, side, dev) from e
             cur.wait_stream(side)
             return g, list(outs)
 
@@ -773,6 +785,100 @@ def _host_seeds(gm: Any, args: Sequence[Any]) -> Sequence[Any]:
         if isinstance(t, torch.Tensor) and t.is_cuda and t.dim() == 0 and t.dtype == torch.int64:
             out[i] = t.cpu()
     return out
+
+
+def _capture_error(desc: str, err: BaseException, gm: Any, args: Sequence[Any], stream: Any,
+                   dev: torch.device) -> GraphifyError:
+    """The error for a failed capture, naming the operation that broke it and the user's line.
+
+    The capture is tried again op by op (:func:`_failing_node`): torch's text alone
+    ("operation failed due to a previous error during capture") names neither.
+    """
+    first = str(err).splitlines()[0] if str(err) else type(err).__name__
+    node = _failing_node(gm, args, stream, dev)
+    where, known = "", None
+    if node is not None:
+        site = node.meta.get("gt_site") or "?"
+        where = f"\n  operation {node.target} at {site}"
+        name = str(node.target)
+        known = next((v for k, v in _UNCAPTURABLE if k in name), None)
+    why, fix = known or (
+        "an operation of the function cannot be recorded into a CUDA graph (its CUDA kernel synchronises "
+        "with the host, reads a value on the host, copies to or from pageable host memory, or calls a "
+        "library that is not capture-safe).",
+        "move that operation out of the graphified function, or use a variant that keeps its values on the "
+        "device (torch.where instead of a host test; the _ex variants of torch.linalg).")
+    return GraphifyError(
+        f"{desc}: CUDA graph capture failed: {first}{where}\n"
+        f"Why: {why}\nFix: {fix} Inspect what is recorded with {desc}.trace(...). The function, its pool "
+        "and eager CUDA work stay usable."
+    )
+
+
+_OUTSIDE = ("call it outside the graphified function (on its result, or on the CPU), and pass what it "
+            "computes in as an argument.")
+# operations whose CUDA implementation no capture can hold (seen on an H100 with torch 2.11:
+# tests/opinfo_sweep.py --device cuda), by a part of their name: why, and the fix
+_UNCAPTURABLE = (
+    ("linalg_svd", ("the singular value decomposition on CUDA (torch.linalg.svd, svdvals, pinv, cond, matrix_rank, "
+                    "the nuclear norm, svd_lowrank, pca_lowrank) copies between the host and the GPU inside "
+                    "cuSOLVER's driver.", _OUTSIDE)),
+    ("linalg_pinv", ("torch.linalg.pinv computes a singular value decomposition, which on CUDA copies between "
+                     "the host and the GPU inside cuSOLVER's driver.", _OUTSIDE)),
+    ("linalg_eig", ("the eigendecompositions on CUDA (torch.linalg.eig, eigh, eigvals, eigvalsh) synchronise with "
+                    "the host inside cuSOLVER or MAGMA.", _OUTSIDE)),
+    ("linalg_lu", ("the LU factorizations on CUDA (torch.linalg.lu, lu_factor, lu_factor_ex) synchronise with the "
+                   "host inside cuSOLVER or MAGMA for some sizes.", _OUTSIDE)),
+    ("linalg_ldl", ("the LDL factorization on CUDA synchronises with the host inside cuSOLVER.", _OUTSIDE)),
+    ("cholesky", ("torch.cholesky / cholesky_inverse check their factorization on the host.",
+                  "use torch.linalg.cholesky_ex (it returns the check's result on the device), or " + _OUTSIDE)),
+    ("histc", ("torch.histc on CUDA reads the range of its data on the host when min and max are not given "
+               "(min=max=0).", "pass min= and max= (the range of the bins), or " + _OUTSIDE)),
+    ("matrix_exp", ("torch.linalg.matrix_exp on CUDA chooses its series' degree from the matrix norm on the "
+                    "host.", _OUTSIDE)),
+    ("_segment_reduce", ("segment_reduce on CUDA reads its segment lengths on the host.", _OUTSIDE)),
+)
+
+
+def _failing_node(gm: Any, args: Sequence[Any], stream: Any, dev: torch.device) -> Any:
+    """The first node of ``gm`` whose run fails inside a CUDA graph capture, or None.
+
+    A throwaway capture in a private pool, run node by node; generator states are put
+    back afterwards, as after the failed capture itself.
+    """
+    current: List[Any] = [None]
+
+    class _Run(torch.fx.Interpreter):
+        def run_node(self, n: torch.fx.Node) -> Any:
+            current[0] = n
+            return super().run_node(n)
+
+    snap = _snapshot_generators(dev)
+    g = torch.cuda.CUDAGraph()
+    failed = None
+    try:
+        with torch.cuda.stream(stream), torch.no_grad():
+            g.capture_begin(capture_error_mode="thread_local")
+            try:
+                _Run(gm).run(*args)
+            except Exception:
+                failed = current[0]
+            finally:
+                try:
+                    g.capture_end()
+                except Exception:
+                    if failed is None:
+                        failed = current[0] if current[0] is not None and current[0].op != "output" else None
+    except Exception:  # pragma: no cover - the search itself failed: say what torch said
+        failed = None
+    finally:
+        _restore_generators(dev, snap)
+        try:
+            torch.cuda.synchronize(dev)
+        except Exception:  # pragma: no cover
+            pass
+    del g
+    return failed
 
 
 def _snapshot_generators(dev: torch.device) -> Any:

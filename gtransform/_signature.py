@@ -425,7 +425,8 @@ class ThreadState:
     """One thread's signature cache of one graphified function."""
 
     __slots__ = ("cache", "last", "pool", "fast", "fast_rec", "fast_statics", "warmed", "eager_only", "pending",
-                 "clear_requested", "alts", "pending_limit", "raised", "raised_what", "__weakref__")
+                 "clear_requested", "alts", "pending_limit", "raised", "raised_what", "eager_now",
+                 "__weakref__")
 
     ALTS = 3  # alternates kept per key (see alts)
 
@@ -444,6 +445,7 @@ class ThreadState:
         # that exception in words: the call runs eagerly (see Graphified._eager)
         self.raised: Optional[Hashable] = None
         self.raised_what = ""
+        self.eager_now = False  # the call being made is of a signature that runs eagerly (eager_only)
         # the first call's trace of a signature that touches state, kept for its second call
         # (see reusable_after_eager); checked there as any cached signature is
         self.pending: Dict[Hashable, Entry] = OrderedDict()

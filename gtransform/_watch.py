@@ -34,7 +34,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes, _get_current_dispatch_mode_stack
 
-from . import _cudnn_rnn
+from . import _cudnn_rnn, _jiterator
 from ._errors import _PKG_DIR, GraphifyError, PrintWarning, format_frame, is_library_file, user_frame
 from ._state import StateIndex
 
@@ -153,6 +153,7 @@ class _Watch(TorchDispatchMode):
     def __enter__(self) -> _Watch:
         super().__enter__()
         _rng_hooks(True)
+        _jiterator_hooks(True)
         return self
 
     def __exit__(self, typ: Any, exc: Any, tb: Any) -> None:
@@ -160,6 +161,7 @@ class _Watch(TorchDispatchMode):
             super().__exit__(typ, exc, tb)
         finally:
             _rng_hooks(False)
+            _jiterator_hooks(False)
         if typ is None:
             self.rng.check_end()
 
@@ -359,7 +361,18 @@ class _Watch(TorchDispatchMode):
         gen = kwargs.get("generator")
         if isinstance(gen, torch.Generator) and all(gen is not g for g in self.generators):
             self.generators.append(gen)
+        last = None
+        if self.cuda:
+            if func in _CUDA_REWRITES:
+                # a host read inside the op's CUDA kernel, where an equivalent records
+                return _CUDA_REWRITES[func](*args, **kwargs)
+            if func is _CHECK_ERRORS:
+                self._fail(*_check_errors_refusal(args))
+            graph = _proxy_graph()
+            last = graph._root._prev if graph is not None else None
         out = func(*args, **kwargs)
+        if last is not None:
+            _tag_site(last)  # the user's line on the op's nodes: named if its capture fails
         if seeded:
             self.rng.drew(func, gen, out)
         for t, idx, meta in written:
@@ -456,6 +469,113 @@ def _same_size(func: Any, t: torch.Tensor, args: Sequence[Any]) -> bool:
         return tuple(want) == tuple(t.shape)
     except TypeError:
         return False
+
+
+# -- CUDA ops whose kernels read values on the host (a synchronisation: no CUDA graph can hold it)
+_CHECK_ERRORS = getattr(_aten, "_linalg_check_errors", None)
+_CHECK_ERRORS = getattr(_CHECK_ERRORS, "default", None)
+
+
+def _check_errors_refusal(args: Sequence[Any]) -> Tuple[str, str, str]:
+    """What to say of torch.linalg's host check of its factorization's ``info`` (raise on a singular matrix)."""
+    api = str(args[1]) if len(args) > 1 else "torch.linalg"
+    api = api if api.startswith("torch.") else f"torch.{api}"
+    base = api[:-3] if api.endswith("_ex") else api
+    ex = base + "_ex"
+    mod, _, name = ex.rpartition(".")
+    has_ex = hasattr(sys.modules.get(mod) or torch.linalg, name) if mod in ("torch.linalg", "torch") else False
+    fix = (f"use {ex}, which returns the check's result on the device instead of raising (e.g. "
+           f"`out, info = {ex}(A)`; look at info outside the function), or call {base} outside the "
+           "graphified function." if has_ex else
+           f"call {base} outside the graphified function, or an equivalent that does not check on the host "
+           "(torch.linalg.lstsq's and pinv's checks are of the same kind; for a solve, "
+           "torch.linalg.solve_ex).")
+    return (f"{base} checks its result on the host (it raises for a singular or non-positive-definite "
+            "matrix): a synchronisation inside a CUDA function.",
+            "a CUDA graph replays kernels without the host: the check would run once, while recording, "
+            "and the capture fails on its synchronisation.", fix)
+
+
+def _masked_fill_where(self: torch.Tensor, mask: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """``masked_fill(self, mask, value)`` with a tensor value, as ``where`` (CUDA's kernel calls value.item())."""
+    return _aten.where.self(mask, value.to(self.dtype), self)
+
+
+def _masked_fill_where_(self: torch.Tensor, mask: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    return _aten.copy_.default(self, _aten.where.self(mask, value.to(self.dtype), self))
+
+
+def _index_mask(self: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
+    """A bool mask of ``self``'s dimension ``dim`` where ``index`` points, shaped to broadcast along it."""
+    dim = dim % self.dim()
+    n = self.shape[dim]
+    mask = _aten.index_fill.int_Scalar(_aten.zeros.default([n], dtype=torch.bool, device=self.device), 0, index, True)
+    shape = [1] * self.dim()
+    shape[dim] = n
+    return _aten.view.default(mask, shape)
+
+
+def _index_fill_where(self: torch.Tensor, dim: int, index: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """``index_fill`` with a tensor value, as ``where`` over an index mask (CUDA's kernel calls value.item())."""
+    if self.dim() == 0:
+        return _aten.index_fill.int_Tensor(self, dim, index, value)
+    return _aten.where.self(_index_mask(self, dim, index), value.to(self.dtype), self)
+
+
+def _index_fill_where_(self: torch.Tensor, dim: int, index: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    if self.dim() == 0:
+        return _aten.index_fill_.int_Tensor(self, dim, index, value)
+    return _aten.copy_.default(self, _aten.where.self(_index_mask(self, dim, index), value.to(self.dtype), self))
+
+
+def _isin_sorted(elements: torch.Tensor, test_elements: torch.Tensor, *, assume_unique: bool = False,
+                 invert: bool = False) -> torch.Tensor:
+    """``torch.isin`` as a sort and a binary search.
+
+    CUDA's kernel takes torch.unique for large test sets (a synchronisation); this is exact
+    for every input, NaN included (never found).
+    """
+    dtype = torch.promote_types(elements.dtype, test_elements.dtype)
+    values = _aten.reshape.default(elements.to(dtype), [-1])
+    table = _aten.sort.default(_aten.reshape.default(test_elements.to(dtype), [-1]))[0]
+    if table.numel() == 0:
+        found = _aten.zeros_like.default(values, dtype=torch.bool)
+    else:
+        keys = table
+        if table.is_floating_point():  # (NaN, sorted last, breaks the search: searched as +inf, never equal)
+            keys = _aten.where.ScalarSelf(_aten.isnan.default(table), float("inf"), table)
+        at = _aten.clamp.default(_aten.searchsorted.Tensor(keys, values), None, table.numel() - 1)
+        found = _aten.eq.Tensor(_aten.index_select.default(table, 0, at), values)
+    if invert:
+        found = _aten.logical_not.default(found)
+    return _aten.reshape.default(found, list(elements.shape))
+
+
+_CUDA_REWRITES: Dict[Any, Callable[..., Any]] = {}
+if hasattr(_aten, "masked_fill"):
+    _CUDA_REWRITES[_aten.masked_fill.Tensor] = _masked_fill_where
+    _CUDA_REWRITES[_aten.masked_fill_.Tensor] = _masked_fill_where_
+if hasattr(_aten, "index_fill"):
+    _CUDA_REWRITES[_aten.index_fill.int_Tensor] = _index_fill_where
+    _CUDA_REWRITES[_aten.index_fill_.int_Tensor] = _index_fill_where_
+if hasattr(_aten, "isin"):
+    _CUDA_REWRITES[_aten.isin.Tensor_Tensor] = _isin_sorted
+
+
+def _proxy_graph() -> Any:
+    mode = get_proxy_mode()
+    return getattr(getattr(mode, "tracer", None), "graph", None)
+
+
+def _tag_site(last: Any) -> None:
+    """Mark the nodes recorded after ``last`` with the user's line (CUDA traces: for capture errors)."""
+    site = None
+    n = last._next
+    while n.op != "root":
+        if site is None:
+            site = _site()
+        n.meta["gt_site"] = site
+        n = n._next
 
 
 _DATA_SET = torch._C.TensorBase.__dict__["data"]
@@ -1276,6 +1396,8 @@ def _rng_patches() -> List[Tuple[Any, str, Any]]:
 
 _rng_hooks = _Patches(_rng_patches)
 """Wrap the generators' state getters and setters while any trace is entered."""
+_jiterator_hooks = _Patches(_jiterator.patches)
+"""Record CUDA jiterator launches made on the trace's tensors (see ``_jiterator``)."""
 
 
 # -- zero_grad inside the function -----------------------------------------------------------

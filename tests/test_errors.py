@@ -269,7 +269,7 @@ def test_updates_made_before_the_functions_own_exception_are_eagers(device, make
             assert_close(state(), ref_state())
 
 
-def test_an_exception_raised_only_while_tracing_runs_that_signature_eagerly_with_a_warning(caplog):
+def test_an_exception_raised_only_while_tracing_runs_that_signature_eagerly_with_a_warning():
     """Code that raises on the trace's placeholders but runs fine eagerly: the call is eager's,
     and the signature runs eagerly from then on, once warned (not traced again on every call)."""
     def fn(x):
@@ -279,13 +279,14 @@ def test_an_exception_raised_only_while_tracing_runs_that_signature_eagerly_with
 
     g = gt.graphify(fn)
     x = torch.ones(3)
-    with caplog.at_level("WARNING", logger="gtransform"):
+    with pytest.warns(gt.EagerWarning) as rec:
         for _ in range(3):
             assert_close(g(x), x + 1)
     assert g.cache_info().misses == 1
-    msgs = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    msgs = [str(w.message) for w in rec]
     assert len(msgs) == 1 and "NotImplementedError: not while compiling" in msgs[0]
-    assert "runs fine eagerly: this signature runs eagerly from now on" in msgs[0]
+    assert "trace fails where eager runs" in msgs[0] and "Fix: look at the traceback of f.trace" in msgs[0]
+    assert "ran eagerly, not recorded: 3 call(s) with a signature whose trace fails" in g.describe()
 
 
 # -- call errors like a plain call -----------------------------------------------------

@@ -599,3 +599,27 @@ def test_as_strided_functions_of_a_view_input_are_refused(device, op):
     for _ in range(3):  # an input that owns its storage: eager's numbers
         x = torch.randn(8, device=device)
         assert_close(g(x), fn(x))
+
+
+@pytest.mark.parametrize("big", [False, True], ids=["small", "big"])
+def test_an_input_updated_in_place_and_passed_again_is_updated_once_per_call(device, big):
+    # CUDA: re-recording it to read in place took the warm-up's snapshot on the current stream
+    # after the side stream's wait, racing with the warm-up's update: applied twice (square_,
+    # addmm_, BatchNorm's running statistics in OpInfo)
+    n = (1 << 22) if big else 20
+    g = gt.graphify(lambda x: x.mul_(2).add_(1))
+    x = torch.rand(n, device=device)
+    want = x.clone()
+    for _ in range(4):
+        g(x)
+        want.mul_(2).add_(1)
+        assert_close(x, want)
+    bn = torch.nn.BatchNorm1d(8).to(device)
+    ref = torch.nn.BatchNorm1d(8).to(device)
+    h = gt.graphify(bn)
+    for _ in range(4):
+        b = torch.randn(32, 8, device=device)
+        with torch.no_grad():
+            assert_close(h(b), ref(b))
+        assert_close(bn.running_mean, ref.running_mean)
+        assert_close(bn.running_var, ref.running_var)

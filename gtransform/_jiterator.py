@@ -1,0 +1,78 @@
+"""CUDA jiterator kernels (``torch.cuda.jiterator._create_jit_fn``) inside a graphified function.
+
+A jitted function launches its kernel through a C function of torch, not through the
+dispatcher: a trace calling it on fake tensors launched the kernel on placeholders
+without memory (an illegal memory access: the process's CUDA context was lost). While
+a trace runs, that C function is wrapped: called on the trace's tensors, it records the
+op ``gtransform::jiterator`` instead, whose kernel is the same launch on the recording's
+tensors (compiled by NVRTC at the warm-up, before the capture) and whose fake computes
+the broadcast shape and promoted dtype, as the jiterator's TensorIterator does. Calls
+on real tensors, from any thread, go straight to torch's function.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from typing import Any, Dict, List, Sequence, Tuple
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+
+__all__ = ["patches"]
+
+_NAME = "_cuda_jiterator_compile_and_launch_kernel"
+# what each recorded launch compiles: handle -> (code, kernel name, return_by_ref, outputs, scalars)
+_KERNELS: Dict[int, Tuple[str, str, bool, int, Dict[str, Any]]] = {}
+_HANDLES: Dict[Any, int] = {}
+_LOCK = threading.Lock()
+
+
+def _handle(code: str, name: str, by_ref: bool, n_out: int, kwargs: Dict[str, Any]) -> int:
+    """The handle of a kernel (one per distinct code, name and scalar arguments)."""
+    key = (code, name, by_ref, n_out, tuple(sorted((k, type(v).__name__, v) for k, v in kwargs.items())))
+    with _LOCK:
+        h = _HANDLES.get(key)
+        if h is None:
+            h = _HANDLES[key] = len(_KERNELS)
+            _KERNELS[h] = (code, name, by_ref, n_out, dict(kwargs))
+        return h
+
+
+@functools.cache
+def _op() -> Any:
+    launch = getattr(torch._C, _NAME)
+
+    @torch.library.custom_op("gtransform::jiterator", mutates_args=())
+    def jiterator(handle: int, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
+        code, name, by_ref, n_out, kwargs = _KERNELS[handle]
+        out = launch(code, name, by_ref, n_out, tuple(tensors), kwargs)
+        return list(out) if n_out > 1 else [out]
+
+    @jiterator.register_fake
+    def _(handle: int, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
+        from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
+
+        n_out = _KERNELS[handle][3]
+        shape = torch.broadcast_shapes(*[t.shape for t in tensors])
+        _, dtype = elementwise_dtypes(*tensors, type_promotion_kind=ELEMENTWISE_TYPE_PROMOTION_KIND.DEFAULT)
+        return [tensors[0].new_empty(shape, dtype=dtype) for _ in range(n_out)]
+
+    return torch.ops.gtransform.jiterator.default
+
+
+def _wrap(orig: Any) -> Any:
+    @functools.wraps(orig)
+    def launch(code: str, name: str, by_ref: bool, n_out: int, tensors: Sequence[Any], kwargs: Dict[str, Any]) -> Any:
+        if not any(isinstance(t, FakeTensor) for t in tensors):
+            return orig(code, name, by_ref, n_out, tensors, kwargs)
+        outs = _op()(_handle(code, name, by_ref, n_out, kwargs), list(tensors))
+        return outs[0] if n_out == 1 else tuple(outs)
+
+    return launch
+
+
+def patches() -> List[Tuple[Any, str, Any]]:
+    """``(owner, name, replacement)`` for the trace-time patch list (see ``_watch._Patches``)."""
+    orig = torch._C.__dict__.get(_NAME)
+    return [] if orig is None else [(torch._C, _NAME, _wrap(orig))]
