@@ -43,6 +43,11 @@ import time
 import traceback
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
+# the gtransform of the checkout this file is in (run as `python tests/opinfo_sweep.py`, Python
+# puts tests/ first on the path, and `import gtransform` found whatever copy the environment
+# installs, an editable install of another checkout); the workers run this file too
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 LEGS = ("forward", "noncontig", "out", "inplace", "grad")
 FAILURES = ("mismatch", "meta", "alias", "crash", "silent", "segfault", "timeout")
 # ops whose outputs are uninitialised memory (compared by shape and dtype only)
