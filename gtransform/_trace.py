@@ -39,6 +39,7 @@ from ._rewrite import (
     _drop_profiler_nodes,
     _kernels_in_grad_mode,
     _lift_state,
+    _materialize_zero_tensors,
     _reshape_computed_views,
 )
 from ._state import AttrReads, Root, Slot, Snapshot, StateIndex, escape_error, leaf_grad
@@ -915,6 +916,7 @@ def trace(
     _drop_profiler_nodes(gm)
     _reshape_computed_views(gm)
     _kernels_in_grad_mode(gm)
+    _materialize_zero_tensors(gm)
     gm.recompile()
     if cuda:
         _constants_to_device(gm, next((t.device for t in fakes), None))

@@ -333,3 +333,39 @@ def test_backward_whose_fake_strides_differ_from_the_real_kernels_runs(device):
         want, = torch.autograd.grad(f(w, inp, c), w)
         got, = torch.autograd.grad(g(w, inp, c), w)
         torch.testing.assert_close(got, want)
+
+
+def _signed(x, w):
+    return (torch.sgn(x) * w).sum()  # x's gradient is sgn's alone
+
+
+def _signed_and_view(x, w):
+    return _signed(x, w), w[1:]  # an output that is a view of an input: the backward recomputes
+
+
+@pytest.mark.parametrize("fn", [_signed, _signed_and_view], ids=["partitioned", "recompute"])
+def test_a_gradient_autograd_knows_is_zero_reads_as_zeros(device, fn):
+    """torch.sgn's derivative of a real input is a ZeroTensor, which has no memory; handed out
+    as pool memory, the recording's gradient was an alias of address 0 (a segfault)."""
+    g = gt.graphify(fn)
+    for seed in range(3):
+        torch.manual_seed(seed)
+        x, w = torch.randn(4, 3, device=device), torch.randn(4, 3, device=device)
+        grads = []
+        for f in (fn, g):
+            xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
+            out = f(xx, ww)
+            (out if fn is _signed else out[0] + out[1].sum()).backward()
+            grads.append((xx.grad, ww.grad))
+        for got, want in zip(grads[1], grads[0]):
+            torch.testing.assert_close(got, want)
+
+
+def test_graphified_grad_through_sgn_matches_eager(device):
+    """The forward of graphify(torch.func.grad(f)) makes the ZeroTensor itself."""
+    f = lambda x: (torch.sgn(x) * 3).sum()  # noqa: E731
+    g = gt.graphify(torch.func.grad(f))
+    for seed in range(3):
+        torch.manual_seed(seed)
+        x = torch.randn(5, device=device)
+        torch.testing.assert_close(g(x), torch.func.grad(f)(x))
