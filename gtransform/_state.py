@@ -453,7 +453,7 @@ class Snapshot:
                     if id(m) in seen:
                         continue
                     seen.add(id(m))
-                    grads = {n: p.grad for n, p in m._parameters.items() if p is not None}
+                    grads = {n: leaf_grad(p) for n, p in m._parameters.items() if p is not None}
                     self.items.append(("module", path, m, (dict(m.__dict__), dict(m._parameters), dict(m._buffers), dict(m._modules), grads)))
             elif isinstance(obj, _Optimizer):
                 if id(obj) in seen:
@@ -507,7 +507,7 @@ class Snapshot:
                     if is_fake(p):
                         res.appended.append(f"{path}.{n} (a new nn.Parameter made from a traced tensor)")
                         res.sites.append(p.__dict__.get("_gt_site", ""))
-                    elif is_fake(p.grad):
+                    elif is_fake(leaf_grad(p)):
                         res.escapes.append((Slot("grad", p, "grad", f"{path}.{n}.grad"), p.grad))
                 for n, b in obj._buffers.items():
                     if is_fake(b):
@@ -577,7 +577,7 @@ class Snapshot:
                     _restore_dict(obj._modules, mods)
                     for n, g in grads.items():
                         p = params[n]
-                        if p.grad is not g:
+                        if leaf_grad(p) is not g:
                             p.grad = g
                 elif kind == "optimizer":
                     d, st, groups, pgrads = saved
@@ -670,8 +670,9 @@ class StateIndex:
             for n, mp in m._parameters.items():
                 if mp is not None:
                     self._add(mp, Slot("item", m._parameters, n, f"{path}.{n}"))
-                    if mp.grad is not None:
-                        self._add(mp.grad, Slot("grad", mp, "grad", f"{path}.{n}.grad"))
+                    g = leaf_grad(mp)
+                    if g is not None:
+                        self._add(g, Slot("grad", mp, "grad", f"{path}.{n}.grad"))
             for n, b in m._buffers.items():
                 if b is not None:
                     self._add(b, Slot("item", m._buffers, n, f"{path}.{n}"))
