@@ -124,16 +124,12 @@ except AttributeError:  # pragma: no cover
 class _Box:
     """Per-call carrier between ``forward`` and ``backward`` (not a tensor)."""
 
-    __slots__ = ("g", "template", "spec", "tpos", "statics", "entry", "need", "part", "pre", "grad_mode", "rng", "keep", "outer")
+    __slots__ = ("g", "entry", "need", "part", "pre", "grad_mode", "rng", "keep", "outer")
 
-    def __init__(self, g: Any, template: List[Any], spec: Any, tpos: List[int], statics: Any, need: Tuple[bool, ...]):
+    def __init__(self, g: Any, entry: Any, need: Tuple[bool, ...]):
         self.g = g
-        self.template = template
-        self.spec = spec
-        self.tpos = tpos  # positions of the caller's tensors; state tensors follow them
-        self.statics = statics
+        self.entry = entry  # the call's signature, as the caller resolved it
         self.need = need
-        self.entry: Any = None
         self.part: Any = None
         self.pre: Any = None  # inputs the forward updates in place, as they were before it
         self.grad_mode = torch.is_grad_enabled()  # the caller's (forward runs with grad off)
@@ -188,12 +184,10 @@ class GraphFn(torch.autograd.Function):
         g = box.g
         if _peek() is not None:
             raise _higher_order(g._desc)
-        leaves = list(box.template)
-        for p, t in zip(box.tpos, tensors):
-            leaves[p] = t
-        e, st, _ = g._entry_for(leaves, box.spec, box.statics, grad_mode=box.grad_mode)
-        if e is None:  # pragma: no cover - the caller resolved the entry just before
-            raise GraphifyError(f"{g._desc}: internal error: the signature vanished between two lookups")
+        # the signature the caller resolved for this call (not looked up again here: under
+        # torch.func.grad the slots of the state hold the transform's wrappers, which only
+        # that lookup sees through)
+        e, st = box.entry, g._tls.state
         bad = [i for i in e.plan.mutated if box.need[i]]
         if bad:
             i0 = sorted(bad)[0]
@@ -218,7 +212,6 @@ class GraphFn(torch.autograd.Function):
                 "before the call; an in-place update of a differentiated input inside it would "
                 "give gradients of the wrong values.\n" + fix
             )
-        box.entry = e
         part = partition_for(e, box.need, g)
         if part is not None:
             box.part = part
@@ -574,7 +567,7 @@ def make_backward(plan: Any, need: Sequence[bool]) -> Any:
     return backward
 
 
-def call_with_autograd(g: Any, e: Any, leaves: List[Any], spec: Any, statics: Any, tensors: List[torch.Tensor]) -> Any:
+def call_with_autograd(g: Any, e: Any, tensors: List[torch.Tensor]) -> Any:
     """Call graphified ``g`` through :class:`GraphFn` and return the output tree.
 
     ``tensors`` are the caller's tensor leaves followed by the state the
@@ -582,7 +575,7 @@ def call_with_autograd(g: Any, e: Any, leaves: List[Any], spec: Any, statics: An
     arguments.
     """
     need = tuple(bool(t.requires_grad and (t.is_floating_point() or t.is_complex())) for t in tensors)
-    box = _Box(g, leaves, spec, e.tpos, statics, need)
+    box = _Box(g, e, need)
     if box.grad_mode and _is_wrapped is not None and _peek() is not None:
         box.outer = [b for b in map(_bottom, tensors) if b is not None]
     outs = GraphFn.apply(box, *tensors)

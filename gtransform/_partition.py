@@ -117,6 +117,12 @@ def build_partition(plan: Any, metas: Sequence[Any], need: Sequence[bool], owner
         return None  # outputs that alias inputs: the partitioner cannot split them (recompute instead)
     n_user = plan.n_user_in
     n_state = len(plan.state)
+    if any(need[n_user + k] and not t.requires_grad for k, t in enumerate(plan.state)):
+        # differentiated under torch.func.grad through a wrapper its slot holds (functional_call
+        # of detached parameters): the joint trace differentiates the state tensors themselves,
+        # which here do not require grad; the recompute path differentiates copies of them
+        plan.no_partition = "state it differentiates does not require grad itself (torch.func's wrapper of it does)"
+        return None
     n_out = len(plan.tensor_entries)
     mode = _TraceMode(allow_non_fake_inputs=True)
     with mode:

@@ -20,9 +20,10 @@ import torch
 from ._errors import RerecordWarning
 from ._liveness import PoolState
 from ._record import Recording
+from ._state import functorch_base
 from ._trace import Plan, plain_layout
 from ._tree import static_leaf_key, tensor_meta
-from ._watch import TENSOR_ATTR
+from ._watch import FOR_GRAD, TENSOR_ATTR
 
 __all__ = [
     "Guard", "Entry", "ThreadState", "alias_pattern", "same_objects", "global_key", "dict_orders", "diff_leaves", "sig_brief",
@@ -285,17 +286,34 @@ class Entry:
         return any(slot is not None and slot.kind == "grad" and slot.get() is None for slot, _c, _s in self.state_src)
 
     def resolve_state(self) -> Optional[List[torch.Tensor]]:
-        """The state tensors as the function reaches them now (``None``: one is gone or replaced)."""
+        """The state tensors as the function reaches them now (``None``: one is gone or replaced).
+
+        For a call under ``torch.func.grad`` (looked up with ``FOR_GRAD`` on), the tensors
+        under the transform's wrappers that slots may hold (``functional_call``'s
+        parameters), as the trace reaches them: see :meth:`held_state`.
+        """
+        base = functorch_base if getattr(FOR_GRAD, "on", False) else None
         out: List[torch.Tensor] = []
         for slot, const, same in self.state_src:
             if slot is None:
                 out.append(const)  # type: ignore[arg-type]
                 continue
             v = slot.get()
+            if base is not None and isinstance(v, torch.Tensor):
+                v = base(v)
             if not isinstance(v, torch.Tensor) or (same is not None and v is not same):
                 return None
             out.append(v)
         return out
+
+    def held_state(self, state: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        """The objects the slots hold for ``state`` (:meth:`resolve_state`'s, just resolved).
+
+        Under ``torch.func.grad`` those are the transform's wrappers where a slot holds
+        one: the autograd wrapper of the recording must take them, not the tensors under
+        them, for the transform to see its output depend on them.
+        """
+        return [t if slot is None else slot.get() for (slot, _c, _s), t in zip(self.state_src, state)]
 
     def matching_state(self, leaves: Sequence[Any], statics: Any) -> Optional[List[torch.Tensor]]:
         """The call's state tensors if the call replays this signature, else ``None``."""

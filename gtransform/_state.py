@@ -45,7 +45,7 @@ import torch
 from ._errors import GraphifyError, is_library_file
 from ._tree import holds_tensor
 
-__all__ = ["Root", "find_roots", "Snapshot", "Slot", "StateIndex", "env_key_fn", "EscapeWriter", "AttrReads"]
+__all__ = ["Root", "find_roots", "Snapshot", "Slot", "StateIndex", "env_key_fn", "EscapeWriter", "AttrReads", "functorch_base"]
 
 _Module = torch.nn.Module
 _Optimizer = torch.optim.Optimizer
@@ -202,6 +202,23 @@ def _plain_object(v: Any) -> bool:
         return True
     mod = type(v).__module__ or ""
     return not (mod.startswith("torch") or mod.startswith("gtransform") or mod == "builtins")
+
+
+_is_wrapped: Any = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
+_get_unwrapped: Any = getattr(torch._C._functorch, "get_unwrapped", None)
+
+
+def functorch_base(t: torch.Tensor) -> torch.Tensor:
+    """The tensor under torch.func's wrappers (``t`` itself when it has none).
+
+    Under ``torch.func.grad``, ``functional_call(model, params, ...)`` puts the
+    transform's wrappers of ``params`` in the module's slots, while a trace (run
+    outside the transform's levels) reaches the tensors under them.
+    """
+    if _is_wrapped is not None:
+        while _is_wrapped(t):
+            t = _get_unwrapped(t)
+    return t
 
 
 def leaf_grad(t: torch.Tensor) -> Any:
@@ -718,6 +735,12 @@ class StateIndex:
         if id(t) not in self.by_id:
             self.by_id[id(t)] = slot
             self.names[id(t)] = slot.path
+        base = functorch_base(t)
+        if base is not t:
+            # a torch.func wrapper (functional_call under torch.func.grad): the trace reaches
+            # the tensor under it, which is read from this slot too (unwrapped, see
+            # Entry.resolve_state), not held as a constant of the signature
+            self._add(base, slot)
 
     def slot_of(self, t: torch.Tensor) -> Optional[Slot]:
         return self.by_id.get(id(t))
