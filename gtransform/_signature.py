@@ -47,8 +47,14 @@ _any_autocast: Any = getattr(torch._C, "_is_any_autocast_enabled", None)
 def global_key(grad_mode: Optional[bool] = None) -> Tuple[Any, ...]:
     """The global settings that change what a function computes, like dynamo's global guards.
 
-    Grad mode, the default dtype, the autocast state (per device type) and
-    ``torch.use_deterministic_algorithms`` (which picks kernels, and which code may branch on).
+    Grad mode, the default dtype, the autocast state (per device type),
+    ``torch.use_deterministic_algorithms`` (which picks kernels, and which code may branch on),
+    and whether the call is differentiated by ``torch.func.grad``/``vjp`` (``FOR_GRAD``): such a
+    trace sees the tensors under the transform's wrappers, whose ``requires_grad`` is not what the
+    transform differentiates, so it keeps every output differentiable (``Plan.rg_traced``
+    False), while a plain call's trace marks outputs of inputs that do not require grad (and
+    detached ones) as not; one trace serving the other gave a plain call outputs that require
+    grad where eager's do not, and torch.func.grad zero gradients.
     """
     gm = _is_grad_enabled() if grad_mode is None else grad_mode
     ac = None
@@ -56,7 +62,7 @@ def global_key(grad_mode: Optional[bool] = None) -> Tuple[Any, ...]:
         ac = tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda"))
     # inference mode: the tensors' dispatch keys differ (the guards' view), so a function called
     # in turn under inference_mode() and no_grad() keeps a recording for each
-    return (gm, _get_default_dtype(), ac, _deterministic(), _inference_mode())
+    return (gm, _get_default_dtype(), ac, _deterministic(), _inference_mode(), bool(getattr(FOR_GRAD, "on", False)))
 
 
 def dict_orders(tree: Any) -> Tuple[Tuple[Any, ...], ...]:
@@ -593,7 +599,8 @@ def diff_leaves(e: Entry, leaves: Sequence[Any], paths: Sequence[str]) -> List[s
                    ["module training flags, attributes, hooks or optimizer hyperparameters changed"])
     glob = global_key()
     for name, old, new in zip(("grad mode (torch.is_grad_enabled())", "the default dtype", "autocast",
-                               "torch.use_deterministic_algorithms", "inference mode"), e.glob, glob):
+                               "torch.use_deterministic_algorithms", "inference mode",
+                               "differentiated by torch.func.grad / vjp"), e.glob, glob):
         if old != new:
             out.append(f"{name}: {old} -> {new}")
     return out

@@ -814,3 +814,31 @@ def test_maml_second_order_is_eagers_or_the_higher_order_refusal(device):
             loud_or_right(run, check)
     assert "warned" not in loud_or_right.outcomes, loud_or_right.outcomes
 
+
+def _heads(lin, x):
+    with torch.no_grad():
+        scale = x.abs().mean()
+    return lin(x).sum(), (x * 2).sum(), x.detach() * scale, x[1:]  # x[1:]: the backward recomputes
+
+
+@pytest.mark.parametrize("first", ["plain", "grad"])
+def test_calls_under_torch_func_grad_and_plain_calls_each_match_eager(device, first):
+    """One signature served both. Traced by a plain call (the input not requiring grad, the
+    Linear's parameters do), torch.func.grad of an output of the input alone got zeros: that
+    trace had marked the output not differentiable. Traced under torch.func.grad (the input
+    requiring grad), a plain call's detached and no_grad outputs required grad."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 1).to(device)
+    fn = lambda x: _heads(lin, x)  # noqa: E731
+    g = gt.graphify(fn)
+    x = torch.randn(3, 4, device=device).requires_grad_(first == "grad")
+    for _ in range(3):
+        for how in (["plain", "grad"] if first == "plain" else ["grad", "plain"]):
+            if how == "plain":
+                got, want = g(x), fn(x)
+                assert [o.requires_grad for o in got] == [o.requires_grad for o in want]
+                torch.testing.assert_close(torch.autograd.grad(got[0], lin.weight)[0],
+                                           torch.autograd.grad(want[0], lin.weight)[0])
+            else:
+                got = torch.func.grad(lambda t: g(t)[1])(x)
+                torch.testing.assert_close(got, torch.func.grad(lambda t: fn(t)[1])(x))
