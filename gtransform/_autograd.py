@@ -440,6 +440,22 @@ def _bottom(t: torch.Tensor) -> Optional[torch.Tensor]:
     return t if t.requires_grad else None
 
 
+def _gradient_differentiated(desc: str) -> GraphifyError:
+    """The refusal of :class:`_NotDifferentiable`: a torch.func gradient differentiated by an outer backward."""
+    return GraphifyError(
+        f"{desc}: higher-order differentiation through a graphified function: a gradient that torch.func "
+        "(grad, vjp) computed through it is differentiated again by a backward outside the transform, "
+        "whose inputs require grad there too (a gradient penalty on torch.func.grad(f)(w); MAML's inner "
+        "step p - lr * torch.func.grad(inner)(p), then loss.backward()).\n"
+        "Why: the backward pass is a recording; its result is not differentiable again (eager's gradient "
+        "holds the second-order terms).\n"
+        "Fix: graphify the whole penalty or outer step, with torch.func for both levels "
+        "(gt.graphify(torch.func.grad(outer_loss))); for first-order MAML take the inner gradient as a "
+        "value (torch.func.grad(inner) at {k: v.detach() for k, v in p.items()}, or g.detach()); or call "
+        "the function eagerly."
+    )
+
+
 class _NotDifferentiable(torch.autograd.Function):
     """A gradient that eager could differentiate again, and whose backward refuses to."""
 
@@ -450,7 +466,7 @@ class _NotDifferentiable(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:  # type: ignore[override]
-        raise _higher_order(ctx.desc)
+        raise _gradient_differentiated(ctx.desc)
 
 
 def _outer_graph(box: _Box, res: List[Any]) -> List[Any]:
