@@ -297,8 +297,7 @@ class Graphified(Generic[P, R]):
         if e is None:
             return self._eager(st, args, kwargs, statics)
         if e.any_rg and _is_grad_enabled():
-            self._hits -= 1  # counted again inside the autograd wrapper
-            return call_with_autograd(self, e, leaves, spec, statics, tensors)
+            return call_with_autograd(self, e, tensors)
         return e.plan.assemble(self._run_flat(e, st, tensors))
 
     def _call_plain(self, args: Any, kwargs: Any, statics: Any) -> Any:
@@ -309,7 +308,7 @@ class Graphified(Generic[P, R]):
             return self._eager(st, args, kwargs, statics)
         return e.plan.assemble(self._run_flat(e, st, tensors))
 
-    def _entry_for(self, leaves: List[Any], spec: Any, statics: Any, tree: Any = None, grad_mode: Optional[bool] = None) -> Tuple[Optional[Entry], ThreadState, List[torch.Tensor]]:
+    def _entry_for(self, leaves: List[Any], spec: Any, statics: Any, tree: Any = None) -> Tuple[Optional[Entry], ThreadState, List[torch.Tensor]]:
         """The entry of this call's signature (looked up or traced), the thread's state, and the call's tensors.
 
         The tensors are the caller's tensor leaves followed by the state the
@@ -322,7 +321,7 @@ class Graphified(Generic[P, R]):
             st = self._new_state()
         if st.clear_requested:  # cache_clear() in another thread (see there)
             st.clear()
-        glob = global_key(grad_mode)
+        glob = global_key()
         if tree is None:
             tree = unflatten(spec, leaves)
         e = st.last
@@ -367,9 +366,8 @@ class Graphified(Generic[P, R]):
                 FOR_GRAD.on = False
             if e is None:
                 return self._eager(_st, args, kwargs, statics)
-            self._hits -= 1  # counted again inside the autograd wrapper
-            tensors = [leaves[i] for i in e.tpos] + tensors[e.n_user:]
-            return call_with_autograd(self, e, leaves, spec, statics, tensors)
+            tensors = [leaves[i] for i in e.tpos] + e.held_state(tensors[e.n_user:])
+            return call_with_autograd(self, e, tensors)
         if interp.key() == _VMAP:
             out = call_vmapped(self, interp, args, kwargs, self._spawn_like)
             if out is not NOT_HANDLED:

@@ -12,6 +12,13 @@ handed to autograd; the backward recording takes them with the output
 gradients. Where that does not fit (outputs that alias inputs), the backward
 is itself a graphified function that recomputes the forward from the saved
 inputs. On CUDA both passes replay from graphs either way.
+
+Outputs that get no gradient (no loss used them) reach the backward as None,
+not zeros: as in eager, an input that no output with a gradient reaches gets
+no gradient (None; ``torch.autograd.grad`` without ``allow_unused`` raises).
+The partitioned backward takes zeros for their tangents (one tensor per
+output, read in place) and drops the unreached inputs' gradients; the
+recompute path leaves those outputs out of its ``autograd.grad``.
 """
 
 from __future__ import annotations
@@ -71,25 +78,72 @@ def unwrap(t: torch.Tensor) -> Tuple[torch.Tensor, int]:
     return t, n
 
 
-def _eager_backward(gm: Any, prims: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], need: Sequence[bool]) -> List[torch.Tensor]:
+def _eager_backward(gm: Any, prims: Sequence[torch.Tensor], grads: Sequence[Any], need: Sequence[bool]) -> List[Any]:
     """The backward as plain differentiable torch code.
 
     For torch.func transforms that a recording cannot take part in (vmap over
-    the backward, as in jacrev): right, not recorded.
+    the backward, as in jacrev): right, not recorded. Outputs that got no
+    gradient (None) are left out; an input that none of the others reaches
+    gets None (see :func:`_graph_reach`).
     """
     diff = [i for i, n in enumerate(need) if n]
+    if all(g is None for g in grads):
+        return [None] * len(diff)
 
     def f(*d: torch.Tensor) -> Tuple[torch.Tensor, ...]:
         full = list(prims)
         for i, t in zip(diff, d):
             full[i] = t
         outs = _run_graph(gm, full)
-        return tuple(o for o in outs if o.is_floating_point() or o.is_complex())
+        return tuple(o for o, g in zip(outs, grads) if g is not None and (o.is_floating_point() or o.is_complex()))
 
     vjp_fn = torch.func.vjp(f, *[prims[i] for i in diff])[1]
     outs = _run_graph(gm, prims)
-    tangents = tuple(g for o, g in zip(outs, grads) if o.is_floating_point() or o.is_complex())
-    return list(vjp_fn(tangents))
+    take = [j for j, (o, g) in enumerate(zip(outs, grads)) if g is not None and (o.is_floating_point() or o.is_complex())]
+    got: List[Any] = list(vjp_fn(tuple(grads[j] for j in take)))
+    if len(take) < len(outs):
+        reached = 0
+        for j in take:
+            reached |= _graph_reach(gm)[j]
+        got = [g if (reached >> i) & 1 else None for i, g in zip(diff, got)]
+    return got
+
+
+def _graph_reach(gm: Any) -> List[int]:
+    """Per output of a traced graph, the inputs it depends on through differentiable values (bitmasks).
+
+    The data flow of the graph, cut at ``detach``, at ``torch.no_grad()`` blocks and at
+    values that cannot carry a gradient (integers, booleans). Autograd's edges follow that
+    flow, so an input it does not reach gets no gradient in eager either (None); it may reach
+    one that eager's autograd graph does not (the gradient is then zeros, not None).
+    Computed once per graph.
+    """
+    cached = gm.meta.get("gt_reach")
+    if cached is not None:
+        return cached  # type: ignore[no-any-return]
+    detach = torch.ops.aten.detach.default
+    masks: Dict[Any, int] = {}
+    k = 0
+    out: List[int] = []
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            masks[n] = 1 << k
+            k += 1
+        elif n.op == "output":
+            outs = n.args[0] if isinstance(n.args[0], (list, tuple)) else [n.args[0]]
+            out = [masks.get(a, 0) if isinstance(a, torch.fx.Node) else 0 for a in outs]
+        else:
+            v = n.meta.get("val")
+            if n.target is detach or n.meta.get("gt_no_grad") or (
+                    isinstance(v, torch.Tensor) and not (v.is_floating_point() or v.is_complex())):
+                masks[n] = 0
+                continue
+            m = 0
+            for a in n.all_input_nodes:
+                m |= masks.get(a, 0)
+            masks[n] = m
+    gm.meta["gt_reach"] = out
+    return out
 
 
 def _higher_order(desc: str) -> GraphifyError:
@@ -124,16 +178,12 @@ except AttributeError:  # pragma: no cover
 class _Box:
     """Per-call carrier between ``forward`` and ``backward`` (not a tensor)."""
 
-    __slots__ = ("g", "template", "spec", "tpos", "statics", "entry", "need", "part", "pre", "grad_mode", "rng", "keep", "outer")
+    __slots__ = ("g", "entry", "need", "part", "pre", "grad_mode", "rng", "keep", "outer")
 
-    def __init__(self, g: Any, template: List[Any], spec: Any, tpos: List[int], statics: Any, need: Tuple[bool, ...]):
+    def __init__(self, g: Any, entry: Any, need: Tuple[bool, ...]):
         self.g = g
-        self.template = template
-        self.spec = spec
-        self.tpos = tpos  # positions of the caller's tensors; state tensors follow them
-        self.statics = statics
+        self.entry = entry  # the call's signature, as the caller resolved it
         self.need = need
-        self.entry: Any = None
         self.part: Any = None
         self.pre: Any = None  # inputs the forward updates in place, as they were before it
         self.grad_mode = torch.is_grad_enabled()  # the caller's (forward runs with grad off)
@@ -188,12 +238,10 @@ class GraphFn(torch.autograd.Function):
         g = box.g
         if _peek() is not None:
             raise _higher_order(g._desc)
-        leaves = list(box.template)
-        for p, t in zip(box.tpos, tensors):
-            leaves[p] = t
-        e, st, _ = g._entry_for(leaves, box.spec, box.statics, grad_mode=box.grad_mode)
-        if e is None:  # pragma: no cover - the caller resolved the entry just before
-            raise GraphifyError(f"{g._desc}: internal error: the signature vanished between two lookups")
+        # the signature the caller resolved for this call (not looked up again here: under
+        # torch.func.grad the slots of the state hold the transform's wrappers, which only
+        # that lookup sees through)
+        e, st = box.entry, g._tls.state
         bad = [i for i in e.plan.mutated if box.need[i]]
         if bad:
             i0 = sorted(bad)[0]
@@ -218,7 +266,6 @@ class GraphFn(torch.autograd.Function):
                 "before the call; an in-place update of a differentiated input inside it would "
                 "give gradients of the wrong values.\n" + fix
             )
-        box.entry = e
         part = partition_for(e, box.need, g)
         if part is not None:
             box.part = part
@@ -284,6 +331,10 @@ class GraphFn(torch.autograd.Function):
     def setup_context(ctx: Any, inputs: Tuple[Any, ...], output: Any) -> None:
         box = inputs[0]
         ctx.box = box
+        # the backward sees which outputs got no gradient (None, not zeros): eager gives an
+        # input that no output with a gradient reaches no gradient at all (None; AdamW then
+        # leaves the parameter alone), where zeros would decay it and make moments
+        ctx.set_materialize_grads(False)
         part = box.part
         if part is not None:
             saved = output[part.n_out:]
@@ -313,7 +364,7 @@ class GraphFn(torch.autograd.Function):
             return (None, *_partitioned_backward(box, ctx.saved_tensors, grads, need))
         bwd = backward_for(box.entry, need, box.g)
         create_graph = torch.is_grad_enabled()
-        batched = any(unwrap(t)[1] < 0 for t in list(ctx.saved_tensors) + list(grads))
+        batched = any(unwrap(t)[1] < 0 for t in list(ctx.saved_tensors) + [g for g in grads if g is not None])
         if box.rng is not None:
             # the recomputed forward draws what the forward drew; the generators
             # then go on from where the forward left them, as in eager
@@ -371,8 +422,11 @@ def _recompute_backward(ctx: Any, box: _Box, grads: Sequence[Any], need: Tuple[b
             t, n = unwrap(p)
             prims.append(t)
             depth = max(depth, n)
-        tangents = []
+        tangents: List[Any] = []
         for gr in grads:
+            if gr is None:  # an output without a gradient: the recorded backward leaves it out
+                tangents.append(None)
+                continue
             t, n = unwrap(gr)
             tangents.append(t)
             depth = max(depth, n)
@@ -400,9 +454,27 @@ def _recompute_backward(ctx: Any, box: _Box, grads: Sequence[Any], need: Tuple[b
     return tuple(out)
 
 
+def _tangents(part: Any, grads: Sequence[Any]) -> Tuple[List[Any], List[bool]]:
+    """The partitioned backward's tangents, and per differentiated input whether its gradient is None.
+
+    Where an output got no gradient (None: no loss used it), its tangent is zeros (the
+    recorded backward takes one) and the inputs that no output with a gradient reaches get
+    None, as in eager.
+    """
+    for i in part.diff_idx:
+        if grads[i] is None:
+            break
+    else:  # every output that requires grad has a gradient (the common case)
+        return [grads[i] for i in part.tan_idx], part.grad_none
+    tangents = [grads[i] if grads[i] is not None else part.zero_tangent(i) for i in part.tan_idx]
+    return tangents, part.none_for(tuple(grads[i] is not None for i in range(part.n_out)))
+
+
 def _partitioned_backward(box: _Box, saved: Sequence[torch.Tensor], grads: Sequence[Any], need: Sequence[bool]) -> List[Any]:
     part = box.part
-    tangents = [grads[i] for i in part.tan_idx]
+    tangents, none = _tangents(part, grads)
+    if none is not part.grad_none and all(none):  # no output with a gradient reaches an input
+        return [None] * len(need)
     res: Optional[List[Any]] = None
     if any(unwrap(t)[1] < 0 for t in list(saved) + list(tangents)):
         # vmap over the backward (jacrev): the backward graph, eagerly
@@ -432,7 +504,12 @@ def _partitioned_backward(box: _Box, saved: Sequence[torch.Tensor], grads: Seque
     # the backward returns the gradients that exist; eager's None stays None
     it = iter(res or ())
     flags = iter(part.grad_none)
-    return [None if not n or next(flags) else next(it) for n in need]
+    out = [None if not n or next(flags) else next(it) for n in need]
+    if none is not part.grad_none:
+        # ... as does the gradient of an input that no output with a gradient reaches
+        unreached = iter(none)
+        out = [None if not n or next(unreached) else g for n, g in zip(need, out)]
+    return out
 
 
 def _bottom(t: torch.Tensor) -> Optional[torch.Tensor]:
@@ -447,6 +524,22 @@ def _bottom(t: torch.Tensor) -> Optional[torch.Tensor]:
     return t if t.requires_grad else None
 
 
+def _gradient_differentiated(desc: str) -> GraphifyError:
+    """The refusal of :class:`_NotDifferentiable`: a torch.func gradient differentiated by an outer backward."""
+    return GraphifyError(
+        f"{desc}: higher-order differentiation through a graphified function: a gradient that torch.func "
+        "(grad, vjp) computed through it is differentiated again by a backward outside the transform, "
+        "whose inputs require grad there too (a gradient penalty on torch.func.grad(f)(w); MAML's inner "
+        "step p - lr * torch.func.grad(inner)(p), then loss.backward()).\n"
+        "Why: the backward pass is a recording; its result is not differentiable again (eager's gradient "
+        "holds the second-order terms).\n"
+        "Fix: graphify the whole penalty or outer step, with torch.func for both levels "
+        "(gt.graphify(torch.func.grad(outer_loss))); for first-order MAML take the inner gradient as a "
+        "value (torch.func.grad(inner) at {k: v.detach() for k, v in p.items()}, or g.detach()); or call "
+        "the function eagerly."
+    )
+
+
 class _NotDifferentiable(torch.autograd.Function):
     """A gradient that eager could differentiate again, and whose backward refuses to."""
 
@@ -457,7 +550,7 @@ class _NotDifferentiable(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:  # type: ignore[override]
-        raise _higher_order(ctx.desc)
+        raise _gradient_differentiated(ctx.desc)
 
 
 def _outer_graph(box: _Box, res: List[Any]) -> List[Any]:
@@ -562,7 +655,9 @@ def make_backward(plan: Any, need: Sequence[bool]) -> Any:
             ps = [p.detach().requires_grad_(True) if i in diff else
                   (p.detach().clone() if i in mutated else p.detach()) for i, p in enumerate(primals)]
             outs = _run_graph(gm, ps, no_grad_nodes)
-            pairs = [(o, t) for o, t in zip(outs, tangents) if o.requires_grad]
+            # (an output that got no gradient has no tangent: it is left out, as eager's
+            # backward leaves out what no loss used)
+            pairs = [(o, t) for o, t in zip(outs, tangents) if o.requires_grad and t is not None]
             wrt = [ps[i] for i in diff]
             got: Sequence[Any] = (None,) * len(wrt)
             if pairs:
@@ -574,7 +669,7 @@ def make_backward(plan: Any, need: Sequence[bool]) -> Any:
     return backward
 
 
-def call_with_autograd(g: Any, e: Any, leaves: List[Any], spec: Any, statics: Any, tensors: List[torch.Tensor]) -> Any:
+def call_with_autograd(g: Any, e: Any, tensors: List[torch.Tensor]) -> Any:
     """Call graphified ``g`` through :class:`GraphFn` and return the output tree.
 
     ``tensors`` are the caller's tensor leaves followed by the state the
@@ -582,7 +677,7 @@ def call_with_autograd(g: Any, e: Any, leaves: List[Any], spec: Any, statics: An
     arguments.
     """
     need = tuple(bool(t.requires_grad and (t.is_floating_point() or t.is_complex())) for t in tensors)
-    box = _Box(g, leaves, spec, e.tpos, statics, need)
+    box = _Box(g, e, need)
     if box.grad_mode and _is_wrapped is not None and _peek() is not None:
         box.outer = [b for b in map(_bottom, tensors) if b is not None]
     outs = GraphFn.apply(box, *tensors)

@@ -193,13 +193,14 @@ def build_fast_path(owner: Any, entry: Any, rec: Any, pool: Any) -> Any:
     if entry.env is not None:
         checks.append("if ENV() != ENVVAL: return MISS")
     # global settings (grad mode, default dtype, autocast) are part of the signature
-    gm, dt, ac, det, inf = entry.glob
+    gm, dt, ac, det, inf, for_grad = entry.glob
     # (an open forward-AD level: its dual tensors take the generic path, which runs them eagerly)
     checks.append(f"if _grad_enabled() is not {gm!r} or _default_dtype() is not {g.const(dt)} "
                   f"or _deterministic() is not {det!r} or _inference_mode() is not {inf!r} "
                   "or FWAD._current_level >= 0: return MISS")
     checks.append("if _any_autocast(): return MISS" if ac is None else "return MISS")
-    if entry.any_rg and gm:
+    if (entry.any_rg and gm) or for_grad:
+        # (a signature of calls under torch.func.grad never serves a plain call: see global_key)
         checks.append("return MISS")
     if tens:
         if entry.guard.impl is not None:

@@ -13,6 +13,12 @@ into a forward that also returns the activations the backward needs
 is recorded as a graphified function of its own, so the saved activations live
 in the forward recording's pool.
 
+The joint trace also records, per output, which differentiated inputs its
+autograd graph reaches: eager gives an input that no output with a gradient
+reaches no gradient (None), and so does the backward when some outputs get
+none (see ``_autograd._tangents``). The backward takes only the tangents it
+uses.
+
 A saved activation is handed to autograd as a fresh alias of pool memory; if
 autograd still holds it when the forward replays again (two forwards before
 a backward), the forward moves its outputs to new memory first (the same
@@ -36,7 +42,8 @@ __all__ = ["Partition", "build_partition"]
 class Partition:
     """The recorded forward and backward of one signature."""
 
-    def __init__(self, fw: Any, bw: Any, n_out: int, n_saved: int, diff_out: List[bool], bw_gm: Any, grad_none: List[bool]):
+    def __init__(self, fw: Any, bw: Any, n_out: int, n_saved: int, diff_out: List[bool], bw_gm: Any, grad_none: List[bool],
+                 reach: List[int], out_metas: List[Tuple[Any, ...]]):
         self.fw = fw
         self.bw = bw
         self.n_out = n_out
@@ -44,10 +51,77 @@ class Partition:
         self.diff_out = diff_out  # outputs that require grad (as in eager): they receive a tangent
         self.bw_gm = bw_gm  # for eager use under vmap (jacrev)
         self.grad_none = grad_none  # per differentiated input: eager's gradient is None
-        self.tan_idx: List[int] = []  # which outputs' gradients the backward takes
+        # per output, the differentiated inputs its autograd graph reaches (a bitmask in
+        # grad_none's order): an input that no output with a gradient reaches gets None
+        self.reach = reach
+        self.out_metas = out_metas  # (shape, stride, dtype, device) per output, for zero tangents
+        self.tan_idx: List[int] = []  # which outputs' gradients the backward takes (of diff_out ones)
+        self.diff_idx = [j for j, d in enumerate(diff_out) if d]  # the outputs that get gradients
         # saved activations that are an output's very memory (exp saves its result): pairs
         # (saved index, output index), found at the first call (see GraphFn.forward)
         self.out_alias: Optional[List[Tuple[int, int]]] = None
+        self.zero_tangents: Dict[int, torch.Tensor] = {}  # by output index (see zero_tangent)
+        self.none_when: Dict[Tuple[bool, ...], List[bool]] = {}  # grad_none, by which outputs have a gradient
+
+    def zero_tangent(self, i: int) -> torch.Tensor:
+        """The tangent of output ``i`` when it gets no gradient: zeros, the same tensor every call.
+
+        The backward recording takes a tensor for each tangent; one object passed on every call
+        is read in place (no copy). Nothing writes it: the backward graph is functional, and a
+        gradient that would be this very tensor (an input that only output ``i`` reaches) is
+        None then (see :meth:`none_for`), never handed out.
+        """
+        z = self.zero_tangents.get(i)
+        if z is None:
+            shape, stride, dtype, device = self.out_metas[i]
+            z = self.zero_tangents[i] = torch.empty_strided(shape, stride, dtype=dtype, device=device).zero_()
+        return z
+
+    def none_for(self, have: Tuple[bool, ...]) -> List[bool]:
+        """Per differentiated input, whether its gradient is None when only outputs in ``have`` have one.
+
+        Eager's rule: None where no output that has a gradient reaches the input in the
+        autograd graph (``grad_none``: None even when every output has one).
+        """
+        none = self.none_when.get(have)
+        if none is None:
+            reached = 0
+            for r, h in zip(self.reach, have):
+                if h:
+                    reached |= r
+            none = self.none_when[have] = [gn or not (reached >> k) & 1 for k, gn in enumerate(self.grad_none)]
+        return none
+
+
+def _reach(outs: Sequence[torch.Tensor], diff: Sequence[bool], wrt: Sequence[torch.Tensor]) -> List[int]:
+    """Per output, which tensors of ``wrt`` (leaves) its autograd graph reaches, as a bitmask.
+
+    Eager gives a differentiated tensor no gradient (None; an error without ``allow_unused``)
+    where no output that has a gradient reaches it, whatever the values: the graph decides,
+    so it is walked here, once per signature (each node once, its mask the union of its
+    successors').
+    """
+    target = {id(t): 1 << k for k, t in enumerate(wrt)}
+    memo: Dict[Any, int] = {}
+
+    def mask(root: Any) -> int:
+        stack = [(root, False)]
+        while stack:
+            node, done = stack.pop()
+            if not done:
+                if node in memo:
+                    continue
+                stack.append((node, True))
+                stack.extend((n, False) for n, _ in node.next_functions if n is not None and n not in memo)
+                continue
+            m = target.get(id(getattr(node, "variable", None)), 0)  # AccumulateGrad of a leaf
+            for n, _ in node.next_functions:
+                if n is not None:
+                    m |= memo[n]
+            memo[node] = m
+        return memo[root]
+
+    return [mask(o.grad_fn) if d and o.grad_fn is not None else 0 for o, d in zip(outs, diff)]
 
 
 def _flat_fn(gm: Any, name: str) -> Any:
@@ -121,6 +195,12 @@ def build_partition(plan: Any, metas: Sequence[Any], need: Sequence[bool], owner
         return None  # outputs that alias inputs: the partitioner cannot split them (recompute instead)
     n_user = plan.n_user_in
     n_state = len(plan.state)
+    if any(need[n_user + k] and not t.requires_grad for k, t in enumerate(plan.state)):
+        # differentiated under torch.func.grad through a wrapper its slot holds (functional_call
+        # of detached parameters): the joint trace differentiates the state tensors themselves,
+        # which here do not require grad; the recompute path differentiates copies of them
+        plan.no_partition = "state it differentiates does not require grad itself (torch.func's wrapper of it does)"
+        return None
     n_out = len(plan.tensor_entries)
     mode = _TraceMode(allow_non_fake_inputs=True)
     with mode:
@@ -154,6 +234,7 @@ def build_partition(plan: Any, metas: Sequence[Any], need: Sequence[bool], owner
             diff = [bool(o.requires_grad and (o.is_floating_point() or o.is_complex())) for o in outs]
             wrt = [user[i] for i in range(n_user) if need[i]] + [plan.state[k] for k in range(n_state) if need[n_user + k]]
             pairs = [(o, t) for o, t, d in zip(outs, tans, diff) if d]
+            box["reach"] = _reach(outs, diff, wrt)
             grads: Sequence[Any] = [None] * len(wrt)
             if pairs and wrt:
                 # hooks the caller registered on state (p.register_hook(...)) run where eager
@@ -242,6 +323,12 @@ def build_partition(plan: Any, metas: Sequence[Any], need: Sequence[bool], owner
     # a random op the backward does not use (the forward saved its result) must not draw
     # again: the backward graph is functional, so whatever no output needs goes
     bw_gm.graph.eliminate_dead_code(is_impure_node=lambda n: n.op in ("placeholder", "output"))
+    # nor does it take the tangents it does not use (of outputs that do not require grad, or
+    # whose gradient does not depend on it): autograd hands those over as None, and a recording
+    # would need a tensor for each
+    for n in list(bw_gm.graph.nodes):
+        if n.op == "placeholder" and "tangents" in str(n.target) and not n.users:
+            bw_gm.graph.erase_node(n)
     bw_gm.recompile()
     n_fw = len([n for n in fw_gm.graph.nodes if n.op == "output"][0].args[0])
     # the tangents the backward takes (by their position among the outputs)
@@ -249,7 +336,8 @@ def build_partition(plan: Any, metas: Sequence[Any], need: Sequence[bool], owner
                if n.op == "placeholder" and "tangents" in str(n.target)]
     fw = owner._spawn(_flat_fn(fw_gm, f"forward of {owner._desc}"))
     bw = owner._spawn(_flat_fn(bw_gm, f"backward of {owner._desc}"))
-    part = Partition(fw, bw, n_out, n_fw - n_out, box["diff"], bw_gm, box["none"])
+    out_metas = [(tuple(v.shape), tuple(v.stride()), v.dtype, v.device) for v in _output_metas(plan)]
+    part = Partition(fw, bw, n_out, n_fw - n_out, box["diff"], bw_gm, box["none"], box["reach"], out_metas)
     part.tan_idx = tan_idx
     return part
 

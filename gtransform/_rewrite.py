@@ -4,7 +4,8 @@
 markers; these passes rewrite it in place into one that can be recorded and
 replayed: state becomes trailing inputs (:func:`_lift_state`), profiler markers
 go (:func:`_drop_profiler_nodes`), kernels whose saved outputs need grad mode
-keep it (:func:`_kernels_in_grad_mode`), and a CUDA function's constants move to
+keep it (:func:`_kernels_in_grad_mode`), autograd's zero tensors become memory
+(:func:`_materialize_zero_tensors`), and a CUDA function's constants move to
 the device (:func:`_constants_to_device`). ``_trace.trace`` and ``_partition``
 run them; watching the function while it is traced is ``_watch``'s.
 """
@@ -112,6 +113,28 @@ def _kernels_in_grad_mode(gm: torch.fx.GraphModule) -> None:
     for n in gm.graph.nodes:
         if n.op == "call_function" and n.target is torch.ops.aten.mkldnn_rnn_layer.default:
             n.target = _rnn_layer_in_grad_mode()
+            changed = True
+    if changed:
+        gm.recompile()
+
+
+def _materialize_zero_tensors(gm: torch.fx.GraphModule) -> None:
+    """Record autograd's zero tensors (``aten._efficientzerotensor``) as ``aten.zeros``.
+
+    Some derivative formulas give a gradient that is known to be zero as a ZeroTensor:
+    ``sgn``'s of a real input, the ``grad`` of an op on a ZeroTensor. Such a tensor has
+    no memory (its storage's address is null) and lives on its dispatch key alone; a
+    recording hands its outputs out, and saves activations, as aliases of the pool
+    storage the graph produced, which drop that key: reading one then reads address 0
+    (a segfault on the CPU, an illegal address on CUDA). The trace has already applied
+    what being a ZeroTensor means to every op that takes one (``zt * y`` is traced as a
+    new zero tensor), so a zero tensor with memory gives the same numbers everywhere.
+    """
+    zero = torch.ops.aten._efficientzerotensor.default
+    changed = False
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target is zero:
+            n.target = torch.ops.aten.zeros.default
             changed = True
     if changed:
         gm.recompile()

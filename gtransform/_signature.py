@@ -20,9 +20,10 @@ import torch
 from ._errors import RerecordWarning
 from ._liveness import PoolState
 from ._record import Recording
+from ._state import functorch_base
 from ._trace import Plan, plain_layout
 from ._tree import static_leaf_key, tensor_meta
-from ._watch import TENSOR_ATTR
+from ._watch import FOR_GRAD, TENSOR_ATTR
 
 __all__ = [
     "Guard", "Entry", "ThreadState", "alias_pattern", "same_objects", "global_key", "dict_orders", "diff_leaves", "sig_brief",
@@ -46,8 +47,14 @@ _any_autocast: Any = getattr(torch._C, "_is_any_autocast_enabled", None)
 def global_key(grad_mode: Optional[bool] = None) -> Tuple[Any, ...]:
     """The global settings that change what a function computes, like dynamo's global guards.
 
-    Grad mode, the default dtype, the autocast state (per device type) and
-    ``torch.use_deterministic_algorithms`` (which picks kernels, and which code may branch on).
+    Grad mode, the default dtype, the autocast state (per device type),
+    ``torch.use_deterministic_algorithms`` (which picks kernels, and which code may branch on),
+    and whether the call is differentiated by ``torch.func.grad``/``vjp`` (``FOR_GRAD``): such a
+    trace sees the tensors under the transform's wrappers, whose ``requires_grad`` is not what the
+    transform differentiates, so it keeps every output differentiable (``Plan.rg_traced``
+    False), while a plain call's trace marks outputs of inputs that do not require grad (and
+    detached ones) as not; one trace serving the other gave a plain call outputs that require
+    grad where eager's do not, and torch.func.grad zero gradients.
     """
     gm = _is_grad_enabled() if grad_mode is None else grad_mode
     ac = None
@@ -55,7 +62,7 @@ def global_key(grad_mode: Optional[bool] = None) -> Tuple[Any, ...]:
         ac = tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda"))
     # inference mode: the tensors' dispatch keys differ (the guards' view), so a function called
     # in turn under inference_mode() and no_grad() keeps a recording for each
-    return (gm, _get_default_dtype(), ac, _deterministic(), _inference_mode())
+    return (gm, _get_default_dtype(), ac, _deterministic(), _inference_mode(), bool(getattr(FOR_GRAD, "on", False)))
 
 
 def dict_orders(tree: Any) -> Tuple[Tuple[Any, ...], ...]:
@@ -290,17 +297,34 @@ class Entry:
         return any(slot is not None and slot.kind == "grad" and slot.get() is None for slot, _c, _s in self.state_src)
 
     def resolve_state(self) -> Optional[List[torch.Tensor]]:
-        """The state tensors as the function reaches them now (``None``: one is gone or replaced)."""
+        """The state tensors as the function reaches them now (``None``: one is gone or replaced).
+
+        For a call under ``torch.func.grad`` (looked up with ``FOR_GRAD`` on), the tensors
+        under the transform's wrappers that slots may hold (``functional_call``'s
+        parameters), as the trace reaches them: see :meth:`held_state`.
+        """
+        base = functorch_base if getattr(FOR_GRAD, "on", False) else None
         out: List[torch.Tensor] = []
         for slot, const, same in self.state_src:
             if slot is None:
                 out.append(const)  # type: ignore[arg-type]
                 continue
             v = slot.get()
+            if base is not None and isinstance(v, torch.Tensor):
+                v = base(v)
             if not isinstance(v, torch.Tensor) or (same is not None and v is not same):
                 return None
             out.append(v)
         return out
+
+    def held_state(self, state: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        """The objects the slots hold for ``state`` (:meth:`resolve_state`'s, just resolved).
+
+        Under ``torch.func.grad`` those are the transform's wrappers where a slot holds
+        one: the autograd wrapper of the recording must take them, not the tensors under
+        them, for the transform to see its output depend on them.
+        """
+        return [t if slot is None else slot.get() for (slot, _c, _s), t in zip(self.state_src, state)]
 
     def matching_state(self, leaves: Sequence[Any], statics: Any) -> Optional[List[torch.Tensor]]:
         """The call's state tensors if the call replays this signature, else ``None``."""
@@ -588,7 +612,8 @@ def diff_leaves(e: Entry, leaves: Sequence[Any], paths: Sequence[str]) -> List[s
                    ["module training flags, attributes, hooks or optimizer hyperparameters changed"])
     glob = global_key()
     for name, old, new in zip(("grad mode (torch.is_grad_enabled())", "the default dtype", "autocast",
-                               "torch.use_deterministic_algorithms", "inference mode"), e.glob, glob):
+                               "torch.use_deterministic_algorithms", "inference mode",
+                               "differentiated by torch.func.grad / vjp"), e.glob, glob):
         if old != new:
             out.append(f"{name}: {old} -> {new}")
     return out

@@ -48,7 +48,7 @@ import torch
 
 from ._errors import GraphifyError, is_library_file
 
-__all__ = ["Root", "find_roots", "Snapshot", "Slot", "StateIndex", "env_key_fn", "EscapeWriter", "AttrReads"]
+__all__ = ["Root", "find_roots", "Snapshot", "Slot", "StateIndex", "env_key_fn", "EscapeWriter", "AttrReads", "functorch_base"]
 
 _Module = torch.nn.Module
 _Optimizer = torch.optim.Optimizer
@@ -205,6 +205,23 @@ def _plain_object(v: Any) -> bool:
         return True
     mod = type(v).__module__ or ""
     return not (mod.startswith("torch") or mod.startswith("gtransform") or mod == "builtins")
+
+
+_is_wrapped: Any = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
+_get_unwrapped: Any = getattr(torch._C._functorch, "get_unwrapped", None)
+
+
+def functorch_base(t: torch.Tensor) -> torch.Tensor:
+    """The tensor under torch.func's wrappers (``t`` itself when it has none).
+
+    Under ``torch.func.grad``, ``functional_call(model, params, ...)`` puts the
+    transform's wrappers of ``params`` in the module's slots, while a trace (run
+    outside the transform's levels) reaches the tensors under them.
+    """
+    if _is_wrapped is not None:
+        while _is_wrapped(t):
+            t = _get_unwrapped(t)
+    return t
 
 
 def leaf_grad(t: torch.Tensor) -> Any:
@@ -485,7 +502,7 @@ class Snapshot:
                     if id(m) in seen:
                         continue
                     seen.add(id(m))
-                    grads = {n: p.grad for n, p in m._parameters.items() if p is not None}
+                    grads = {n: leaf_grad(p) for n, p in m._parameters.items() if p is not None}
                     self.items.append(("module", path, m, (dict(m.__dict__), dict(m._parameters), dict(m._buffers), dict(m._modules), grads)))
             elif isinstance(obj, _Optimizer):
                 if id(obj) in seen:
@@ -541,7 +558,7 @@ class Snapshot:
                     if is_fake(p):
                         res.appended.append(f"{path}.{n} (a new nn.Parameter made from a traced tensor)")
                         res.sites.append(p.__dict__.get("_gt_site", ""))
-                    elif is_fake(p.grad):
+                    elif is_fake(leaf_grad(p)):
                         res.escapes.append((Slot("grad", p, "grad", f"{path}.{n}.grad"), p.grad))
                 for n, b in obj._buffers.items():
                     if is_fake(b):
@@ -627,7 +644,7 @@ class Snapshot:
                     _restore_dict(obj._modules, mods, full)
                     for n, g in grads.items():
                         p = params[n]
-                        if p.grad is not g:
+                        if leaf_grad(p) is not g:
                             p.grad = g
                 elif kind == "optimizer":
                     d, st, groups, pgrads = saved
@@ -804,8 +821,9 @@ class StateIndex:
             for n, mp in m._parameters.items():
                 if mp is not None:
                     self._add(mp, Slot("item", m._parameters, n, f"{path}.{n}"))
-                    if mp.grad is not None:
-                        self._add(mp.grad, Slot("grad", mp, "grad", f"{path}.{n}.grad"))
+                    g = leaf_grad(mp)
+                    if g is not None:
+                        self._add(g, Slot("grad", mp, "grad", f"{path}.{n}.grad"))
             for n, b in m._buffers.items():
                 if b is not None:
                     self._add(b, Slot("item", m._buffers, n, f"{path}.{n}"))
@@ -851,6 +869,12 @@ class StateIndex:
         if id(t) not in self.by_id:
             self.by_id[id(t)] = slot
             self.names[id(t)] = slot.path
+        base = functorch_base(t)
+        if base is not t:
+            # a torch.func wrapper (functional_call under torch.func.grad): the trace reaches
+            # the tensor under it, which is read from this slot too (unwrapped, see
+            # Entry.resolve_state), not held as a constant of the signature
+            self._add(base, slot)
 
     def slot_of(self, t: torch.Tensor) -> Optional[Slot]:
         return self.by_id.get(id(t))

@@ -39,6 +39,7 @@ from ._rewrite import (
     _drop_profiler_nodes,
     _kernels_in_grad_mode,
     _lift_state,
+    _materialize_zero_tensors,
     _reshape_computed_views,
 )
 from ._state import (
@@ -984,6 +985,7 @@ def _trace(
     _drop_profiler_nodes(gm)
     _reshape_computed_views(gm)
     _kernels_in_grad_mode(gm)
+    _materialize_zero_tensors(gm)
     gm.recompile()
     if cuda:
         _constants_to_device(gm, next((t.device for t in fakes), None))

@@ -739,3 +739,106 @@ def test_torch_func_of_a_function_updating_an_argument_in_place_matches_eager(de
         assert_close(o, e)
         assert_close(sg, se)
     assert g.cache_info().hits >= 2
+
+
+# MAML: an inner gradient by torch.func.grad through functional_call of a module whose
+# forward is graphified, then an outer loss.backward() through functional_call again.
+
+
+def _maml_loss(model, params, x, y, first_order):
+    def inner(p):
+        return F.mse_loss(torch.func.functional_call(model, p, (x,)), y)
+
+    # first order: the inner gradient is a value (MAML's first-order approximation)
+    g = torch.func.grad(inner)({k: v.detach() for k, v in params.items()} if first_order else params)
+    fast = {k: params[k] - 0.1 * g[k] for k in params}
+    adapted = torch.func.functional_call(model, fast, (x,))
+    return F.mse_loss(adapted, y) + 0.1 * torch.func.functional_call(model, params, (x,)).pow(2).mean()
+
+
+def _maml_pair(device):
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1)).to(device)
+    model = copy.deepcopy(ref)
+    model.forward = gt.graphify(model.forward)
+    return model, ref
+
+
+# functional_call's parameters are new tensors on most calls: the state is rebound, each call
+# traces again, and gtransform says so (RerecordWarning); the numbers are what is tested here
+@pytest.mark.filterwarnings("ignore::gtransform.RerecordWarning")
+@pytest.mark.parametrize("params", ["fresh", "the_modules"])
+def test_maml_first_order_matches_eager_on_every_call(device, params):
+    """The signature made under torch.func.grad held functional_call's parameters of its first
+    call as constants (the slots hold torch.func's wrappers of them): later calls, plain or
+    transformed, read those stale tensors, and gradients went to them instead (None here)."""
+    model, ref = _maml_pair(device)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (model, ref)]
+    for step in range(4):
+        x, y = torch.randn(8, 3, device=device), torch.randn(8, 1, device=device)
+        grads = []
+        for m, opt in zip((model, ref), opts):
+            if params == "fresh":
+                p = {k: v.detach().clone().requires_grad_(True) for k, v in m.named_parameters()}
+            else:
+                p = dict(m.named_parameters())
+                opt.zero_grad(set_to_none=True)
+            _maml_loss(m, p, x, y, first_order=True).backward()
+            grads.append({k: v.grad for k, v in p.items()})
+            if params != "fresh":
+                opt.step()
+        for k in grads[1]:
+            assert grads[0][k] is not None, f"step {step}: no gradient reached {k}"
+            torch.testing.assert_close(grads[0][k], grads[1][k], msg=f"step {step}: {k}")
+
+
+@pytest.mark.filterwarnings("ignore::gtransform.RerecordWarning")
+def test_maml_second_order_is_eagers_or_the_higher_order_refusal(device):
+    """The inner gradient depends on the parameters again (eager's is differentiable): through a
+    recording it cannot be, so each call gives eager's gradients or the clear refusal."""
+    model, ref = _maml_pair(device)
+    with _LoudOrRight() as loud_or_right:
+        for _ in range(4):
+            x, y = torch.randn(8, 3, device=device), torch.randn(8, 1, device=device)
+            p = {k: v.detach().clone().requires_grad_(True) for k, v in model.named_parameters()}
+            q = {k: v.detach().clone().requires_grad_(True) for k, v in ref.named_parameters()}
+            _maml_loss(ref, q, x, y, first_order=False).backward()
+
+            def run(p=p, x=x, y=y):
+                _maml_loss(model, p, x, y, first_order=False).backward()
+
+            def check(p=p, q=q):
+                for k in q:
+                    torch.testing.assert_close(p[k].grad, q[k].grad)
+
+            loud_or_right(run, check)
+    assert "warned" not in loud_or_right.outcomes, loud_or_right.outcomes
+
+
+def _heads(lin, x):
+    with torch.no_grad():
+        scale = x.abs().mean()
+    return lin(x).sum(), (x * 2).sum(), x.detach() * scale, x[1:]  # x[1:]: the backward recomputes
+
+
+@pytest.mark.parametrize("first", ["plain", "grad"])
+def test_calls_under_torch_func_grad_and_plain_calls_each_match_eager(device, first):
+    """One signature served both. Traced by a plain call (the input not requiring grad, the
+    Linear's parameters do), torch.func.grad of an output of the input alone got zeros: that
+    trace had marked the output not differentiable. Traced under torch.func.grad (the input
+    requiring grad), a plain call's detached and no_grad outputs required grad."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 1).to(device)
+    fn = lambda x: _heads(lin, x)  # noqa: E731
+    g = gt.graphify(fn)
+    x = torch.randn(3, 4, device=device).requires_grad_(first == "grad")
+    for _ in range(3):
+        for how in (["plain", "grad"] if first == "plain" else ["grad", "plain"]):
+            if how == "plain":
+                got, want = g(x), fn(x)
+                assert [o.requires_grad for o in got] == [o.requires_grad for o in want]
+                torch.testing.assert_close(torch.autograd.grad(got[0], lin.weight)[0],
+                                           torch.autograd.grad(want[0], lin.weight)[0])
+            else:
+                got = torch.func.grad(lambda t: g(t)[1])(x)
+                torch.testing.assert_close(got, torch.func.grad(lambda t: fn(t)[1])(x))

@@ -333,3 +333,140 @@ def test_backward_whose_fake_strides_differ_from_the_real_kernels_runs(device):
         want, = torch.autograd.grad(f(w, inp, c), w)
         got, = torch.autograd.grad(g(w, inp, c), w)
         torch.testing.assert_close(got, want)
+
+
+def _signed(x, w):
+    return (torch.sgn(x) * w).sum()  # x's gradient is sgn's alone
+
+
+def _signed_and_view(x, w):
+    return _signed(x, w), w[1:]  # an output that is a view of an input: the backward recomputes
+
+
+@pytest.mark.parametrize("fn", [_signed, _signed_and_view], ids=["partitioned", "recompute"])
+def test_a_gradient_autograd_knows_is_zero_reads_as_zeros(device, fn):
+    """torch.sgn's derivative of a real input is a ZeroTensor, which has no memory; handed out
+    as pool memory, the recording's gradient was an alias of address 0 (a segfault)."""
+    g = gt.graphify(fn)
+    for seed in range(3):
+        torch.manual_seed(seed)
+        x, w = torch.randn(4, 3, device=device), torch.randn(4, 3, device=device)
+        grads = []
+        for f in (fn, g):
+            xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
+            out = f(xx, ww)
+            (out if fn is _signed else out[0] + out[1].sum()).backward()
+            grads.append((xx.grad, ww.grad))
+        for got, want in zip(grads[1], grads[0]):
+            torch.testing.assert_close(got, want)
+
+
+def test_graphified_grad_through_sgn_matches_eager(device):
+    """The forward of graphify(torch.func.grad(f)) makes the ZeroTensor itself."""
+    f = lambda x: (torch.sgn(x) * 3).sum()  # noqa: E731
+    g = gt.graphify(torch.func.grad(f))
+    for seed in range(3):
+        torch.manual_seed(seed)
+        x = torch.randn(5, device=device)
+        torch.testing.assert_close(g(x), torch.func.grad(f)(x))
+
+
+# -- outputs that get no gradient: an input only they reach gets None, as in eager ------------
+
+
+class _TwoHeads(torch.nn.Module):
+    """Actor-critic / multi-task heads: one loss uses one head."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Linear(3, 4)
+        self.a = torch.nn.Linear(4, 2)
+        self.b = torch.nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = torch.tanh(self.body(x))
+        return self.a(h), self.b(h)
+
+
+def test_parameters_only_the_unused_head_reaches_get_no_gradient_and_adamw_leaves_them(device):
+    """From the second call the recording handed the unused head's parameters zeros, not None:
+    AdamW then decayed them and made moments, and the weights left eager's."""
+    torch.manual_seed(0)
+    ref = _TwoHeads().to(device)
+    mod = copy.deepcopy(ref)
+    gmod = gt.graphify(mod)
+    opts = [torch.optim.AdamW(m.parameters(), lr=0.1, weight_decay=0.5) for m in (ref, mod)]
+    for step in range(4):
+        x = torch.randn(5, 3, device=device)
+        head = step % 2 if step >= 2 else 0  # one head for two steps, then each in turn
+        for f, m, opt in ((ref, ref, opts[0]), (gmod, mod, opts[1])):
+            opt.zero_grad(set_to_none=True)
+            f(x)[head].pow(2).sum().backward()
+            other = m.b if head == 0 else m.a
+            assert other.weight.grad is None and other.bias.grad is None, f"step {step}"
+            opt.step()
+        for (n, a), b in zip(ref.state_dict().items(), mod.state_dict().values()):
+            torch.testing.assert_close(b, a, msg=f"step {step}: {n}")
+
+
+def _scaled(w, y):
+    return w * 2, y * 3
+
+
+def _scaled_and_view(w, y):
+    return w * 2, y * 3, y[1:]  # an output that is a view of an input: the backward recomputes
+
+
+@pytest.mark.parametrize("fn", [_scaled, _scaled_and_view], ids=["partitioned", "recompute"])
+def test_autograd_grad_of_one_output_leaves_the_other_inputs_unused_as_in_eager(device, fn):
+    g = gt.graphify(fn)
+    w = torch.randn(3, device=device, requires_grad=True)
+    y = torch.randn(3, device=device, requires_grad=True)
+    for _ in range(3):
+        got = torch.autograd.grad(g(w, y)[1].sum(), [w, y], allow_unused=True)
+        want = torch.autograd.grad(fn(w, y)[1].sum(), [w, y], allow_unused=True)
+        assert got[0] is None and want[0] is None
+        torch.testing.assert_close(got[1], want[1])
+        with pytest.raises(RuntimeError, match="not have been used in the graph"):
+            torch.autograd.grad(fn(w, y)[1].sum(), [w, y])
+        with pytest.raises(RuntimeError, match="not have been used in the graph"):
+            torch.autograd.grad(g(w, y)[1].sum(), [w, y])
+    for _ in range(2):  # both outputs again: both gradients
+        got = torch.autograd.grad(sum(o.sum() for o in g(w, y)), [w, y])
+        want = torch.autograd.grad(sum(o.sum() for o in fn(w, y)), [w, y])
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b)
+
+
+def test_an_input_that_an_output_with_a_gradient_reaches_gets_one(device):
+    """Reached, the input gets its gradient even where it is zero (sgn's), not None."""
+    g = gt.graphify(lambda x, y: (torch.sgn(x), x * y, y * 2))
+    x = torch.randn(3, device=device, requires_grad=True)
+    y = torch.randn(3, device=device, requires_grad=True)
+    for _ in range(3):
+        a, _, c = g(x, y)
+        gx, gy = torch.autograd.grad(a.sum() + c.sum(), [x, y], allow_unused=True)
+        torch.testing.assert_close(gx, torch.zeros(3, device=device))
+        torch.testing.assert_close(gy, torch.full((3,), 2.0, device=device))
+
+
+def _two(w, y):
+    return torch.tanh(w) * 2, y.sin() * w.sum()
+
+
+def _two_and_view(w, y):
+    return torch.tanh(w) * 2, y.sin() * w.sum(), y[1:]
+
+
+@pytest.mark.parametrize("fn", [_two, _two_and_view], ids=["partitioned", "recompute"])
+def test_torch_func_and_jacrev_of_one_output_match_eager(device, fn):
+    """torch.func hands the backward no gradient for outputs it does not differentiate."""
+    g = gt.graphify(fn)
+    w, y = torch.randn(3, device=device), torch.randn(3, device=device)
+    for _ in range(3):
+        for argnums in (0, 1, (0, 1)):
+            got = torch.func.grad(lambda a, b: g(a, b)[0].sum(), argnums=argnums)(w, y)
+            want = torch.func.grad(lambda a, b: fn(a, b)[0].sum(), argnums=argnums)(w, y)
+            torch.testing.assert_close(got, want)
+        got = torch.func.jacrev(lambda a: g(a, y)[1])(w)
+        torch.testing.assert_close(got, torch.func.jacrev(lambda a: fn(a, y)[1])(w))
