@@ -112,6 +112,7 @@ class _Inductor:
             from ._log import log
 
             gm = torch.fx.GraphModule(self.gm, copy.deepcopy(self.gm.graph))
+            _keep_narrowing_casts(gm)
             groups: list = []
             small = _gemv.rewrite(gm, launches=groups)  # x @ w.t() of a few rows (_gemm leaves them alone)
             building: list = []
@@ -131,3 +132,43 @@ class _Inductor:
                 if job.exception() is not None:  # waits; the launch will compile it and report
                     log.debug("fuse=True: precompiling a kernel failed: %r", job.exception())
         return fn(*args)
+
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _keep_narrowing_casts(gm: torch.fx.GraphModule) -> None:
+    """Keep ``x.half().float()`` rounding through inductor.
+
+    Inductor's joint-graph pattern ``pointless_convert`` folds a chain of float casts into
+    its last one; before torch 2.13 it did so for a narrowing cast too, whatever
+    ``emulate_precision_casts`` says: the value came back unrounded. A multiplication by 1
+    in the narrow type (exact; inductor drops it after its patterns ran) stands between the
+    two casts, so the chain is not one the pattern matches.
+    """
+    changed = False
+    for n in list(gm.graph.nodes):
+        if n.op != "call_function" or n.target is not torch.ops.aten._to_copy.default:
+            continue
+        src, dst = _float_of(n.args[0] if n.args else None), n.kwargs.get("dtype")
+        if src is None or dst not in _FLOATS or dst.itemsize >= src.itemsize:
+            continue
+        widened = [u for u in n.users if u.op == "call_function" and u.target is torch.ops.aten._to_copy.default
+                   and u.kwargs.get("dtype") in _FLOATS and u.kwargs["dtype"].itemsize > dst.itemsize]
+        if not widened:
+            continue
+        with gm.graph.inserting_after(n):
+            kept = gm.graph.call_function(torch.ops.aten.mul.Tensor, (n, 1))
+        if "val" in n.meta:
+            kept.meta["val"] = n.meta["val"]
+        for u in widened:
+            u.replace_input_with(n, kept)
+        changed = True
+    if changed:
+        gm.graph.lint()
+        gm.recompile()
+
+
+def _float_of(a: Any) -> Any:
+    v = a.meta.get("val") if isinstance(a, torch.fx.Node) else None
+    return v.dtype if isinstance(v, torch.Tensor) and v.dtype in _FLOATS else None

@@ -436,6 +436,11 @@ class _Watch(TorchDispatchMode):
         outs = _tensors_in(out)
         if func in _LIFTS:
             return  # constants are moved to the device when recorded
+        if ins and all(id(t) in self.lifted for t in ins):
+            # work on constants made from Python data alone (torch.func.jacfwd's
+            # torch.tensor(sizes).cumsum(0)): a constant too, the same on every call
+            self.lifted.update(id(t) for t in outs)
+            return
         if func in _COPIES:
             devs = {t.device.type for t in ins + outs if id(t) not in self.lifted}
             if "cpu" in devs and "cuda" in devs:

@@ -77,6 +77,7 @@ def test_a_failed_capture_names_the_operation_and_the_line():
         assert_close(h(torch.ones(2, device=DEV)), torch.full((2,), 2.0, device=DEV))
 
 
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
 @pytest.mark.parametrize("dtype", [torch.complex32, torch.uint64], ids=str)
 def test_inputs_of_dtypes_the_foreach_copy_lacks(dtype):
     # torch._foreach_copy_ has no CUDA kernel for them: "not implemented for 'ComplexHalf'"

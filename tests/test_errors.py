@@ -214,8 +214,8 @@ class _Checked(torch.nn.Module):
         return self.lin(x)
 
 
-def _counter_step():
-    ctr = torch.zeros(())
+def _counter_step(device="cpu"):
+    ctr = torch.zeros((), device=device)
 
     def step(x):
         ctr.add_(1)
@@ -226,7 +226,7 @@ def _counter_step():
     return step, lambda: ctr
 
 
-def _argument_step():
+def _argument_step(device="cpu"):
     def step(x):
         x.mul_(2)  # the caller's tensor, updated in place before the check
         assert x.shape[0] != 3, "a batch of 3"
@@ -235,7 +235,7 @@ def _argument_step():
     return step, None
 
 
-def _module_step():
+def _module_step(device="cpu"):
     torch.manual_seed(0)
     m = _Checked()
     return m, lambda: (m.calls.clone(), m.rejected)
@@ -247,8 +247,8 @@ def test_updates_made_before_the_functions_own_exception_are_eagers(device, make
     before the raise (a counter, a buffer, the caller's tensor) were lost: 4 where eager counts 6.
     Now that call runs eagerly: eager's updates, once (a Python counter the trace changed is put
     back first), and eager's exception."""
-    fn, state = make()
-    ref_fn, ref_state = make()
+    fn, state = make(device)
+    ref_fn, ref_state = make(device)
     if isinstance(fn, torch.nn.Module):
         fn.to(device)
         ref_fn.to(device)

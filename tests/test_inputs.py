@@ -532,11 +532,12 @@ def test_reading_an_inputs_version_counter_is_refused(device):
 
 def test_out_arguments_are_written_as_in_eager(device):
     # matrix_rank(out=) left `out` untouched under a dispatch mode (a torch composite's branch)
-    A = torch.randn(6, 6, device=device)
+    # (on CUDA its singular value decomposition cannot be captured: refused, see test_cuda_ops)
+    A = torch.randn(6, 6, device="cpu")
     A[:, 4], A[:, 5] = A[:, 0], A[:, 1]
     f = gt.graphify(lambda A, r: torch.linalg.matrix_rank(A, out=r))
     for k in range(3):
-        r, re = (torch.full((), -1, dtype=torch.long, device=device) for _ in range(2))
+        r, re = (torch.full((), -1, dtype=torch.long) for _ in range(2))
         B = A * (k + 1)
         assert f(B, r) is r
         torch.linalg.matrix_rank(B, out=re)
