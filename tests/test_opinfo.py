@@ -23,7 +23,7 @@ SWEEP = os.path.join(HERE, "opinfo_sweep.py")
 def _sweep(tmp_path, device: str, samples: int = 3) -> list:
     out = tmp_path / f"opinfo-{device}.json"
     cmd = [sys.executable, SWEEP, "--device", device, "--legs", "all", "--samples", str(samples),
-           "--jobs", str(min(4, max(1, os.cpu_count() or 1))), "--json", str(out)]
+           "--jobs", str(min(12, max(1, os.cpu_count() or 1))), "--json", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1500)
     print(proc.stdout[-6000:])
     assert out.exists(), proc.stderr[-3000:]
