@@ -40,6 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 # the gtransform of the checkout this file is in (run as `python tests/opinfo_sweep.py`, Python
@@ -125,6 +126,23 @@ def _copies(ts: Sequence[Any], scale: Optional[float] = None, seed: int = 0) -> 
 
 
 # -- comparing --------------------------------------------------------------------------------
+class _Nondeterministic(Exception):
+    """Eager ran a kernel that torch's deterministic mode warns of (GPU scatters: max_unpool)."""
+
+
+def _watching(case: Any, run: Any) -> Any:
+    """``run()``, raising _Nondeterministic where torch warns of a kernel without a deterministic version (GPU)."""
+    if case.device == "cpu":
+        return run()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        out = run()
+    said = next((str(w.message) for w in seen if "does not have a deterministic implementation" in str(w.message)), "")
+    if said:
+        raise _Nondeterministic(said.splitlines()[0][:200])
+    return out
+
+
 class Differ(Exception):
     """A difference from eager: ``kind`` is a failure class."""
 
@@ -315,7 +333,7 @@ def run_case(case: Case) -> Tuple[str, str]:
 
     def eager(ts: Sequence[Any], seed: int) -> Any:
         torch.manual_seed(seed)
-        return case.call(ts)
+        return _watching(case, lambda: case.call(ts))
 
     g = gt.graphify(lambda *ts: case.call(ts))
 
@@ -327,6 +345,8 @@ def run_case(case: Case) -> Tuple[str, str]:
     # the first eager run decides whether the sample is valid
     try:
         want0 = eager(_copies(base), 0)
+    except _Nondeterministic as e:
+        return "skip", f"a kernel torch says is nondeterministic: {e}"
     except Exception as e:
         return "skip", f"eager raises on the sample: {type(e).__name__}"
     if case.leg == "out":
@@ -357,7 +377,9 @@ def run_case(case: Case) -> Tuple[str, str]:
         again = [_same_layout(t) for t in te] if case.device != "cpu" else []  # (before in-place ops write te)
         try:
             want = eager(te, seed)
-            want_grads = _grads(case, te, want, seed) if case.leg == "grad" else None
+            want_grads = _watching(case, lambda: _grads(case, te, want, seed)) if case.leg == "grad" else None
+        except _Nondeterministic as e:
+            return "skip", f"{what}: a kernel torch says is nondeterministic: {e}"
         except Exception as e:
             err: Optional[BaseException] = e
         else:
@@ -451,6 +473,7 @@ def _op_id(op: Any) -> str:
 
 def worker(args: argparse.Namespace) -> None:
     """Run the sweep's share of ops in this process, one JSON line per case (flushed)."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # (cuBLAS's deterministic mode)
     import signal
     import warnings
 
@@ -464,6 +487,11 @@ def worker(args: argparse.Namespace) -> None:
     # float32 as float32: TF32 matrix products and convolutions differ from run to run of layout
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
+    if args.device != "cpu":
+        # kernels without a deterministic implementation warn (and their samples are left out:
+        # which of two writes to one place wins differs from run to run); the others run their
+        # deterministic variants, in eager and in graphify alike
+        torch.use_deterministic_algorithms(True, warn_only=True)
     legs = LEGS if args.legs == "all" else tuple(args.legs.split(","))
     ops = _ops(args.device)
     only = set(args.ops.split(",")) if args.ops else None
