@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import json
 import os
 import subprocess
@@ -377,7 +378,7 @@ def run_case(case: Case) -> Tuple[str, str]:
         again = [_same_layout(t) for t in te] if case.device != "cpu" else []  # (before in-place ops write te)
         try:
             want = eager(te, seed)
-            want_grads = _watching(case, lambda: _grads(case, te, want, seed)) if case.leg == "grad" else None
+            want_grads = _watching(case, functools.partial(_grads, case, te, want, seed)) if case.leg == "grad" else None
         except _Nondeterministic as e:
             return "skip", f"{what}: a kernel torch says is nondeterministic: {e}"
         except Exception as e:
