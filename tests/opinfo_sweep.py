@@ -392,7 +392,9 @@ def run_case(case: Case) -> Tuple[str, str]:
             got_grads = _grads(case, tg, got, seed) if case.leg == "grad" else None
         except Exception as e:
             if _is_refusal(e):
-                return "refused", str(e).splitlines()[0][:300]
+                lines = str(e).splitlines()
+                op = next((ln.strip() for ln in lines[1:3] if ln.strip().startswith("operation ")), "")
+                return "refused", lines[0][:300] + (f" [{op[:160]}]" if op else "")
             if err is not None and type(e) is type(err):
                 note = f"{what}: raises {type(e).__name__} as eager does"
                 continue
