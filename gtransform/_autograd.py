@@ -30,6 +30,7 @@ import torch
 from ._errors import GraphifyError
 from ._log import log
 from ._partition import build_partition
+from ._replay import call_plain, run_flat
 
 __all__ = ["call_with_autograd", "GraphFn", "partition_for", "backward_for", "unwrap", "no_functorch"]
 
@@ -269,7 +270,7 @@ class GraphFn(torch.autograd.Function):
         part = partition_for(e, box.need, g)
         if part is not None:
             box.part = part
-            res = part.fw._call_plain(tuple(tensors), {}, ())
+            res = call_plain(part.fw, tuple(tensors), {})
             n = part.n_out
             _keep_outputs(box, res[:n])
             # saved activations go to autograd as fresh aliases: if autograd
@@ -315,7 +316,7 @@ class GraphFn(torch.autograd.Function):
         if e.plan.random:
             # ... and draws the forward's random numbers again (dropout's mask)
             box.rng = rng_snapshot(e.plan)
-        outs = g._run_flat(e, st, list(tensors))
+        outs = run_flat(g, e, st, list(tensors))
         _keep_outputs(box, outs)
         # autograd.Function may not return an input as-is when it also saves it; a view
         # of an input that does not require grad in eager (x.detach()) is made from the
@@ -436,7 +437,7 @@ def _recompute_backward(ctx: Any, box: _Box, grads: Sequence[Any], need: Tuple[b
             raise _higher_order(box.g._desc)
         res: Optional[List[Any]]
         try:
-            res = _outer_graph(box, _to_autograd(bwd._call_plain((prims, tangents), {}, ())))
+            res = _outer_graph(box, _to_autograd(call_plain(bwd, (prims, tangents), {})))
         except NotImplementedError as e:
             if "BatchedTensorImpl" not in str(e):
                 raise
@@ -492,7 +493,7 @@ def _partitioned_backward(box: _Box, saved: Sequence[torch.Tensor], grads: Seque
             if depth > 1 or (depth == 0 and create_graph):
                 raise _higher_order(box.g._desc)
             try:
-                res = _outer_graph(box, _to_autograd(list(part.bw._call_plain(tuple(plain), {}, ()))))
+                res = _outer_graph(box, _to_autograd(list(call_plain(part.bw, tuple(plain), {}))))
             except NotImplementedError as e:
                 if "BatchedTensorImpl" not in str(e):
                     raise

@@ -195,3 +195,16 @@ class PrintWarning(UserWarning):
     print it outside; ``warnings.filterwarnings("ignore", category=gt.PrintWarning)``
     silences it.
     """
+
+
+def not_a_module_error(desc: str, fn: object, name: str) -> AttributeError:
+    """The AttributeError of ``graphify(model).name``: a graphified module is a function."""
+    import torch
+
+    if name.startswith("_") or not isinstance(fn, torch.nn.Module) or not hasattr(fn, name):
+        return AttributeError(f"'Graphified' object has no attribute {name!r}")
+    return AttributeError(
+        f"{desc} is a function, not an nn.Module: it has no attribute {name!r} (the module "
+        f"{type(fn).__name__} has). Reach the module itself (f.__wrapped__.{name}), and for "
+        "torch.func.functional_call graphify a function that calls it: "
+        "gt.graphify(lambda params, x: torch.func.functional_call(model, params, (x,))).")

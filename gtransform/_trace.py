@@ -743,6 +743,7 @@ def trace(
     grads: Sequence[bool] = (),
     attrs: Sequence[Optional[Dict[str, Any]]] = (),
     histories: Sequence[bool] = (),
+    bits: Sequence[Tuple[bool, ...]] = (),
 ) -> Plan:
     """Trace ``fn`` for one signature.
 
@@ -763,6 +764,8 @@ def trace(
         histories: per tensor input, its autograd history in the caller's graph (its
             ``grad_fn``, None for a leaf): what ``x.is_leaf`` and ``x.grad_fn`` read while
             tracing, and for messages (a loss computed outside and passed in).
+        bits: per tensor input, its conjugate, negative and inference bits (part of the
+            signature): what ``x.is_conj()``, ``x.is_neg()``, ``x.is_inference()`` read.
 
     Returns:
         The :class:`Plan` of the signature.
@@ -772,7 +775,7 @@ def trace(
     """
     snap = Snapshot(roots)
     try:
-        return _trace(snap, fn, rebuild, in_specs, in_paths, desc, cuda, roots, plain, grads, attrs, histories)
+        return _trace(snap, fn, rebuild, in_specs, in_paths, desc, cuda, roots, plain, grads, attrs, histories, bits)
     except BaseException:
         # a failed trace leaves no half-state (DESIGN semantics 9): the roots go back whole,
         # Python values included (which a trace that succeeds leaves as it made them, as in
@@ -794,6 +797,7 @@ def _trace(
     grads: Sequence[bool],
     attrs: Sequence[Optional[Dict[str, Any]]],
     histories: Sequence[bool],
+    bits: Sequence[Tuple[bool, ...]],
 ) -> Plan:
     """:func:`trace`, with the snapshot of the roots taken (put back whole by ``trace`` if this raises)."""
     mode = _TraceMode(allow_non_fake_inputs=True)
@@ -812,7 +816,7 @@ def _trace(
     watch = _Watch(storages, paths, desc, cuda, mode, index, len(fakes))
     watch.overlapping = {i for i, sp in enumerate(in_specs) if _overlaps(sp[0], sp[1])}
     fnwatch = _FnWatch(watch, storages, len(fakes), plain if plain is not None else [True] * len(fakes), grads,
-                       histories)
+                       histories, bits)
     for i, (t, a) in enumerate(zip(fakes, attrs)):
         if a:
             t.__dict__.update({k: (_TensorAttr(watch, paths[i], k) if v is TENSOR_ATTR else v) for k, v in a.items()})

@@ -652,6 +652,7 @@ class _NoHandle:
     def remove(self) -> None:
         return None
 _AUTOGRAD_FACTS = (_IS_LEAF_ATTR, _GRAD_FN_ATTR, _VERSION_ATTR)
+_BIT_READS = {torch._C.TensorBase.is_conj: 0, torch._C.TensorBase.is_neg: 1, torch._C.TensorBase.is_inference: 2}
 
 
 def _called_from_library(frame: Any) -> bool:
@@ -680,7 +681,7 @@ class _FnWatch(TorchFunctionMode):
     """
 
     def __init__(self, watch: _Watch, storages: Dict[Any, int], n_in: int, plain: Sequence[bool],
-                 grads: Sequence[bool] = (), histories: Sequence[Any] = ()):
+                 grads: Sequence[bool] = (), histories: Sequence[Any] = (), bits: Sequence[Tuple[bool, ...]] = ()):
         super().__init__()
         self.watch = watch
         self.storages = storages
@@ -688,6 +689,9 @@ class _FnWatch(TorchFunctionMode):
         self.plain = plain
         self.grads = grads
         self.histories = histories  # per input, the caller's grad_fn (None for a leaf)
+        # per input, the caller's conjugate, negative and inference bits (part of the key; the
+        # stand-in has none): what `x.is_conj()` reads while tracing
+        self.bits = bits
         # inputs whose leafness the function read (is_leaf, grad_fn): input -> had history
         self.leaf_read: Dict[int, bool] = {}
         self.layout_used: Set[int] = set()
@@ -770,6 +774,10 @@ class _FnWatch(TorchFunctionMode):
                 # stand-in does not: the hook acts in the backward, which the joint
                 # trace of the function makes (see _partition.py)
                 return _NoHandle()
+        if args and func in _BIT_READS:
+            idx = self._input(args[0])
+            if idx is not None and args[0] is self.inputs[idx] and idx < len(self.bits):
+                return self.bits[idx][_BIT_READS[func]]
         if args and getattr(func, "__name__", "") == "__get__" and getattr(func, "__self__", None) in _AUTOGRAD_FACTS:
             return self._autograd_fact(func.__self__, args[0], func)
         if args and getattr(func, "__self__", None) is _GRAD_ATTR and getattr(func, "__name__", "") == "__get__":
@@ -993,7 +1001,7 @@ def _tagging_no_grad(func: Any, args: Sequence[Any], kwargs: Dict[str, Any]) -> 
     return out
 
 
-TENSOR_ATTR = object()  # a tensor-valued attribute of an input (see _signature.tensor_attrs)
+TENSOR_ATTR = object()  # a tensor-valued attribute of an input (see _key._parts.tensor_attrs)
 
 
 class _TensorAttr:

@@ -199,3 +199,12 @@ def test_conj_tensors_left_in_module_state():
         check(g(z), z.sum())
         check(m.c, (z * 2).conj())
         check(m.d, z.conj())
+
+
+def test_a_function_branching_on_an_inputs_conjugate_bit_sees_the_callers(device):
+    # the trace's stand-in had no conjugate bit: `x * (2 if x.is_conj() else 3)` took the
+    # other branch for z.conj() (its signature is its own, but traced as if plain)
+    f = gt.graphify(lambda x: x * (2 if x.is_conj() else 3) + (1 if x.is_neg() else 0))
+    z = torch.tensor([1 + 2j, 3 - 1j], device=device)
+    for inp in (z, z.conj(), torch._neg_view(z), z, z.conj()):
+        torch.testing.assert_close(f(inp).resolve_conj().resolve_neg(), (inp * (2 if inp.is_conj() else 3) + (1 if inp.is_neg() else 0)).resolve_conj().resolve_neg())

@@ -1125,7 +1125,7 @@ def test_describe_shows_state_and_first_call_policy():
 
 
 def _count_traces(monkeypatch):
-    import gtransform._api as api
+    import gtransform._lookup as api  # (where the call path traces a signature)
 
     n = {"n": 0}
     orig = api.trace

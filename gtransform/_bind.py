@@ -1,0 +1,217 @@
+"""Binding a call's arguments: the options of ``graphify``, static arguments, the flat leaves.
+
+The first stage of a call. It takes ``(args, kwargs)`` as the caller passed them and
+hands the next stage (``_lookup``) the static arguments apart (compared by value as
+part of the signature), the flat leaves of the rest and their tree structure. It
+never looks at tensors' values, and never decides whether a recording matches (that
+is ``_key``'s).
+"""
+
+from __future__ import annotations
+
+import inspect
+import operator
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
+
+import torch
+
+from ._objects import register_containers_in
+from ._pool import GraphPool
+from ._tree import flatten, holds_tensor, static_leaf_key
+
+__all__ = ["Options", "options", "Static", "split", "rebuild", "flatten_args", "run_eagerly"]
+
+
+class Options(NamedTuple):
+    """``graphify``'s options, checked (static argument positions and names mapped onto each other)."""
+
+    static_argnums: Tuple[int, ...]
+    static_argnames: Tuple[str, ...]
+    pool: Optional[GraphPool]
+    maxsize: Optional[int]
+    fuse: bool
+
+    def as_kwargs(self) -> Dict[str, Any]:
+        """The options as ``graphify`` takes them (copies are made with them)."""
+        return self._asdict()
+
+
+def options(fn: Any, desc: str, static_argnums: Union[int, Sequence[int], None], static_argnames: Union[str, Sequence[str], None],
+            pool: Any, maxsize: Any, fuse: Any) -> Options:
+    """Check ``graphify``'s arguments before anything is traced (TypeError / ValueError with the fix)."""
+    if not callable(fn):
+        raise TypeError(f"graphify(fn): fn must be callable, got {type(fn).__name__}")
+    nums = _argnums(static_argnums)
+    names = _argnames(static_argnames)
+    if maxsize is not None and (not isinstance(maxsize, int) or isinstance(maxsize, bool) or maxsize < 1):
+        raise ValueError(f"graphify(fn, maxsize=...): expected a positive int or None, got {maxsize!r}")
+    if not isinstance(fuse, bool):
+        raise TypeError(f"graphify(fn, fuse=...): expected a bool, got {fuse!r}")
+    if pool is not None and not isinstance(pool, GraphPool):
+        raise TypeError(f"graphify(fn, pool=...): expected gt.graph_pool(), got {type(pool).__name__}")
+    nums, names = resolve_static(fn, nums, names, desc)
+    return Options(nums, names, pool, maxsize, fuse)
+
+
+def _argnums(static_argnums: Any) -> Tuple[int, ...]:
+    if static_argnums is None:  # as jax.jit
+        return ()
+    if isinstance(static_argnums, int) and not isinstance(static_argnums, bool):
+        return (static_argnums,)
+    try:
+        if isinstance(static_argnums, (str, bytes, torch.Tensor)):
+            raise TypeError
+        seq = tuple(static_argnums)
+        # operator.index, as jax.jit: "1", 1.7 and True are not argument positions
+        if any(isinstance(i, (bool, torch.Tensor)) for i in seq):
+            raise TypeError
+        return tuple(map(operator.index, seq))
+    except (TypeError, ValueError):
+        raise TypeError(f"graphify(fn, static_argnums=...): expected an int or a sequence of ints "
+                        f"(argument positions), got {static_argnums!r}") from None
+
+
+def _argnames(static_argnames: Any) -> Tuple[str, ...]:
+    if static_argnames is None:
+        return ()
+    if isinstance(static_argnames, str):
+        return (static_argnames,)
+    try:
+        names = tuple(static_argnames)
+    except TypeError:
+        names = (None,)  # type: ignore[assignment]
+    if not all(isinstance(n, str) for n in names):
+        raise TypeError(f"graphify(fn, static_argnames=...): expected a string or strings, got {static_argnames!r}")
+    return names
+
+
+def resolve_static(fn: Callable[..., Any], nums: Tuple[int, ...], names: Tuple[str, ...], desc: str) -> Tuple[Tuple[int, ...], Tuple[str, ...]]:
+    """Map static_argnums and static_argnames onto each other, like jax.jit."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return nums, names
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    var_pos = any(p.kind == p.VAR_POSITIONAL for p in params)
+    nums_out = set()
+    for i in nums:
+        j = i + len(positional) if i < 0 else i
+        if j < 0 or (j >= len(positional) and not var_pos):
+            kw_only = [p.name for p in params if p.kind == p.KEYWORD_ONLY]
+            raise ValueError(
+                f"{desc}: static_argnums={i} is out of range: the function takes {len(positional)} positional "
+                f"parameter(s) ({', '.join(p.name for p in positional) or 'none'}). "
+                + (f"Fix: name keyword-only parameters with static_argnames (e.g. static_argnames={kw_only[0]!r})."
+                   if kw_only else "Fix: give the position of a positional parameter (0-based, negative from the end).")
+            )
+        nums_out.add(j)
+    names_out = set(names)
+    if not any(p.kind == p.VAR_KEYWORD for p in params):
+        known = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+        unknown = [n for n in names if n not in known]
+        if unknown:
+            # (jax.jit raises too: a misspelt name would leave the argument traced, silently)
+            raise ValueError(
+                f"{desc}: static_argnames {unknown} name no parameter of the function (its parameters: "
+                f"{sorted(known)}). Fix: name a parameter of the function, or give its position with "
+                "static_argnums.")
+    for j in list(nums_out):
+        if j < len(positional) and positional[j].kind == positional[j].POSITIONAL_OR_KEYWORD:
+            names_out.add(positional[j].name)
+    for n in names:
+        for j, p in enumerate(positional):
+            if p.name == n and p.kind == p.POSITIONAL_OR_KEYWORD:
+                nums_out.add(j)
+    return tuple(sorted(nums_out)), tuple(sorted(names_out))
+
+
+class Static(tuple):
+    """``(where, value, key)`` of a static argument, compared by where and key only.
+
+    ``2 == 2.0 == True`` and ``nan != nan`` in Python; the key tells the first apart and
+    makes every NaN one signature.
+    """
+
+    __slots__ = ()
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Static) and self[0] == other[0] and self[2] == other[2]
+
+    def __ne__(self, other: object) -> bool:
+        return not self.__eq__(other)
+
+    def __hash__(self) -> int:
+        return hash((self[0], self[2]))
+
+
+def split(desc: str, nums: Any, names: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[Tuple[Any, ...], Dict[str, Any], Tuple[Any, ...]]:
+    """The call's arguments without its static ones, and those as :class:`Static` values (checked hashable)."""
+    statics: List[Tuple[Any, Any]] = []
+    dyn = []
+    for i, a in enumerate(args):
+        if i in nums:
+            statics.append((i, a))
+        else:
+            dyn.append(a)
+    if names and kwargs:
+        kw = {}
+        for k, v in kwargs.items():
+            if k in names:
+                statics.append((k, v))
+            else:
+                kw[k] = v
+        kwargs = kw
+    return tuple(dyn), kwargs, tuple(_keyed(desc, where, v) for where, v in statics)
+
+
+def _keyed(desc: str, where: Any, v: Any) -> Static:
+    try:
+        # the value and its key: 2 == 2.0 == True, but they are three signatures
+        return Static((where, v, static_leaf_key(v)))
+    except TypeError:
+        label = f"args[{where}]" if isinstance(where, int) else f"kwargs[{where!r}]"
+        if holds_tensor(v):
+            raise TypeError(
+                f"{desc}: static argument {label} is or holds a tensor. Static arguments are "
+                "compared by value as part of the cache key, and a tensor's values are not part of "
+                "it. Fix: do not mark it static (tensors are inputs of the recording), or pass a "
+                "Python number (t.item() outside the function) if its value should pick the recording."
+            ) from None
+        raise TypeError(
+            f"{desc}: static argument {label} of type {type(v).__name__} is not hashable. "
+            "Static arguments are part of the cache key. Fix: pass a hashable value "
+            "(e.g. a tuple instead of a list), or do not mark it static."
+        ) from None
+
+
+def rebuild(args: Tuple[Any, ...], statics: Tuple[Any, ...]) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
+    """The arguments with the static ones put back where they were passed: ``(args, static kwargs)``."""
+    pos = [(w, v) for w, v, _k in statics if isinstance(w, int)]
+    kw = {w: v for w, v, _k in statics if not isinstance(w, int)}
+    if not pos:
+        return args, kw
+    out = list(args)
+    for w, v in sorted(pos):
+        out.insert(w, v)
+    return tuple(out), kw
+
+
+def run_eagerly(fn: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any], statics: Tuple[Any, ...]) -> Any:
+    """Call ``fn`` as the caller called the graphified function: eager PyTorch."""
+    a, kw = rebuild(args, statics)
+    kw.update(kwargs)
+    return fn(*a, **kw)
+
+
+def flatten_args(args: Any, kwargs: Any) -> Tuple[List[Any], Any]:
+    """Flatten the call's arguments.
+
+    Dataclasses and torch-pytree containers are taken apart (registered on first
+    sight, as outputs are), nested ones too.
+    """
+    leaves, spec = flatten((args, kwargs))
+    for _ in range(8):
+        if not register_containers_in(leaves):
+            break
+        leaves, spec = flatten((args, kwargs))
+    return leaves, spec

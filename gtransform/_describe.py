@@ -1,0 +1,109 @@
+"""Introspection: what a graphified function would record, has recorded, and why a call would not replay.
+
+``f.trace(...)`` traces without recording (``_lookup`` with ``record=False``),
+``f.describe()`` lists this thread's signatures and what they hold, ``f.explain(...)``
+asks each check of the closest signature how the call differs (``Entry.explain``).
+Nothing here records, replays or changes the cache.
+"""
+
+from __future__ import annotations
+
+from typing import Any, List
+
+import torch
+
+from ._bind import flatten_args, split
+from ._key import Call, Entry, global_key
+from ._lookup import lookup, thread_state
+
+__all__ = ["trace", "describe", "explain"]
+
+
+def _split(g: Any, args: Any, kwargs: Any) -> Any:
+    if g._has_static:
+        return split(g._desc, g._static_argnums, g._static_argnames, args, kwargs)
+    return args, kwargs, ()
+
+
+def trace(g: Any, args: Any, kwargs: Any) -> torch.fx.GraphModule:
+    """What a call with these arguments would record (see ``Graphified.trace``)."""
+    args, kwargs, statics = _split(g, args, kwargs)
+    leaves, spec = flatten_args(args, kwargs)
+    found = lookup(g, thread_state(g), Call(leaves, spec, statics, global_key(), (args, kwargs)), record=False)
+    assert found is not None
+    return found[0].plan.gm
+
+
+def describe(g: Any) -> str:
+    """This thread's signatures of ``g`` and what each holds (see ``Graphified.describe``)."""
+    st = g._tls.__dict__.get("state")
+    entries = list(st.cache.values()) if st is not None else []
+    lines = [f"{g._desc}: {len(entries)} signature(s) in this thread; cache {g.cache_info()}"]
+    for n, e in enumerate(entries):
+        lines += _signature_lines(n, e)
+    for what, count in g._eager_calls.items():
+        lines.append(f"ran eagerly, not recorded: {count} call(s) {what}")
+    for h in list(g._vmapped.values()):
+        lines.append("calls under torch.func.vmap, recorded as " + h.describe().replace("\n", "\n  "))
+    return "\n".join(lines)
+
+
+def _signature_lines(n: int, e: Entry) -> List[str]:
+    rec = e.rec
+    backend = "cuda" if e.cuda else "cpu"
+    lines = [f"signature {n} ({backend}, {e.plan.op_count} ops traced, "
+             f"{'recorded' if rec else 'traced only'}, {rec.replays if rec else 0} replays):"]
+    static = set(rec.static_idx) if rec else set()
+    for i, path in enumerate(e.plan.in_paths):
+        meta = e.guard.metas[i]
+        how = "read in place" if i in static else ("copied" if rec else "-")
+        if i in e.plan.mutated:
+            how += ", updated in place"
+        what = "state" if i >= e.n_user else "in   "
+        lines.append(f"  {what} {path}: {meta[3]} {list(meta[1])} ({how})")
+    for i, v in e.const_vals.items():
+        lines.append(f"  static leaf {i}: {v!r}")
+    for k, oe in enumerate(e.plan.out_entries):
+        if oe.kind == "const":
+            lines.append(f"  out {k}: constant {oe.value!r}")
+        elif oe.kind == "input":
+            lines.append(f"  out {k}: {'the' if oe.identical else 'a view of the'} caller's input {e.plan.in_paths[oe.index]}")
+        else:
+            lines.append(f"  out {k}: pool tensor")
+    for slot in e.plan.escape_slots:
+        lines.append(f"  written back after each call: {slot.path}")
+    for c in e.plan.py_changes:
+        lines.append(f"  Python value changed while tracing (not replayed): {c.path}: {c.old!r} -> {c.new!r}")
+    if e.plan.touches_state:
+        lines.append("  first call: ran eagerly (the signature touches state); recorded on the second call")
+        if e.env is not None:
+            lines.append(f"  also keyed on: {getattr(e.env, 'describe', 'module and optimizer settings')}")
+    if rec:
+        buf = sum(b.numel() * b.element_size() for b in rec.bufs)
+        pool = sum(grp.base.untyped_storage().nbytes() for grp in rec.groups)
+        lines.append(f"  bytes: static input buffers {buf}, pool outputs {pool}")
+    return lines
+
+
+def explain(g: Any, args: Any, kwargs: Any) -> str:
+    """Whether a call with these arguments would replay, and if not, why (see ``Graphified.explain``)."""
+    args, kwargs, statics = _split(g, args, kwargs)
+    leaves, spec = flatten_args(args, kwargs)
+    st = g._tls.__dict__.get("state")
+    entries = list(st.cache.values()) if st is not None else []
+    call = Call(leaves, spec, statics, global_key(), (args, kwargs))
+    if any(e.match(call) is not None for e in entries):
+        return f"{g._desc}: replays a recorded signature (hit)"
+    if not entries:
+        return f"{g._desc}: nothing recorded yet in this thread (miss)"
+    best, best_diff = None, None
+    for e in entries:
+        if e.spec != spec:
+            continue
+        diff = e.explain(call)
+        if best_diff is None or len(diff) < len(best_diff):
+            best, best_diff = e, diff
+    if best is None:
+        return (f"{g._desc}: a new signature (miss): the structure of the arguments differs "
+                f"from every recorded one: {spec} vs {entries[-1].spec}")
+    return f"{g._desc}: a new signature (miss): " + "; ".join(best_diff or ["aliasing between inputs"])

@@ -1,0 +1,114 @@
+"""A call's hashable key: the index of the signature cache, made while its leaves are checked.
+
+The key is ``(structure, parts, (aliasing, same objects, tensor bits), static arguments,
+global settings, dict key orders)``, where ``parts`` holds each tensor leaf's metadata
+and each other leaf's static value. Equal keys are candidates; :mod:`._checks` decides.
+Leaves a recording cannot take (a sparse, nested, meta or quantized tensor, a tensor
+subclass, a stale output, tensors on several devices, an unhashable static value) are
+refused here, with the leaf's path.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
+
+import torch
+
+from .._errors import GraphifyError, OverwrittenOutputError
+from .._liveness import StaleOutput, stale_message
+from .._tree import leaf_paths, static_leaf_key, tensor_meta
+from ._parts import alias_pattern, dict_orders, same_objects, tensor_bits
+
+__all__ = ["CallKey", "call_key"]
+
+_Parameter = torch.nn.Parameter
+
+
+class CallKey(NamedTuple):
+    """A call's key and what was computed on the way: the parts, where the tensors are, the device, the paths."""
+
+    key: Tuple[Any, ...]
+    parts: List[Any]
+    tpos: List[int]
+    device: Optional[torch.device]
+    paths: List[str]
+
+
+def call_key(desc: str, leaves: Sequence[Any], spec: Any, tree: Any, statics: Tuple[Any, ...], glob: Any) -> CallKey:
+    """The cache key of a call of ``desc`` (the function, for messages), validating its leaves.
+
+    ``tree`` is ``(args, kwargs)``: its leaf paths name a refused leaf, and its dicts' key
+    orders are part of the key.
+    """
+    parts: List[Any] = []
+    tpos: List[int] = []
+    paths: List[str] = []
+    device = None
+
+    def get_paths() -> List[str]:
+        if not paths:
+            paths.extend(leaf_paths(tree))
+        return paths
+
+    for i, x in enumerate(leaves):
+        if isinstance(x, torch.Tensor):
+            if type(x) is not torch.Tensor and type(x) is not _Parameter:
+                _bad_tensor(desc, get_paths()[i], x)
+            if x.layout != torch.strided or x.is_nested or x.device.type == "meta" or x.is_quantized:
+                _bad_tensor(desc, get_paths()[i], x)
+            if device is None:
+                device = x.device
+            elif x.device != device:
+                _mixed_devices(desc, leaves, get_paths())
+            parts.append(tensor_meta(x))
+            tpos.append(i)
+        else:
+            try:
+                parts.append(static_leaf_key(x))
+            except TypeError:
+                raise TypeError(
+                    f"{desc}: the non-tensor leaf {get_paths()[i]} of type {type(x).__name__} is not "
+                    "hashable. Non-tensor leaves are static: their values are part of the cache key. "
+                    "Fix: pass it as a tensor, make it hashable (e.g. a tuple instead of a list), or "
+                    "register its type as a pytree node with optree (namespace='gtransform')."
+                ) from None
+    ts = [leaves[i] for i in tpos]
+    alias = (alias_pattern(ts), same_objects(ts), tensor_bits(ts))
+    return CallKey((spec, tuple(parts), alias, statics, glob, dict_orders(tree)), parts, tpos, device, paths)
+
+
+def _bad_tensor(desc: str, path: str, t: torch.Tensor) -> None:
+    if isinstance(t, StaleOutput):
+        msg = stale_message(t)
+        raise OverwrittenOutputError(f"{msg}\n(passed as input {path} to {desc})")
+    if t.layout != torch.strided:
+        what, fix = f"a {t.layout} tensor", "pass a dense tensor (t.to_dense())"
+    elif t.is_nested:
+        what, fix = "a nested tensor", "pass padded dense tensors instead"
+    elif t.device.type == "meta":
+        what, fix = "a meta tensor (it has no data)", "pass a tensor on the CPU or a GPU"
+    elif t.is_quantized:
+        what, fix = f"a quantized tensor ({t.dtype})", "pass t.dequantize() (or t.int_repr() and its scale)"
+    else:
+        what, fix = (
+            f"a tensor subclass ({type(t).__name__})",
+            "pass a plain tensor (t.as_subclass(torch.Tensor)), or call the function eagerly",
+        )
+    raise GraphifyError(
+        f"{desc}: input {path} is {what}.\nWhy: graphify records dense strided tensors "
+        f"(torch.Tensor or nn.Parameter) only.\nFix: {fix}."
+    )
+
+
+def _mixed_devices(desc: str, leaves: Sequence[Any], paths: Sequence[str]) -> None:
+    by: Dict[str, List[str]] = {}
+    for p, x in zip(paths, leaves):
+        if isinstance(x, torch.Tensor):
+            by.setdefault(str(x.device), []).append(p)
+    listing = "; ".join(f"{d}: {', '.join(ps[:4])}{' ...' if len(ps) > 4 else ''}" for d, ps in by.items())
+    raise GraphifyError(
+        f"{desc}: tensor inputs are on different devices ({listing}).\n"
+        "Why: one recording runs on one device; a CPU tensor read by a CUDA graph would be "
+        "frozen at recording time.\n"
+        "Fix: move every tensor input to one device (x.to(device)); pass CPU scalars as Python numbers."
+    )

@@ -1,0 +1,356 @@
+"""The environment of state: what else decides what a function computes, read on every call.
+
+Every root module's ``training`` flag, hooks and the plain Python attributes the trace
+read on it; every root optimizer's Python hyperparameters, parameter groups and state
+dict; the length of closed-over containers of tensors; the bindings of the names the
+function reaches its objects through. :func:`env_key_fn` writes one straight-line Python
+function per signature that computes all of it (it is on every call's path), and a
+``diff`` that says what changed.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from .._state import (
+    _HOOK_EPOCH,
+    _MODULE_ATTRS,
+    _TRACE_HOOKS,
+    AttrReads,
+    Root,
+    _Module,
+    _Optimizer,
+    _plain_attr,
+    _plain_object,
+    _watch_hooks,
+    plain_object_roots,
+    root_modules,
+)
+
+__all__ = ["env_key_fn"]
+
+
+def env_key_fn(roots: Sequence[Root], reads: Optional[AttrReads] = None) -> Optional[Callable[[], Any]]:
+    """A cheap function of what else changes a module's computation, or ``None``.
+
+    Covers every root module's ``training`` flag, hooks (and torch's global
+    module hooks) and the plain Python attributes the trace read on it (numbers,
+    strings, None, short tuples of them: ``momentum``, ``eps``, ``p``, ``padding``...;
+    all of them where ``reads`` is None or could not track the module), and every root
+    optimizer's Python-number hyperparameters, parameter groups and state dict as a whole.
+    """
+    named = root_modules(roots)
+    if reads is not None and reads.called:
+        known = {id(m) for _, m in named}
+        for m in reads.called:
+            for n, sub in m.named_modules(remove_duplicate=False):
+                if id(sub) not in known:
+                    known.add(id(sub))
+                    named.append((f"<{type(m).__name__} called by the function>{'.' + n if n else ''}", sub))
+    mods = [m for _, m in named]
+    opts = [r.obj for r in roots if isinstance(r.obj, _Optimizer)]
+    opt_names = [r.name for r in roots if isinstance(r.obj, _Optimizer)]
+    # closed-over lists and dicts of tensors (and a plain object's containers): a tensor added
+    # or removed changes what the function reads (`caches.append(t)`, `obj.ts = [new]`)
+    conts = [r.obj for r in roots if type(r.obj) in (list, dict) and any(
+        isinstance(v, torch.Tensor) for v in (r.obj.values() if isinstance(r.obj, dict) else r.obj))]
+    obj_slots = [(vars(r.obj), k, f"{r.name}.{k}") for r in roots
+                 if _plain_object(r.obj) and not isinstance(r.obj, (_Module, _Optimizer))
+                 for k, v in vars(r.obj).items() if type(v) in (list, dict, tuple) and any(
+                     isinstance(x, torch.Tensor) for x in (v.values() if isinstance(v, dict) else v))]
+    # plain objects (a config, `self` of a user's class): the plain attributes the trace read
+    # on them (all of them where it could not track the object), like a module's
+    pobj_attrs: List[Tuple[str, Dict[str, Any], Tuple[str, ...]]] = []
+    for name, o in plain_object_roots(roots):
+        read = reads.read(o) if reads is not None else None
+        d = vars(o)
+        ks = tuple(k for k, v in d.items() if _plain_attr(v) and (read is None or k in read))
+        if ks:
+            pobj_attrs.append((name, d, ks))
+    # modules, optimizers, containers and plain objects found in a global or a closure cell:
+    # rebinding the name between calls (`opt = torch.optim.Adam(...)`, a notebook cell run
+    # again) gives the function other state; the recording is bound to the old objects
+    bound = [r for r in roots if r.binding is not None and not isinstance(r.obj, torch.Tensor)]
+    b_dicts = [r.binding.obj for r in bound if r.binding.kind == "item"]
+    b_keys = [r.binding.key for r in bound if r.binding.kind == "item"]
+    b_cells = [r.binding.obj for r in bound if r.binding.kind == "attr"]
+    b_names = ([r.binding.path for r in bound if r.binding.kind == "item"]
+               + [r.binding.path for r in bound if r.binding.kind == "attr"])
+    if not mods and not opts and not conts and not obj_slots and not bound:
+        if not pobj_attrs:
+            return None
+        return _plain_objects_env(pobj_attrs)
+    from torch.nn.modules import module as _mm
+
+    gdicts = [getattr(_mm, n) for n in ("_global_forward_hooks", "_global_forward_pre_hooks",
+                                        "_global_backward_hooks", "_global_backward_pre_hooks")
+              if isinstance(getattr(_mm, n, None), dict)]
+    hook_attrs = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+    hook_dicts = [getattr(m, a) for m in mods for a in hook_attrs if isinstance(getattr(m, a, None), dict)]
+    # optimizer step hooks (register_step_pre_hook / register_step_post_hook, and torch's
+    # global ones) run inside opt.step(): traced with it, so adding or removing one records again
+    from torch.optim import optimizer as _om
+
+    hook_dicts += [getattr(o, a) for o in opts for a in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks")
+                   if isinstance(getattr(o, a, None), dict)]
+    if opts:
+        gdicts += [getattr(_om, n) for n in ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks")
+                   if isinstance(getattr(_om, n, None), dict)]
+    groups = [g for o in opts for g in o.param_groups]
+    group_names = [f"{name}.param_groups[{gi}]" for name, o in zip(opt_names, opts)
+                   for gi in range(len(o.param_groups))]
+    # every Python hyperparameter: numbers (numpy's too: a schedule computed with numpy), tuples
+    # of them (Adam's betas, Rprop's etas and step_sizes), strings, None
+    keys = [tuple(k for k, v in g.items() if k != "params" and _plain_attr(v)) for g in groups]
+    # the plain Python attributes the trace read (BatchNorm's momentum and eps, Dropout's
+    # p, LeakyReLU's negative_slope, GELU's approximate, a user's self.scale...) are
+    # constants in the recording, so a new value is a new signature, not the old numbers;
+    # attributes it did not read (`model.step = i` set by the loop) may change freely
+    attr_dicts = []
+    attr_names: List[Tuple[str, Tuple[str, ...]]] = []
+    # compared by identity (the objects kept alive by env.keep, so no new one takes an id):
+    # containers and other objects among the attributes the trace read (`self.c = [a, b]`
+    # rebound), a parameter or buffer slot that is None (`register_buffer("mask", None)`,
+    # set later) or that holds a tensor found in another slot too (tied weights, untied later)
+    id_slots: List[Tuple[Dict[str, Any], str, str]] = []  # (dict, key, path)
+    # names the trace looked up that no dict held (getattr(self, "extra", 1.0), hasattr):
+    # their appearance records again; class attributes read through the instance: by value
+    absent: List[Tuple[Any, str, str]] = []  # (module, name, path)
+    cls_slots: List[Tuple[Dict[str, Any], str, str]] = []  # (class __dict__, name, path)
+    seen_t: Dict[int, Tuple[Dict[str, Any], str, str]] = {}
+    for name, d, ks in pobj_attrs:
+        attr_dicts.append((d, ks))
+        attr_names.append((name, ks))
+    for name, m in named:
+        d = m.__dict__
+        # `training` among them: one C-level getter per module reads everything
+        read = reads.read(m) if reads is not None else None
+        ks = ("training",) + tuple(k for k, v in d.items() if k != "training" and _plain_attr(v)
+                                   and (read is None or k in read))
+        attr_dicts.append((d, ks))
+        attr_names.append((name, ks))
+        if read is not None:
+            for k in read:
+                if k in d:
+                    v = d[k]
+                    if k not in _MODULE_ATTRS and not _plain_attr(v) and not isinstance(v, (torch.Tensor, _Module)):
+                        id_slots.append((d, k, f"{name}.{k}"))
+                elif k not in m._parameters and k not in m._buffers and k not in m._modules:
+                    owner = next((c for c in type(m).__mro__ if k in c.__dict__), None)
+                    if owner is None:
+                        if not k.startswith("__"):
+                            absent.append((m, k, f"{name}.{k}"))
+                    elif (_plain_attr(owner.__dict__[k]) and not callable(owner.__dict__[k])
+                          and owner.__module__.split(".")[0] != "torch"):
+                        cls_slots.append((owner.__dict__, k, f"{type(m).__name__}.{k}"))  # type: ignore[arg-type]
+                        absent.append((m, k, f"{name}.{k}"))  # set on the instance later
+        for dd in (m._parameters, m._buffers):
+            for k, v in dd.items():
+                if v is None:
+                    id_slots.append((dd, k, f"{name}.{k}"))
+                elif id(v) in seen_t:
+                    id_slots.append((dd, k, f"{name}.{k}"))
+                    id_slots.append(seen_t[id(v)])
+                else:
+                    seen_t[id(v)] = (dd, k, f"{name}.{k}")
+    # a root module's forward replaced on the instance (`m.forward = types.MethodType(f, m)`,
+    # as patching libraries do); a submodule's is not watched (a check per module per call)
+    for r in roots:
+        if isinstance(r.obj, _Module) and "forward" not in r.obj.__dict__:
+            absent.append((r.obj, "forward", f"{r.name}.forward"))
+    cls_slots = list({(id(d), k): (d, k, p) for d, k, p in cls_slots}.values())
+    id_slots += obj_slots
+    n_attrs = sum(len(ks) - 1 for _, ks in attr_names) + len(id_slots) + len(absent) + len(cls_slots)
+    # per call, C-level maps only: the dicts and keys side by side
+    id_d, id_k = [d for d, _, _ in id_slots], [k for _, k, _ in id_slots]
+    ab_d = [dd for m, _, _ in absent for dd in (m.__dict__, m._parameters, m._buffers, m._modules)]
+    ab_k = [k for _, k, _ in absent for _ in range(4)]
+    cl_d, cl_k = [d for d, _, _ in cls_slots], [k for _, k, _ in cls_slots]
+    no_extra = not (id_slots or absent or cls_slots)
+    # the module tree itself: a submodule replaced (`model.fc = nn.Linear(...)`, `seq[2] = ...`),
+    # added (`seq.append(...)`) or removed, or a module's class changed (parametrizations
+    # registered or removed swap it) records again; the recording is bound to the old objects.
+    # By identity: the cached value holds the old modules, so no new one can take their ids.
+    sub_dicts = [m._modules for m in mods if m._modules]
+    sub_names = [name for name, m in named if m._modules]
+    _watch_hooks([p for m in mods for p in m._parameters.values() if p is not None and p.requires_grad]
+                 + [p for g in groups for p in g["params"] if isinstance(p, torch.Tensor) and p.requires_grad])
+
+    env = _compile_env(attr_dicts, hook_dicts, gdicts, groups, keys, opts, sub_dicts, mods,
+                       None if no_extra else (id_d, id_k, ab_d, ab_k, cl_d, cl_k), conts,
+                       (b_dicts, b_keys, b_cells) if bound else None)
+
+    env.keep = ([r.obj for r in bound] + [o.state for o in opts] + groups + [g["params"] for g in groups]  # type: ignore[attr-defined]
+                + [s for o in opts for s in o.state.values()]  # each parameter's state (opt.state[p] = {})
+                + [d.get(k) for d, k, _ in id_slots])
+
+    def diff(old: Any) -> List[str]:
+        """What changed since ``old`` (an earlier value of env()), for the retrace explanation."""
+        new = env()
+        out: List[str] = []
+        if old[0] is not None and new[0] is not None:
+            for i, ((name, ks), a, b) in enumerate(zip(attr_names, old[0], new[0])):
+                a, b = (a, b) if len(ks) > 1 else ((a,), (b,))
+                what = "attribute" if i < len(pobj_attrs) else "module attribute"
+                out += [f"{name}.training: {x} -> {y}" if k == "training" else
+                        f"{what} {name}.{k}: {x!r} -> {y!r}" for k, x, y in zip(ks, a, b) if x != y]
+        elif old[0] != new[0]:
+            out.append("an attribute the function read was deleted")
+        for name, a, b in zip(sub_names, old[6], new[6]):
+            if a != b:
+                out.append(f"the submodules of {name or 'the module'} changed (one replaced, added or removed)")
+        out += [f"the class of module {name} changed: {a.__name__} -> {b.__name__}"
+                for (name, _), a, b in zip(named, old[7], new[7]) if a is not b]
+        if old[3] != new[3] and len(old[3]) == len(new[3]):
+            # (a tuple of values per group, keys in ``keys``' order: see _compile_env)
+            for gname, ks, a, b in zip(group_names, keys, old[3], new[3]):
+                out += [f"optimizer hyperparameter {gname}[{k!r}]: {x!r} -> {y!r}"
+                        for k, x, y in zip(ks, a, b) if x != y]
+        if list(old[1:3]) + list(old[4:6]) != list(new[1:3]) + list(new[4:6]) or len(old[3]) != len(new[3]):
+            out.append("module hooks, or an optimizer's parameter groups or state, changed")
+        if old[8] != new[8]:
+            out.append("a gradient hook was added to or removed from a parameter (register_hook)")
+        if old[10] != new[10]:
+            out.append("a closed-over list or dict of tensors changed length")
+        if old[11] != new[11]:
+            out += [f"the name {n!r} is bound to another object (rebound between calls)"
+                    for n, x, y in zip(b_names, old[11], new[11]) if x != y]
+        if old[9] != new[9]:
+            a, b = old[9], new[9]
+            out += [f"{p} is another object (rebound, set or tied)" for (_, _, p), x, y in zip(id_slots, a[0], b[0]) if x != y]
+            out += [f"{p} {'appeared' if any(b[1][4 * i:4 * i + 4]) else 'was deleted'}"
+                    for i, (_, _, p) in enumerate(absent) if a[1][4 * i:4 * i + 4] != b[1][4 * i:4 * i + 4]]
+            out += [f"class attribute {p}: {x!r} -> {y!r}" for (_, _, p), x, y in zip(cls_slots, a[2], b[2]) if x != y]
+        return out
+
+    env.diff = diff  # type: ignore[attr-defined]
+    # the parts where lazily made state may have gone: the optimizers' state and groups, the
+    # module tree and classes (see Entry.env_keeps_lazy_state)
+    env.lazy_part = lambda v: (v[4], v[5], v[6], v[7], v[11])  # type: ignore[attr-defined]
+    env.watched = ([p for _, _, p in id_slots] + [p for _, _, p in absent]  # type: ignore[attr-defined]
+                   + [p for _, _, p in cls_slots])
+
+    env.describe = (  # type: ignore[attr-defined]
+        f"{len(mods)} module(s) (training flags, hooks, {n_attrs} Python attributes), {len(opts)} optimizer(s) "
+        f"({sum(len(k) for k in keys)} Python hyperparameters, their parameter groups and state)"
+        + (f", {len(pobj_attrs)} plain object(s) ({sum(len(ks) for _, _, ks in pobj_attrs)} Python attributes)"
+           if pobj_attrs else "")
+    )
+    return env
+
+
+def _compile_env(attr_dicts: Sequence[Tuple[Dict[str, Any], Tuple[str, ...]]], hook_dicts: Sequence[Dict[Any, Any]],
+                 gdicts: Sequence[Dict[Any, Any]], groups: Sequence[Dict[str, Any]], keys: Sequence[Tuple[str, ...]],
+                 opts: Sequence[Any], sub_dicts: Sequence[Dict[str, Any]], mods: Sequence[Any], extra: Any,
+                 conts: Sequence[Any], bound: Any) -> Callable[[], Any]:
+    """The function :func:`env_key_fn` returns, written out as straight-line Python.
+
+    It is on every call's path: each dict and attribute it reads is a name of its own and
+    each part one expression, with no loop, comprehension or temporary map (a closed-over
+    ``nn.Sequential`` of three modules: 3.2 us per call on the dev box as comprehensions,
+    ~1 us written out; three to four times that on the lent GPU hosts). The value is the
+    tuple ``diff`` and ``lazy_part`` index: attributes, module hooks, global hooks,
+    optimizer hyperparameters, optimizers' structure, their groups' parameter lists,
+    submodules, module classes, the gradient-hook epoch, identity slots / absent names /
+    class attributes, container lengths, name bindings.
+    """
+    ns: Dict[str, Any] = {"_TRACE_HOOKS": _TRACE_HOOKS, "EPOCH": _HOOK_EPOCH, "_id": id}
+    n = [0]
+
+    def name(value: Any, prefix: str) -> str:
+        n[0] += 1
+        k = f"{prefix}{n[0]}"
+        ns[k] = value
+        return k
+
+    def tup(items: Sequence[str]) -> str:
+        return "(" + "".join(i + ", " for i in items) + ")"
+
+    lines = ["def env():"]
+    # attributes read by the trace (``training`` first for modules): a value per dict, or a tuple
+    parts = []
+    for d, ks in attr_dicts:
+        dn = name(d, "A")
+        if len(ks) == 1:
+            parts.append(f"{dn}[{ks[0]!r}]")
+        else:
+            parts.append(tup([f"{dn}[{k!r}]" for k in ks]))
+    lines += ["    try:", f"        attrs = {tup(parts)}", "    except KeyError:  # an attribute was deleted",
+              "        attrs = None"]
+    hooks = [name(h, "H") for h in hook_dicts]
+    lines.append(f"    hooks = {tup([f'tuple({h})' for h in hooks])} if ({' or '.join(hooks)}) else ()"
+                 if hooks else "    hooks = ()")
+    ghooks = [name(h, "GH") for h in gdicts]
+    ns["GHOOKS"] = list(gdicts)
+    lines.append("    ghooks = tuple(t for t in (tuple(k for k in d if k not in _TRACE_HOOKS) for d in GHOOKS if d) if t)"
+                 f" if ({' or '.join(ghooks)}) else ()" if ghooks else "    ghooks = ()")
+    hyper = []
+    for g, ks in zip(groups, keys):
+        gn = name(g, "P")
+        hyper.append(tup([f"{gn}[{k!r}]" for k in ks]))
+    struct = []
+    for o in opts:
+        on = name(o, "O")
+        struct.append(f"(tuple(map(_id, {on}.param_groups)), _id({on}.state), len({on}.state), "
+                      f"tuple(map(_id, {on}.state.values())))")
+    plists = [f"(_id({gn}['params']), len({gn}['params']))" for gn in (name(g, "Q") for g in groups)]
+    subs = [f"tuple({name(d, 'S')}.values())" for d in sub_dicts]
+    types_ = [f"{name(m, 'M')}.__class__" for m in mods]
+    lines.append("    extra = None")
+    if extra is not None:
+        id_d, id_k, ab_d, ab_k, cl_d, cl_k = extra
+        ids = [f"_id({name(d, 'I')}.get({name(k, 'K')}))" for d, k in zip(id_d, id_k)]
+        ab = [f"({name(k, 'K')} in {name(d, 'B')})" for d, k in zip(ab_d, ab_k)]
+        cl = [f"{name(d, 'C')}.get({name(k, 'K')})" for d, k in zip(cl_d, cl_k)]
+        lines[-1] = f"    extra = ({tup(ids)}, {tup(ab)}, {tup(cl)})"
+    conts_expr = "None"
+    if conts:
+        conts_expr = tup([f"len({name(c, 'L')})" for c in conts])
+    bind_expr = "None"
+    if bound is not None:
+        b_dicts, b_keys, b_cells = bound
+        items = [f"_id({name(d, 'D')}.get({name(k, 'K')}))" for d, k in zip(b_dicts, b_keys)]
+        items += [f"_id({name(c, 'Z')}.cell_contents)" for c in b_cells]
+        lines += ["    try:", f"        binds = {tup(items)}", "    except ValueError:  # a cell was emptied (del)",
+                  "        binds = None"]
+        bind_expr = "binds"
+    lines.append(
+        f"    return (attrs, hooks, ghooks, {tup(hyper)}, {tup(struct)}, {tup(plists)}, {tup(subs)}, "
+        f"{tup(types_)}, EPOCH[0], extra, {conts_expr}, {bind_expr})")
+    src = "\n".join(lines) + "\n"
+    exec(compile(src, "<gtransform environment key>", "exec"), ns)
+    env = ns["env"]
+    env.source = src  # type: ignore[attr-defined]
+    return env  # type: ignore[no-any-return]
+
+
+def _plain_objects_env(pobj_attrs: List[Tuple[str, Dict[str, Any], Tuple[str, ...]]]) -> Callable[[], Any]:
+    """:func:`env_key_fn` where only plain objects' attributes are keyed: one getter each."""
+    getters = [(d, operator.itemgetter(*ks)) for _, d, ks in pobj_attrs]
+
+    def env() -> Any:
+        try:
+            return [get(d) for d, get in getters]
+        except KeyError:  # an attribute was deleted
+            return None
+
+    def diff(old: Any) -> List[str]:
+        new = env()
+        if old is None or new is None:
+            return ["an attribute the function read was deleted"] if old != new else []
+        out: List[str] = []
+        for (name, _, ks), a, b in zip(pobj_attrs, old, new):
+            a, b = (a, b) if len(ks) > 1 else ((a,), (b,))
+            out += [f"attribute {name}.{k}: {x!r} -> {y!r}" for k, x, y in zip(ks, a, b) if x != y]
+        return out
+
+    env.diff = diff  # type: ignore[attr-defined]
+    env.lazy_part = lambda v: None  # type: ignore[attr-defined]
+    env.watched = []  # type: ignore[attr-defined]
+    env.keep = []  # type: ignore[attr-defined]
+    env.describe = (  # type: ignore[attr-defined]
+        f"{len(pobj_attrs)} plain object(s) ({sum(len(ks) for _, _, ks in pobj_attrs)} Python attributes)")
+    return env

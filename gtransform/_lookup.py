@@ -1,0 +1,381 @@
+"""Finding a call's signature, or tracing a new one: the second stage of a call.
+
+It takes the flat leaves of a call (from ``_bind``) and gives the next stage
+(``_replay``) the signature's :class:`~gtransform._key.Entry` and the call's tensors (the
+caller's, then the state the function reads), or ``None`` when the call must run eagerly:
+the first call of a signature that touches state (so that lazily made state, such as
+optimizer moments, exists as real tensors before anything is recorded), a call whose
+trace raised the function's own exception (eager raises it again, after eager's side
+effects), lazy modules not yet initialised.
+
+Whether a call matches a signature is :mod:`gtransform._key`'s answer; this module keeps
+the books around it: the thread's cache (``_cache.ThreadState``), alternates, the
+eager-first-call marks, the storm warnings' notes, and the trace itself (``_trace``).
+It never records or replays.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import traceback
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from ._bind import rebuild as rebuild_statics
+from ._cache import ThreadState
+from ._errors import GraphifyError
+from ._key import Call, Entry, call_key, env_key_fn, global_key, has_grad, reusable_after_eager, tensor_attrs
+from ._key._call import CallKey
+from ._log import log
+from ._state import GeneratorGuard, change_error, find_roots, lazy_error, uninitialized_modules
+from ._trace import plain_layout, trace
+from ._tree import leaf_paths, unflatten
+
+__all__ = ["thread_state", "entry_for", "lookup"]
+
+_PKG_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+_FAKE_KERNEL_DIRS = tuple(_TORCH_DIR + d
+                          for d in ("_refs", "_prims", "_meta_registrations.py", "_decomp", "_subclasses",
+                                    "_prims_common"))
+
+
+def thread_state(g: Any) -> ThreadState:
+    """The calling thread's signatures of graphified ``g`` (made at its first call in the thread)."""
+    st = g._tls.__dict__.get("state")
+    if st is None:
+        st = g._new_state()
+    if st.clear_requested:  # cache_clear() in another thread (see Graphified.cache_clear)
+        st.clear()
+    return st  # type: ignore[no-any-return]
+
+
+def entry_for(g: Any, leaves: List[Any], spec: Any, statics: Any, tree: Any = None,
+              grad_mode: Optional[bool] = None) -> Tuple[Optional[Entry], ThreadState, List[torch.Tensor]]:
+    """The entry of this call's signature (looked up or traced), the thread's state, and the call's tensors.
+
+    The tensors are the caller's tensor leaves followed by the state the function reads.
+    The entry is ``None`` when this call must run eagerly.
+    """
+    st = thread_state(g)
+    call = Call(leaves, spec, statics, global_key(grad_mode), tree if tree is not None else unflatten(spec, leaves))
+    e = st.last
+    if e is not None:
+        state = e.match(call)
+        if state is not None:
+            g._hits += 1
+            return e, st, [leaves[i] for i in e.tpos] + state
+    found = lookup(g, st, call, record=True)
+    if found is None:
+        return None, st, []
+    e, state = found
+    return e, st, [leaves[i] for i in e.tpos] + state
+
+
+def lookup(g: Any, st: ThreadState, call: Call, record: bool) -> Optional[Tuple[Entry, List[torch.Tensor]]]:
+    """Find or trace the signature of a call: the entry and the call's state tensors, or ``None`` (eager)."""
+    ck = call_key(g._desc, call.leaves, call.spec, call.tree, call.statics, call.glob)
+    if record and ck.key in st.eager_only:
+        st.eager_now = True  # (counted as it runs: see _calls.eager)
+        return None
+    found = _cached(g, st, ck.key, call, record)
+    if found is not None:
+        return found
+    g._misses += 1
+    paths = ck.paths or leaf_paths(call.tree)
+    g._storm.note(call.spec, ck.parts, paths, call.statics, stacklevel=5, calls=g._hits + g._misses,
+                  maxsize=g._maxsize)
+    pending = st.pending.pop(ck.key, None) if st.pending else None
+    if pending is not None and record:
+        # the second call of a signature that touches state: the first call's trace, if this
+        # call matches it (not traced again: for a model, most of a second's worth of first
+        # call on a GPU host); state with autograd history (a cache written outside no_grad
+        # by the eager call) is not in the guards: traced again, where it is refused
+        state = pending.match(call)
+        if state is not None and not any(t.grad_fn is not None for t in state):
+            insert(g, st, ck.key, pending)
+            return pending, state
+        log.info("%s: the first call's trace no longer matches (the eager call changed what it "
+                 "reads); tracing again", g._desc)
+    return _trace_new(g, st, ck, call, paths, record)
+
+
+def _cached(g: Any, st: ThreadState, key: Any, call: Call, record: bool) -> Optional[Tuple[Entry, List[torch.Tensor]]]:
+    """The cached entry of ``key`` (or an alternate of it) this call replays; a stale one is put aside or dropped."""
+    e = st.cache.get(key)
+    env_only = grads_only = False
+    if e is not None:
+        state = e.match(call)
+        if state is not None:
+            st.cache.move_to_end(key)
+            if record:
+                g._hits += 1
+            st.last = e
+            return e, state
+        env_only = e.env_only_mismatch(call)
+        grads_only = not env_only and e.grads_came_or_went(call.leaves)
+    if (env_only or grads_only or e is None) and st.alts.get(key):
+        alt = st.take_alt(key, call)
+        if alt is not None:
+            # switched back (model.train() after model.eval()): that recording again
+            if e is not None:
+                st.set_aside(e)
+            a, state = alt
+            st.cache[key] = a
+            if record:
+                g._hits += 1
+            st.last = a
+            return a, state
+    if e is not None:
+        _forget(g, st, key, e, call, env_only, grads_only, record)
+    return None
+
+
+def _forget(g: Any, st: ThreadState, key: Any, e: Entry, call: Call, env_only: bool, grads_only: bool,
+            record: bool) -> None:
+    """A cached signature the call no longer matches: kept as an alternate, or dropped; noted for the warnings."""
+    if log.isEnabledFor(logging.INFO):
+        log.info("%s: tracing a signature again: %s", g._desc, "; ".join(e.explain(call)) or "its state changed")
+    if e.plan.touches_state and not (env_only and e.env_keeps_lazy_state()) and not grads_only:
+        # what changed may have emptied lazily created state (optimizer.state.clear(),
+        # load_state_dict): the next call runs eagerly again before anything is traced
+        st.warmed.discard(key)
+    if grads_only:
+        st.set_aside(e)  # kept: gradient accumulation switches back (see Entry.grads_came_or_went)
+    elif env_only:
+        st.set_aside(e)  # kept: a switch back replays it
+        if record:
+            g._storm.note_env(e.env.diff(e.env_val) if hasattr(e.env, "diff") else [],
+                              g._hits + g._misses, stacklevel=6)
+    else:
+        st.drop(e)
+        if record:
+            g._storm.note_retrace(e.explain(call), g._hits + g._misses, stacklevel=6)
+
+
+def _trace_new(g: Any, st: ThreadState, ck: CallKey, call: Call, paths: List[str],
+               record: bool) -> Optional[Tuple[Entry, List[torch.Tensor]]]:
+    """Trace a new signature; its entry (cached where it is recorded), or ``None`` where the call runs eagerly."""
+    leaves, statics = call.leaves, call.statics
+    cuda = ck.device is not None and ck.device.type == "cuda"
+    tensors = [leaves[i] for i in ck.tpos]
+    extra = [(paths[i], x) for i, x in enumerate(leaves) if not isinstance(x, torch.Tensor)]
+    extra += [(f"static {w}", v) for w, v, _k in statics]
+    roots = find_roots(g._fn, extra)
+    lazy = uninitialized_modules(roots)
+    if lazy:
+        _lazy(g, lazy, record)
+        return None
+    if g._fuse and cuda and record:
+        from ._inductor import warm_pool
+
+        warm_pool()  # inductor's compile workers start while the function is traced
+    try:
+        plan = _traced(g, ck, call, paths, roots, extra, cuda)
+    except GraphifyError as err:
+        if record and ck.key not in st.warmed and getattr(err, "gt_touched_state", False):
+            # state may be created lazily by the first call (a cache allocated on first
+            # use): run it eagerly, and trace again on the next call
+            st.warmed.add(ck.key)
+            log.info("%s: the first trace failed after reading state (%s); this call runs "
+                     "eagerly, the next one traces again", g._desc, str(err).splitlines()[0])
+            return None
+        raise
+    except Exception as err:
+        _trace_failed(g, st, ck.key, err, [paths[i] for i in ck.tpos], tensors, record)
+        return None
+    if ck.device is None and plan.uses_cuda and torch.cuda.is_available():
+        cuda = True
+    return _settle(g, st, ck, call, plan, cuda, record)
+
+
+def _lazy(g: Any, lazy: List[str], record: bool) -> None:
+    """Lazy modules (nn.LazyLinear) make their parameters in their first forward: that call runs eagerly."""
+    if not record:
+        raise lazy_error(g._desc, lazy)
+    g._lazy_calls += 1
+    if g._lazy_calls == 2:
+        # a lazy module the calls never run (an unused head): never recorded, silently
+        log.warning("%s: %s still not initialised after %d calls: every call runs eagerly (nothing "
+                    "is recorded) until they are. Fix: run each lazy module once (a forward on an "
+                    "example input) or replace it by its non-lazy form.",
+                    g._desc, ", ".join(lazy[:4]), g._lazy_calls)
+    else:
+        log.info("%s: %s not initialised yet: this call runs eagerly, the next one is traced",
+                 g._desc, ", ".join(lazy[:4]))
+
+
+def _traced(g: Any, ck: CallKey, call: Call, paths: List[str], roots: Any, extra: Any, cuda: bool) -> Any:
+    """The trace of the call's signature (``_trace.trace``), the caller's generators watched around it."""
+    leaves, tpos = call.leaves, ck.tpos
+    tensors = [leaves[i] for i in tpos]
+    template = list(leaves)
+    same = ck.key[2][1]  # which tensor arguments are the same object (see _key._call)
+    spec, statics = call.spec, call.statics
+
+    def rebuild(ts: Sequence[torch.Tensor]) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
+        ls = list(template)
+        if same:  # the same tensor passed twice: one object, as in eager (`a is b`)
+            ts = [ts[k] for k in same] + list(ts[len(same):])
+        for p, t in zip(tpos, ts):
+            ls[p] = t
+        a, kw = unflatten(spec, ls)
+        a, skw = rebuild_statics(a, statics)
+        if skw:
+            kw = dict(kw)
+            kw.update(skw)
+        return a, kw
+
+    specs = [(tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad) for t in tensors]
+    gens = GeneratorGuard(g._fn, extra, roots)
+    try:
+        plan = trace(g._fn, rebuild, specs, [paths[i] for i in tpos], g._desc, cuda, roots,
+                     [plain_layout(t) for t in tensors], [has_grad(t) for t in tensors],
+                     [tensor_attrs(t) for t in tensors], [t.grad_fn for t in tensors],
+                     [(t.is_conj(), t.is_neg(), t.is_inference()) for t in tensors])
+    except BaseException:
+        gens.check(g._desc, raise_=False)
+        raise
+    gens.check(g._desc, raise_=True)
+    return plan
+
+
+def _trace_failed(g: Any, st: ThreadState, key: Any, err: Exception, in_paths: List[str],
+                  tensors: List[torch.Tensor], record: bool) -> None:
+    """A trace that raised something other than a GraphifyError: the call runs eagerly, or it is raised.
+
+    The function's own exception (a shape check, an assert), or one torch's fake kernels
+    raised (a bad view, a shape mismatch: the user's own, in their wording): the call runs
+    eagerly, so that eager's side effects before the raise happen and eager's exception
+    propagates unchanged (see ``_calls.eager``, which also handles an eager call that runs fine).
+    """
+    if isinstance(err, RuntimeError) and "leaf Variable that requires grad is being used in an in-place" in str(err):
+        # the trace's stand-ins of inputs that require grad are leaves; the caller's may not be
+        # (an eager backbone's output), where eager updates them in place
+        nonleaf = [in_paths[i] for i, t in enumerate(tensors) if t.requires_grad and not t.is_leaf]
+        if nonleaf:
+            raise GraphifyError(
+                f"{g._desc}: the function updates an input that requires grad in place "
+                f"({', '.join(nonleaf)}, an output of earlier differentiable work: "
+                f"{str(err).splitlines()[0]}).\nWhy: in-place updates of inputs are not supported "
+                "through the autograd wrapper of a recording.\nFix: make the update out of place "
+                "(nn.ReLU(inplace=False), x = x + 1 instead of x += 1), or call the function under "
+                "torch.no_grad() if no gradient is needed.") from None
+    if not record or _raised_by_gtransform(err):
+        raise err
+    first = str(err).splitlines()[0][:200] if str(err) else ""
+    st.raised = key
+    if _raised_by_fake_kernels(err):
+        st.raised_what = f"{type(err).__name__} inside torch's fake kernels: {first}"
+        log.info("%s: the trace failed inside torch's fake kernels (%s): this call runs eagerly",
+                 g._desc, st.raised_what)
+    else:
+        st.raised_what = f"{type(err).__name__}: {first}"
+        log.info("%s: the trace raised the function's own exception (%s): this call runs eagerly",
+                 g._desc, st.raised_what)
+
+
+def _settle(g: Any, st: ThreadState, ck: CallKey, call: Call, plan: Any, cuda: bool,
+            record: bool) -> Optional[Tuple[Entry, List[torch.Tensor]]]:
+    """A new trace's fate: the first call of a signature that touches state runs eagerly, else a new entry.
+
+    Python numbers the trace changed in modules or optimizers (``self.calls += 1`` in
+    forward), and in plain dicts and lists of a function that reaches state (a training
+    step's accumulation counter): undone, so that this call, run eagerly, does exactly what
+    eager does; changed again by a trace after an eager call, they change on every call,
+    which a replay cannot do. (A function that reaches no state keeps the trace-time changes
+    of its plain dicts, as in JAX: a counter of traces.)
+    """
+    key = ck.key
+    model_changes = [c for c in plan.py_changes if c.model or plan.touches_state]
+    if model_changes and record:
+        for c in model_changes:
+            c.undo()
+        if key in st.warmed:
+            raise change_error(g._desc, model_changes)
+    warm = not (plan.touches_state or model_changes) or key in st.warmed
+    if record and not warm:
+        st.warmed.add(key)
+        if log.isEnabledFor(logging.INFO):
+            log.info("%s: this signature touches state (%d state tensors, %d written back, %d Python "
+                     "values changed): its first call runs eagerly, the next one is recorded",
+                     g._desc, len(plan.state), len(plan.escape_slots), len(model_changes))
+        if not model_changes and reusable_after_eager(plan):
+            try:
+                st.keep_pending(key, new_entry(g, ck, call, plan, cuda))
+            except GraphifyError:
+                pass  # raised by the second call's own trace
+        return None
+    e = new_entry(g, ck, call, plan, cuda)
+    if warm:
+        insert(g, st, key, e)
+    # (not warm: f.trace(...) before the first call; not kept)
+    return e, list(plan.state)
+
+
+def insert(g: Any, st: ThreadState, key: Any, e: Entry) -> None:
+    """Cache a new signature (the least recently used one goes beyond maxsize)."""
+    st.cache[key] = e
+    if g._maxsize is not None:
+        while len(st.cache) > g._maxsize:
+            old = next(iter(st.cache.values()))
+            g._storm.note_evicted(old)
+            st.drop(old)
+    st.last = e
+
+
+def new_entry(g: Any, ck: CallKey, call: Call, plan: Any, cuda: bool) -> Entry:
+    """The signature of a trace, refused when a replay could not do what eager does."""
+    e = Entry(ck.key, call.spec, call.leaves, ck.tpos, call.statics, plan, cuda)
+    if e.any_rg:
+        _refuse_stored_grad_tensors(g._desc, plan)
+    # a module without tensors (nn.LeakyReLU) has attributes and a training flag too; so does
+    # one the function called without the roots leading to it (AttrReads.called)
+    if plan.roots or (plan.attr_reads is not None and plan.attr_reads.called):
+        e.env = env_key_fn(plan.roots, plan.attr_reads)
+        e.env_val = e.env() if e.env is not None else None
+    return e
+
+
+def _refuse_stored_grad_tensors(desc: str, plan: Any) -> None:
+    """A differentiated call that leaves a tensor requiring grad in Python state: refused with the fix."""
+    kept_slots = [s for s, o in zip(plan.escape_slots, plan.escape_entries) if s.kind != "grad" and o.requires_grad]
+    if not kept_slots:
+        return
+    kept = [s.path for s in kept_slots]
+    owner = kept_slots[0].obj
+    hooks = [h for h in getattr(owner, "_forward_pre_hooks", {}).values()
+             if (type(h).__module__ or "").startswith("torch.nn.utils")]
+    if hooks:
+        # torch.nn.utils.prune, the old weight_norm / spectral_norm: a forward pre-hook
+        # recomputes the weight from its parts and stores it on the module each call
+        fix = (f"Fix: {type(hooks[0]).__name__} (torch.nn.utils) recomputes {kept[0]} in a forward "
+               "pre-hook on every call. Use the parametrization API instead "
+               "(torch.nn.utils.parametrizations.weight_norm / spectral_norm, or "
+               "torch.nn.utils.parametrize.register_parametrization), make pruning permanent "
+               "(torch.nn.utils.prune.remove(module, 'weight')), or call it under torch.no_grad().")
+    else:
+        fix = (f"Fix: return it as an output of the function instead, or store a detached copy "
+               f"({kept[0].rsplit('.', 1)[-1]} = h.detach()) if it is only looked at.")
+    raise GraphifyError(
+        f"{desc}: the function stores a tensor that requires grad in {kept[0]} (Python "
+        "state), and the call is differentiated.\n"
+        "Why: a replay writes that tensor back as plain memory after each call; it cannot "
+        "carry the autograd graph eager attaches to it, so a loss built from it later would "
+        "silently miss its gradients.\n" + fix
+    )
+
+
+def _raised_by_gtransform(err: BaseException) -> bool:
+    """Whether an exception of the trace was raised by gtransform's own code (not the function's)."""
+    frames = traceback.extract_tb(err.__traceback__)
+    return bool(frames) and frames[-1].filename.startswith(_PKG_DIR)
+
+
+def _raised_by_fake_kernels(err: BaseException) -> bool:
+    """Whether an exception of the trace comes from torch's fake or meta kernels."""
+    frames = traceback.extract_tb(err.__traceback__)
+    return (bool(frames) and frames[-1].filename.startswith(_TORCH_DIR)
+            and any(f.filename.startswith(_FAKE_KERNEL_DIRS) for f in frames))
