@@ -20,7 +20,7 @@ from typing import Any, Callable, Dict, Generic, Optional, ParamSpec, Sequence, 
 import torch
 
 from . import _calls, _describe
-from ._bind import options, split
+from ._bind import options
 from ._cache import CacheInfo, ThreadState, cache_clear, cache_info, new_thread_state
 from ._errors import describe_fn, not_a_module_error
 from ._fastpath import MISS
@@ -77,22 +77,17 @@ class Graphified(Generic[P, R]):
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
         if OFF.on:  # gt.disable(), GTRANSFORM_DISABLE=1
             return self._fn(*args, **kwargs)
-        if self._has_static:
-            args, kwargs, statics = split(self._desc, self._static_argnums, self._static_argnames, args, kwargs)  # type: ignore[assignment]
-        else:
-            statics = ()
         interp = _peek_functorch()
-        if interp is not None:
-            return _calls.transformed(self, interp, args, kwargs, statics)  # type: ignore[no-any-return]
-        st = self._tls.__dict__.get("state")
-        if st is not None and st.fast is not None:
-            out = st.fast((args, kwargs), statics)
-            if out is not MISS:
-                return out  # type: ignore[no-any-return]
-        return self._call_generic(args, kwargs, statics)  # type: ignore[no-any-return]
+        if interp is None:
+            st = self._tls.__dict__.get("state")
+            if st is not None and st.fast is not None:
+                out = st.fast(args, kwargs)
+                if out is not MISS:
+                    return out  # type: ignore[no-any-return]
+        return self._call_generic(interp, args, kwargs)  # type: ignore[no-any-return]
 
-    def _call_generic(self, args: Any, kwargs: Any, statics: Any) -> Any:  # (a fast-path miss)
-        return _calls.call(self, args, kwargs, statics)
+    def _call_generic(self, interp: Any, args: Any, kwargs: Any) -> Any:  # (a fast-path miss)
+        return _calls.call(self, interp, args, kwargs)
 
     def trace(self, *args: P.args, **kwargs: P.kwargs) -> torch.fx.GraphModule:
         """Trace ``fn`` for these inputs and return what would be recorded.

@@ -1,10 +1,10 @@
 """Binding a call's arguments: the options of ``graphify``, static arguments, the flat leaves.
 
 The first stage of a call. It takes ``(args, kwargs)`` as the caller passed them and
-hands the next stage (``_lookup``) the static arguments apart (compared by value as
-part of the signature), the flat leaves of the rest and their tree structure. It
-never looks at tensors' values, and never decides whether a recording matches (that
-is ``_key``'s).
+hands the next stage (``_run``) a :class:`Bound` call: the static arguments apart
+(compared by value as part of the signature), the flat leaves of the rest and their
+tree structure. It never looks at tensors' values, and never decides whether a
+recording matches (that is ``_key``'s).
 """
 
 from __future__ import annotations
@@ -15,11 +15,12 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tu
 
 import torch
 
-from ._objects import register_containers_in
 from ._pool import GraphPool
-from ._tree import flatten, holds_tensor, static_leaf_key
+from ._tree import flatten_args, holds_tensor, static_leaf_key
 
-__all__ = ["Options", "options", "Static", "split", "rebuild", "flatten_args", "run_eagerly"]
+__all__ = ["Options", "options", "Static", "split", "rebuild", "Bound", "bind"]
+
+_fwad = torch.autograd.forward_ad  # its _current_level: -1 unless a dual level is open
 
 
 class Options(NamedTuple):
@@ -196,22 +197,24 @@ def rebuild(args: Tuple[Any, ...], statics: Tuple[Any, ...]) -> Tuple[Tuple[Any,
     return tuple(out), kw
 
 
-def run_eagerly(fn: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any], statics: Tuple[Any, ...]) -> Any:
-    """Call ``fn`` as the caller called the graphified function: eager PyTorch."""
-    a, kw = rebuild(args, statics)
-    kw.update(kwargs)
-    return fn(*a, **kw)
+class Bound(NamedTuple):
+    """A call's arguments bound: as passed, and taken apart for the lookup."""
+
+    args: Tuple[Any, ...]  # as the caller passed them, static ones included (an eager run takes these)
+    kwargs: Dict[str, Any]
+    leaves: List[Any]  # the flat leaves of the arguments without the static ones
+    spec: Any  # their tree structure
+    statics: Tuple[Any, ...]  # the static arguments, as Static values
+    tree: Tuple[Any, Any]  # (args, kwargs) without the static ones
+    dual: bool  # a tensor leaf is a forward-mode dual (a tangent at the open dual level)
 
 
-def flatten_args(args: Any, kwargs: Any) -> Tuple[List[Any], Any]:
-    """Flatten the call's arguments.
-
-    Dataclasses and torch-pytree containers are taken apart (registered on first
-    sight, as outputs are), nested ones too.
-    """
-    leaves, spec = flatten((args, kwargs))
-    for _ in range(8):
-        if not register_containers_in(leaves):
-            break
-        leaves, spec = flatten((args, kwargs))
-    return leaves, spec
+def bind(g: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Bound:
+    """Bind a call of graphified ``g``: static arguments apart, the others flattened."""
+    dyn, kw, statics = args, kwargs, ()
+    if g._has_static:
+        dyn, kw, statics = split(g._desc, g._static_argnums, g._static_argnames, args, kwargs)
+    leaves, spec = flatten_args(dyn, kw)
+    dual = _fwad._current_level >= 0 and any(
+        isinstance(x, torch.Tensor) and _fwad.unpack_dual(x).tangent is not None for x in leaves)
+    return Bound(args, kwargs, leaves, spec, statics, (dyn, kw), dual)

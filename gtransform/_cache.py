@@ -10,9 +10,7 @@ Whether a call matches a signature is :mod:`._key`'s question, not this module's
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any, Dict, Hashable, List, NamedTuple, Optional, Tuple
-
-import torch
+from typing import Any, Callable, Dict, Hashable, List, NamedTuple, Optional
 
 from ._key import Entry
 from ._liveness import PoolState
@@ -193,14 +191,15 @@ class ThreadState:
         while len(alts) > self.ALTS:
             self.drop(alts.pop(), keep_alts=True)
 
-    def take_alt(self, key: Hashable, call: Any) -> Optional[Tuple[Entry, List[torch.Tensor]]]:
-        """An alternate of ``key`` this call replays, with its state, made the key's entry again."""
-        for a in self.alts.get(key, ()):
-            state = a.match(call)
-            if state is not None:
-                self.alts[key].remove(a)
-                return a, state
-        return None
+    def insert(self, key: Hashable, e: Entry, maxsize: Optional[int], evicted: Callable[[Entry], None]) -> None:
+        """Cache a new signature; beyond ``maxsize`` the least recently used goes (``evicted`` is told)."""
+        self.cache[key] = e
+        if maxsize is not None:
+            while len(self.cache) > maxsize:
+                old = next(iter(self.cache.values()))
+                evicted(old)
+                self.drop(old)
+        self.last = e
 
     def drop_fast(self) -> None:
         self.fast = self.fast_rec = None

@@ -12,24 +12,17 @@ from typing import Any, List
 
 import torch
 
-from ._bind import flatten_args, split
+from ._bind import bind
 from ._key import Call, Entry, global_key
 from ._lookup import lookup, thread_state
 
 __all__ = ["trace", "describe", "explain"]
 
 
-def _split(g: Any, args: Any, kwargs: Any) -> Any:
-    if g._has_static:
-        return split(g._desc, g._static_argnums, g._static_argnames, args, kwargs)
-    return args, kwargs, ()
-
-
 def trace(g: Any, args: Any, kwargs: Any) -> torch.fx.GraphModule:
     """What a call with these arguments would record (see ``Graphified.trace``)."""
-    args, kwargs, statics = _split(g, args, kwargs)
-    leaves, spec = flatten_args(args, kwargs)
-    found = lookup(g, thread_state(g), Call(leaves, spec, statics, global_key(), (args, kwargs)), record=False)
+    b = bind(g, args, kwargs)
+    found = lookup(g, thread_state(g), Call(b.leaves, b.spec, b.statics, global_key(), b.tree), record=False)
     assert found is not None
     return found[0].plan.gm
 
@@ -87,23 +80,22 @@ def _signature_lines(n: int, e: Entry) -> List[str]:
 
 def explain(g: Any, args: Any, kwargs: Any) -> str:
     """Whether a call with these arguments would replay, and if not, why (see ``Graphified.explain``)."""
-    args, kwargs, statics = _split(g, args, kwargs)
-    leaves, spec = flatten_args(args, kwargs)
+    b = bind(g, args, kwargs)
     st = g._tls.__dict__.get("state")
     entries = list(st.cache.values()) if st is not None else []
-    call = Call(leaves, spec, statics, global_key(), (args, kwargs))
+    call = Call(b.leaves, b.spec, b.statics, global_key(), b.tree)
     if any(e.match(call) is not None for e in entries):
         return f"{g._desc}: replays a recorded signature (hit)"
     if not entries:
         return f"{g._desc}: nothing recorded yet in this thread (miss)"
     best, best_diff = None, None
     for e in entries:
-        if e.spec != spec:
+        if e.spec != b.spec:
             continue
         diff = e.explain(call)
         if best_diff is None or len(diff) < len(best_diff):
             best, best_diff = e, diff
     if best is None:
         return (f"{g._desc}: a new signature (miss): the structure of the arguments differs "
-                f"from every recorded one: {spec} vs {entries[-1].spec}")
+                f"from every recorded one: {b.spec} vs {entries[-1].spec}")
     return f"{g._desc}: a new signature (miss): " + "; ".join(best_diff or ["aliasing between inputs"])

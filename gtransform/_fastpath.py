@@ -4,7 +4,7 @@ Every microsecond on the per-call path counts, so once a signature's
 recording is settled, gtransform generates straight-line Python for it that
 does the whole call with no loops over generic structures:
 
-1. flatten the arguments by indexing (``args[0]['w']``), checking container
+1. take the static arguments apart, flatten the others by indexing (``args[0]['w']``), checking container
    types and sizes on the way (any surprise -> miss -> generic path);
 2. run every check of the signature (``_key._checks.CHECKS``: the same code the
    generic match runs), among them the static leaves' values and, in one C++
@@ -20,12 +20,14 @@ new signatures, autograd, torch.func transforms and every error message.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Dict, List, Optional
 
 import optree
 import torch
 
 from . import _record
+from ._bind import split
 from ._key._checks import Names, check_lines, namespace
 from ._key._codegen import FAIL, Gen, gen_flatten
 from ._liveness import StaleOutput
@@ -82,8 +84,8 @@ def build_fast_path(owner: Any, entry: Any, rec: Any, pool: Any) -> Any:
     """Generate the fast call of ``entry``'s settled recording ``rec``.
 
     Returns:
-        A function ``fast(root)`` of ``root = (args, kwargs)`` returning the
-        output tree, or ``MISS``.
+        A function ``fast(args, kwargs)`` of the call's arguments as the caller
+        passed them (static ones included) returning the output tree, or ``MISS``.
     """
     g = Gen()
     leaves: List[str] = []
@@ -179,8 +181,14 @@ def build_fast_path(owner: Any, entry: Any, rec: Any, pool: Any) -> Any:
     else:
         call.append(f"return {build}")
 
-    text = ["def fast(root, statics):", "    try:"]
-    text += ["        " + line for line in flat] or ["        pass"]
+    # the static arguments apart as the generic path takes them (a refused one -> miss)
+    text = ["def fast(args, kwargs):", "    try:"]
+    if owner._has_static:
+        text.append("        args, kwargs, statics = SPLIT(args, kwargs)")
+    else:
+        text.append("        statics = ()")
+    text.append("        root = (args, kwargs)")
+    text += ["        " + line for line in flat]
     text += ["    except (KeyError, IndexError, TypeError, AttributeError):", "        return MISS"]
     text += ["    " + line for line in checks]
     if pool.lock is not None:
@@ -191,6 +199,7 @@ def build_fast_path(owner: Any, entry: Any, rec: Any, pool: Any) -> Any:
     ns: Dict[str, Any] = namespace(g)  # (what the checks' code reads, and its constants)
     ns.update({
         "MISS": MISS,
+        "SPLIT": functools.partial(split, owner._desc, owner._static_argnums, owner._static_argnames),
         "GUARD": entry.guard.impl if entry.guard.impl is not None else entry.guard,
         "BUFS": rec.bufs,
         "CBBUFS": rec.cb_bufs,

@@ -17,30 +17,22 @@ It never records or replays.
 from __future__ import annotations
 
 import logging
-import os
-import traceback
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from ._bind import rebuild as rebuild_statics
 from ._cache import ThreadState
+from ._eager import ran_lazy, trace_failed
 from ._errors import GraphifyError
-from ._key import Call, Entry, call_key, env_key_fn, global_key, has_grad, reusable_after_eager, tensor_attrs
+from ._key import Call, Entry, call_key, env_key_fn, global_key, reusable_after_eager
 from ._key._call import CallKey
 from ._log import log
-from ._state import GeneratorGuard, change_error, find_roots, lazy_error, uninitialized_modules
-from ._trace import plain_layout, trace
-from ._tree import leaf_paths, unflatten
+from ._state import change_error, find_roots, lazy_error, uninitialized_modules
+from ._trace import trace
+from ._tree import unflatten
 
 __all__ = ["thread_state", "entry_for", "lookup"]
-
-_PKG_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
-_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
-_FAKE_KERNEL_DIRS = tuple(_TORCH_DIR + d
-                          for d in ("_refs", "_prims", "_meta_registrations.py", "_decomp", "_subclasses",
-                                    "_prims_common"))
-
 
 def thread_state(g: Any) -> ThreadState:
     """The calling thread's signatures of graphified ``g`` (made at its first call in the thread)."""
@@ -78,28 +70,15 @@ def lookup(g: Any, st: ThreadState, call: Call, record: bool) -> Optional[Tuple[
     """Find or trace the signature of a call: the entry and the call's state tensors, or ``None`` (eager)."""
     ck = call_key(g._desc, call.leaves, call.spec, call.tree, call.statics, call.glob)
     if record and ck.key in st.eager_only:
-        st.eager_now = True  # (counted as it runs: see _calls.eager)
+        st.eager_now = True  # (counted as it runs: see _eager.eager)
         return None
     found = _cached(g, st, ck.key, call, record)
     if found is not None:
         return found
     g._misses += 1
-    paths = ck.paths or leaf_paths(call.tree)
-    g._storm.note(call.spec, ck.parts, paths, call.statics, stacklevel=5, calls=g._hits + g._misses,
+    g._storm.note(call.spec, ck.parts, call.paths, call.statics, stacklevel=5, calls=g._hits + g._misses,
                   maxsize=g._maxsize)
-    pending = st.pending.pop(ck.key, None) if st.pending else None
-    if pending is not None and record:
-        # the second call of a signature that touches state: the first call's trace, if this
-        # call matches it (not traced again: for a model, most of a second's worth of first
-        # call on a GPU host); state with autograd history (a cache written outside no_grad
-        # by the eager call) is not in the guards: traced again, where it is refused
-        state = pending.match(call)
-        if state is not None and not any(t.grad_fn is not None for t in state):
-            insert(g, st, ck.key, pending)
-            return pending, state
-        log.info("%s: the first call's trace no longer matches (the eager call changed what it "
-                 "reads); tracing again", g._desc)
-    return _trace_new(g, st, ck, call, paths, record)
+    return _new_signature(g, st, ck, call, record)
 
 
 def _cached(g: Any, st: ThreadState, key: Any, call: Call, record: bool) -> Optional[Tuple[Entry, List[torch.Tensor]]]:
@@ -116,18 +95,20 @@ def _cached(g: Any, st: ThreadState, key: Any, call: Call, record: bool) -> Opti
             return e, state
         env_only = e.env_only_mismatch(call)
         grads_only = not env_only and e.grads_came_or_went(call.leaves)
-    if (env_only or grads_only or e is None) and st.alts.get(key):
-        alt = st.take_alt(key, call)
-        if alt is not None:
-            # switched back (model.train() after model.eval()): that recording again
-            if e is not None:
-                st.set_aside(e)
-            a, state = alt
-            st.cache[key] = a
-            if record:
-                g._hits += 1
-            st.last = a
-            return a, state
+    alts = st.alts.get(key)
+    if alts and (env_only or grads_only or e is None):
+        for a in alts:
+            state = a.match(call)
+            if state is not None:
+                # switched back (model.train() after model.eval()): that recording again
+                alts.remove(a)
+                if e is not None:
+                    st.set_aside(e)
+                st.cache[key] = a
+                if record:
+                    g._hits += 1
+                st.last = a
+                return a, state
     if e is not None:
         _forget(g, st, key, e, call, env_only, grads_only, record)
     return None
@@ -155,25 +136,40 @@ def _forget(g: Any, st: ThreadState, key: Any, e: Entry, call: Call, env_only: b
             g._storm.note_retrace(e.explain(call), g._hits + g._misses, stacklevel=6)
 
 
-def _trace_new(g: Any, st: ThreadState, ck: CallKey, call: Call, paths: List[str],
-               record: bool) -> Optional[Tuple[Entry, List[torch.Tensor]]]:
-    """Trace a new signature; its entry (cached where it is recorded), or ``None`` where the call runs eagerly."""
-    leaves, statics = call.leaves, call.statics
+def _new_signature(g: Any, st: ThreadState, ck: CallKey, call: Call,
+                   record: bool) -> Optional[Tuple[Entry, List[torch.Tensor]]]:
+    """A signature not in the cache: the first call's trace kept for it, or a new trace; ``None``: eager."""
+    pending = st.pending.pop(ck.key, None) if st.pending else None
+    if pending is not None and record:
+        # the second call of a signature that touches state: the first call's trace, if this
+        # call matches it (not traced again: for a model, most of a second's worth of first
+        # call on a GPU host); state with autograd history (a cache written outside no_grad
+        # by the eager call) is not in the guards: traced again, where it is refused
+        state = pending.match(call)
+        if state is not None and not any(t.grad_fn is not None for t in state):
+            st.insert(ck.key, pending, g._maxsize, g._storm.note_evicted)
+            return pending, state
+        log.info("%s: the first call's trace no longer matches (the eager call changed what it "
+                 "reads); tracing again", g._desc)
+    leaves, paths = call.leaves, call.paths
     cuda = ck.device is not None and ck.device.type == "cuda"
     tensors = [leaves[i] for i in ck.tpos]
     extra = [(paths[i], x) for i, x in enumerate(leaves) if not isinstance(x, torch.Tensor)]
-    extra += [(f"static {w}", v) for w, v, _k in statics]
-    roots = find_roots(g._fn, extra)
+    extra += [(f"static {w}", v) for w, v, _k in call.statics]
+    roots = find_roots(g._fn, extra)  # the Python state the function reaches (see _state)
     lazy = uninitialized_modules(roots)
     if lazy:
-        _lazy(g, lazy, record)
+        if not record:
+            raise lazy_error(g._desc, lazy)
+        ran_lazy(g, lazy)
         return None
+    rebuild = _rebuilder(call, ck)
     if g._fuse and cuda and record:
         from ._inductor import warm_pool
 
         warm_pool()  # inductor's compile workers start while the function is traced
     try:
-        plan = _traced(g, ck, call, paths, roots, extra, cuda)
+        plan = trace(g._fn, rebuild, tensors, [paths[i] for i in ck.tpos], g._desc, cuda, roots, extra)
     except GraphifyError as err:
         if record and ck.key not in st.warmed and getattr(err, "gt_touched_state", False):
             # state may be created lazily by the first call (a cache allocated on first
@@ -184,36 +180,17 @@ def _trace_new(g: Any, st: ThreadState, ck: CallKey, call: Call, paths: List[str
             return None
         raise
     except Exception as err:
-        _trace_failed(g, st, ck.key, err, [paths[i] for i in ck.tpos], tensors, record)
+        trace_failed(g, st, ck.key, err, [paths[i] for i in ck.tpos], tensors, record)
         return None
     if ck.device is None and plan.uses_cuda and torch.cuda.is_available():
         cuda = True
     return _settle(g, st, ck, call, plan, cuda, record)
 
 
-def _lazy(g: Any, lazy: List[str], record: bool) -> None:
-    """Lazy modules (nn.LazyLinear) make their parameters in their first forward: that call runs eagerly."""
-    if not record:
-        raise lazy_error(g._desc, lazy)
-    g._lazy_calls += 1
-    if g._lazy_calls == 2:
-        # a lazy module the calls never run (an unused head): never recorded, silently
-        log.warning("%s: %s still not initialised after %d calls: every call runs eagerly (nothing "
-                    "is recorded) until they are. Fix: run each lazy module once (a forward on an "
-                    "example input) or replace it by its non-lazy form.",
-                    g._desc, ", ".join(lazy[:4]), g._lazy_calls)
-    else:
-        log.info("%s: %s not initialised yet: this call runs eagerly, the next one is traced",
-                 g._desc, ", ".join(lazy[:4]))
-
-
-def _traced(g: Any, ck: CallKey, call: Call, paths: List[str], roots: Any, extra: Any, cuda: bool) -> Any:
-    """The trace of the call's signature (``_trace.trace``), the caller's generators watched around it."""
-    leaves, tpos = call.leaves, ck.tpos
-    tensors = [leaves[i] for i in tpos]
-    template = list(leaves)
+def _rebuilder(call: Call, ck: CallKey) -> Callable[[Sequence[torch.Tensor]], Tuple[Tuple[Any, ...], Dict[str, Any]]]:
+    """How the trace calls the function on its stand-ins of the call's tensors: ``(args, kwargs)`` rebuilt."""
+    template, tpos, spec, statics = list(call.leaves), ck.tpos, call.spec, call.statics
     same = ck.key[2][1]  # which tensor arguments are the same object (see _key._call)
-    spec, statics = call.spec, call.statics
 
     def rebuild(ts: Sequence[torch.Tensor]) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
         ls = list(template)
@@ -228,53 +205,7 @@ def _traced(g: Any, ck: CallKey, call: Call, paths: List[str], roots: Any, extra
             kw.update(skw)
         return a, kw
 
-    specs = [(tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad) for t in tensors]
-    gens = GeneratorGuard(g._fn, extra, roots)
-    try:
-        plan = trace(g._fn, rebuild, specs, [paths[i] for i in tpos], g._desc, cuda, roots,
-                     [plain_layout(t) for t in tensors], [has_grad(t) for t in tensors],
-                     [tensor_attrs(t) for t in tensors], [t.grad_fn for t in tensors],
-                     [(t.is_conj(), t.is_neg(), t.is_inference()) for t in tensors])
-    except BaseException:
-        gens.check(g._desc, raise_=False)
-        raise
-    gens.check(g._desc, raise_=True)
-    return plan
-
-
-def _trace_failed(g: Any, st: ThreadState, key: Any, err: Exception, in_paths: List[str],
-                  tensors: List[torch.Tensor], record: bool) -> None:
-    """A trace that raised something other than a GraphifyError: the call runs eagerly, or it is raised.
-
-    The function's own exception (a shape check, an assert), or one torch's fake kernels
-    raised (a bad view, a shape mismatch: the user's own, in their wording): the call runs
-    eagerly, so that eager's side effects before the raise happen and eager's exception
-    propagates unchanged (see ``_calls.eager``, which also handles an eager call that runs fine).
-    """
-    if isinstance(err, RuntimeError) and "leaf Variable that requires grad is being used in an in-place" in str(err):
-        # the trace's stand-ins of inputs that require grad are leaves; the caller's may not be
-        # (an eager backbone's output), where eager updates them in place
-        nonleaf = [in_paths[i] for i, t in enumerate(tensors) if t.requires_grad and not t.is_leaf]
-        if nonleaf:
-            raise GraphifyError(
-                f"{g._desc}: the function updates an input that requires grad in place "
-                f"({', '.join(nonleaf)}, an output of earlier differentiable work: "
-                f"{str(err).splitlines()[0]}).\nWhy: in-place updates of inputs are not supported "
-                "through the autograd wrapper of a recording.\nFix: make the update out of place "
-                "(nn.ReLU(inplace=False), x = x + 1 instead of x += 1), or call the function under "
-                "torch.no_grad() if no gradient is needed.") from None
-    if not record or _raised_by_gtransform(err):
-        raise err
-    first = str(err).splitlines()[0][:200] if str(err) else ""
-    st.raised = key
-    if _raised_by_fake_kernels(err):
-        st.raised_what = f"{type(err).__name__} inside torch's fake kernels: {first}"
-        log.info("%s: the trace failed inside torch's fake kernels (%s): this call runs eagerly",
-                 g._desc, st.raised_what)
-    else:
-        st.raised_what = f"{type(err).__name__}: {first}"
-        log.info("%s: the trace raised the function's own exception (%s): this call runs eagerly",
-                 g._desc, st.raised_what)
+    return rebuild
 
 
 def _settle(g: Any, st: ThreadState, ck: CallKey, call: Call, plan: Any, cuda: bool,
@@ -296,34 +227,31 @@ def _settle(g: Any, st: ThreadState, ck: CallKey, call: Call, plan: Any, cuda: b
         if key in st.warmed:
             raise change_error(g._desc, model_changes)
     warm = not (plan.touches_state or model_changes) or key in st.warmed
+    # the first call of a signature that touches state runs eagerly; its trace is kept for
+    # the second call where that call can replay it
+    keep = warm or not record or (not model_changes and reusable_after_eager(plan))
+    e = None
+    if keep:
+        try:
+            e = new_entry(g, ck, call, plan, cuda)
+        except GraphifyError:
+            if warm or not record:
+                raise
+            # (raised by the second call's own trace)
     if record and not warm:
         st.warmed.add(key)
         if log.isEnabledFor(logging.INFO):
             log.info("%s: this signature touches state (%d state tensors, %d written back, %d Python "
                      "values changed): its first call runs eagerly, the next one is recorded",
                      g._desc, len(plan.state), len(plan.escape_slots), len(model_changes))
-        if not model_changes and reusable_after_eager(plan):
-            try:
-                st.keep_pending(key, new_entry(g, ck, call, plan, cuda))
-            except GraphifyError:
-                pass  # raised by the second call's own trace
+        if e is not None:
+            st.keep_pending(key, e)
         return None
-    e = new_entry(g, ck, call, plan, cuda)
+    assert e is not None
     if warm:
-        insert(g, st, key, e)
+        st.insert(key, e, g._maxsize, g._storm.note_evicted)
     # (not warm: f.trace(...) before the first call; not kept)
     return e, list(plan.state)
-
-
-def insert(g: Any, st: ThreadState, key: Any, e: Entry) -> None:
-    """Cache a new signature (the least recently used one goes beyond maxsize)."""
-    st.cache[key] = e
-    if g._maxsize is not None:
-        while len(st.cache) > g._maxsize:
-            old = next(iter(st.cache.values()))
-            g._storm.note_evicted(old)
-            st.drop(old)
-    st.last = e
 
 
 def new_entry(g: Any, ck: CallKey, call: Call, plan: Any, cuda: bool) -> Entry:
@@ -366,16 +294,3 @@ def _refuse_stored_grad_tensors(desc: str, plan: Any) -> None:
         "carry the autograd graph eager attaches to it, so a loss built from it later would "
         "silently miss its gradients.\n" + fix
     )
-
-
-def _raised_by_gtransform(err: BaseException) -> bool:
-    """Whether an exception of the trace was raised by gtransform's own code (not the function's)."""
-    frames = traceback.extract_tb(err.__traceback__)
-    return bool(frames) and frames[-1].filename.startswith(_PKG_DIR)
-
-
-def _raised_by_fake_kernels(err: BaseException) -> bool:
-    """Whether an exception of the trace comes from torch's fake or meta kernels."""
-    frames = traceback.extract_tb(err.__traceback__)
-    return (bool(frames) and frames[-1].filename.startswith(_TORCH_DIR)
-            and any(f.filename.startswith(_FAKE_KERNEL_DIRS) for f in frames))

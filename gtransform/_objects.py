@@ -19,60 +19,15 @@ import functools
 import gc
 import types
 import weakref
-from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from ._errors import GraphifyError
-from ._tree import NAMESPACE, flatten, leaf_paths, unflatten
+from ._tree import NAMESPACE, flatten, leaf_paths, register_containers_in, unflatten
 
-__all__ = ["flatten_output", "register_containers_in"]
-
-
-def _register_container(cls: type) -> bool:
-    """Teach our pytree namespace a container type optree does not know.
-
-    Types registered with ``torch.utils._pytree`` (e.g. Hugging Face's
-    ``ModelOutput``) are flattened the way torch does; dataclasses by their
-    fields. Returns whether ``cls`` was newly registered.
-    """
-    import dataclasses
-
-    import optree
-    import torch.utils._pytree as tpytree
-
-    node = tpytree.SUPPORTED_NODES.get(cls)
-    try:
-        if node is not None:
-            flat, unflat = node.flatten_fn, node.unflatten_fn
-
-            def _flat_t(x: Any) -> Any:
-                children, ctx = flat(x)
-                children = list(children)
-                if isinstance(ctx, (list, tuple)) and len(ctx) == len(children) and all(isinstance(k, str) for k in ctx):
-                    return children, ctx, tuple(ctx)  # the keys name the leaves (output.logits)
-                return children, ctx
-
-            optree.register_pytree_node(cls, _flat_t, lambda ctx, ch: unflat(list(ch), ctx), namespace=NAMESPACE)
-            return True
-        if dataclasses.is_dataclass(cls):
-            names = tuple(f.name for f in dataclasses.fields(cls))
-
-            def _flat_d(x: Any) -> Any:
-                return [getattr(x, n) for n in names], names, names
-
-            def _unflat_d(ctx: Any, children: Any) -> Any:
-                obj = object.__new__(cls)
-                for n, v in zip(ctx, children):
-                    object.__setattr__(obj, n, v)
-                return obj
-
-            optree.register_pytree_node(cls, _flat_d, _unflat_d, namespace=NAMESPACE)  # type: ignore[arg-type]
-            return True
-    except ValueError:  # already registered
-        return False
-    return False
+__all__ = ["flatten_output"]
 
 
 _QDTYPES = tuple(getattr(torch, n) for n in ("qint8", "quint8", "qint32", "quint4x2", "quint2x4") if hasattr(torch, n))
@@ -152,31 +107,6 @@ def _tensor_inside(x: Any, limit: int = 200_000) -> Optional[str]:
                 seen.add(id(v))
                 todo.append((v, p))
     return None
-
-
-def register_containers_in(leaves: Sequence[Any]) -> bool:
-    """Register the dataclasses and ``torch.utils._pytree`` types among ``leaves``.
-
-    Returns whether any was new (the tree must then be flattened again). Inputs and
-    outputs take such containers apart alike, whichever the process met first.
-    """
-    import dataclasses
-
-    import torch.utils._pytree as tpytree
-
-    new = False
-    for x in leaves:
-        if isinstance(x, torch.Tensor) or x is None:
-            continue
-        cls = type(x)
-        if cls in _NOT_CONTAINERS:  # torch.Size: a leaf, it comes back as a torch.Size (torch's pytree rebuilds a tuple)
-            continue
-        if cls in tpytree.SUPPORTED_NODES or (dataclasses.is_dataclass(cls) and not isinstance(x, type)):
-            new = _register_container(cls) or new
-    return new
-
-
-_NOT_CONTAINERS = frozenset((int, float, bool, str, type(None), complex, torch.Size))
 
 
 class _Rebuilt:

@@ -20,13 +20,13 @@ from typing import Any, List
 import torch
 
 from . import _fastpath
-from ._bind import flatten_args
 from ._cache import ThreadState
 from ._eager import eager
 from ._key import Entry
 from ._log import log
 from ._lookup import entry_for
 from ._record import Recording, make_recording
+from ._tree import flatten_args
 
 __all__ = ["run_flat", "call_plain"]
 
@@ -58,8 +58,8 @@ def call_plain(g: Any, args: Any, kwargs: Any) -> Any:
     """A call that is never differentiated and reaches no state (a forward or backward half of ``_autograd``)."""
     leaves, spec = flatten_args(args, kwargs)
     e, st, tensors = entry_for(g, leaves, spec, ())
-    if e is None:  # pragma: no cover - the halves touch no state
-        return eager(g, st, args, kwargs, ())
+    if e is None:
+        return eager(g, st, args, kwargs)
     return e.plan.assemble(run_flat(g, e, st, tensors))
 
 

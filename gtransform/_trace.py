@@ -44,6 +44,7 @@ from ._rewrite import (
 )
 from ._state import (
     AttrReads,
+    GeneratorGuard,
     Root,
     ScanResult,
     Slot,
@@ -55,9 +56,8 @@ from ._state import (
     leaf_grad,
     stored_error,
 )
-from ._tree import unflatten
+from ._tree import has_grad, unflatten
 from ._watch import (
-    TENSOR_ATTR,
     _AsIs,
     _compiling,
     _FnWatch,
@@ -731,41 +731,54 @@ def _no_grad_outputs_requiring_grad(desc: str, spec: Any, leaves: Sequence[Any],
         )
 
 
+@dataclass
+class _Inputs:
+    """What the trace takes from the caller's tensor inputs: their metadata, never their values."""
+
+    specs: List[Tuple[Tuple[int, ...], Tuple[int, ...], torch.dtype, torch.device, bool]]  # size, stride, dtype, device, rg
+    plain: List[bool]  # owns its storage exactly (plain_layout): what storage_offset() and as_strided read
+    grads: List[bool]  # has a .grad (reading it is refused)
+    attrs: List[Optional[Dict[str, Any]]]  # its Python attributes (t.__dict__), set on the stand-in
+    histories: List[Any]  # its grad_fn in the caller's graph (None: a leaf): what is_leaf / grad_fn read
+    bits: List[Tuple[bool, bool, bool]]  # conjugate, negative, inference (part of the signature)
+
+    @classmethod
+    def of(cls, tensors: Sequence[torch.Tensor]) -> _Inputs:
+        return cls([(tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad) for t in tensors],
+                   [plain_layout(t) for t in tensors], [has_grad(t) for t in tensors],
+                   [dict(t.__dict__) or None for t in tensors], [t.grad_fn for t in tensors],
+                   [(t.is_conj(), t.is_neg(), t.is_inference()) for t in tensors])
+
+    @property
+    def any_rg(self) -> bool:
+        return any(sp[4] for sp in self.specs)
+
+
 def trace(
     fn: Callable[..., Any],
     rebuild: Callable[[Sequence[torch.Tensor]], Tuple[Tuple[Any, ...], Dict[str, Any]]],
-    in_specs: Sequence[Tuple[Tuple[int, ...], Tuple[int, ...], torch.dtype, torch.device, bool]],
+    tensors: Sequence[torch.Tensor],
     in_paths: List[str],
     desc: str,
     cuda: bool,
     roots: Sequence[Root] = (),
-    plain: Optional[Sequence[bool]] = None,
-    grads: Sequence[bool] = (),
-    attrs: Sequence[Optional[Dict[str, Any]]] = (),
-    histories: Sequence[bool] = (),
-    bits: Sequence[Tuple[bool, ...]] = (),
+    extra: Sequence[Tuple[str, Any]] = (),
 ) -> Plan:
     """Trace ``fn`` for one signature.
 
     Args:
         fn: the user's function.
         rebuild: maps the flat tensor inputs back to ``(args, kwargs)``.
-        in_specs: ``(size, stride, dtype, device, requires_grad)`` per tensor input.
+        tensors: the caller's tensor inputs: the trace reads their metadata (size, strides,
+            dtype, device, ``requires_grad``, layout, ``.grad`` present, Python attributes,
+            autograd history, conjugate / negative / inference bits), never their values.
         in_paths: leaf paths of the tensor inputs, for messages.
         desc: ``graphify(name)``, for messages.
         cuda: whether the function is recorded by the CUDA backend.
         roots: the Python state ``fn`` reaches (see ``_state.find_roots``): put
             back as it was after the trace, and searched for escapes.
-        plain: per tensor input, whether it owns its storage exactly
-            (:func:`plain_layout`); ``None``: all do.
-        grads: per tensor input, whether it has a ``.grad`` (reading it is refused).
-        attrs: per tensor input, its Python attributes (``t.__dict__``) or None:
-            set on the trace's stand-in, so the function reads their values.
-        histories: per tensor input, its autograd history in the caller's graph (its
-            ``grad_fn``, None for a leaf): what ``x.is_leaf`` and ``x.grad_fn`` read while
-            tracing, and for messages (a loss computed outside and passed in).
-        bits: per tensor input, its conjugate, negative and inference bits (part of the
-            signature): what ``x.is_conj()``, ``x.is_neg()``, ``x.is_inference()`` read.
+        extra: the call's other arguments, ``(path, value)``: the caller's generators
+            passed in are watched like those the function closes over.
 
     Returns:
         The :class:`Plan` of the signature.
@@ -773,308 +786,332 @@ def trace(
     Raises:
         GraphifyError: something the recording cannot contain.
     """
+    inputs = _Inputs.of(tensors)
+    gens = GeneratorGuard(fn, extra, roots)
     snap = Snapshot(roots)
     try:
-        return _trace(snap, fn, rebuild, in_specs, in_paths, desc, cuda, roots, plain, grads, attrs, histories, bits)
+        plan = _Tracing(fn, rebuild, inputs, list(in_paths), desc, cuda, roots, snap).plan()
     except BaseException:
         # a failed trace leaves no half-state (DESIGN semantics 9): the roots go back whole,
         # Python values included (which a trace that succeeds leaves as it made them, as in
         # JAX): the call then runs eagerly or raises, and finds the state as the caller left it
         snap.restore(full=True)
+        gens.check(desc, raise_=False)
         raise
+    gens.check(desc, raise_=True)
+    return plan
 
 
-def _trace(
-    snap: Snapshot,
-    fn: Callable[..., Any],
-    rebuild: Callable[[Sequence[torch.Tensor]], Tuple[Tuple[Any, ...], Dict[str, Any]]],
-    in_specs: Sequence[Tuple[Tuple[int, ...], Tuple[int, ...], torch.dtype, torch.device, bool]],
-    in_paths: List[str],
-    desc: str,
-    cuda: bool,
-    roots: Sequence[Root],
-    plain: Optional[Sequence[bool]],
-    grads: Sequence[bool],
-    attrs: Sequence[Optional[Dict[str, Any]]],
-    histories: Sequence[bool],
-    bits: Sequence[Tuple[bool, ...]],
-) -> Plan:
-    """:func:`trace`, with the snapshot of the roots taken (put back whole by ``trace`` if this raises)."""
-    mode = _TraceMode(allow_non_fake_inputs=True)
-    with mode:
-        fakes = []
-        for size, stride, dtype, device, rg in in_specs:
-            t = torch.empty_strided(size, stride, dtype=dtype, device=device)
-            if rg:
-                t.requires_grad_(True)
-            fakes.append(t)
-    box: Dict[str, Any] = {}
-    storages: Dict[Any, int] = {}
-    paths = list(in_paths)
-    index = StateIndex(roots)
-    reads = AttrReads(roots)
-    watch = _Watch(storages, paths, desc, cuda, mode, index, len(fakes))
-    watch.overlapping = {i for i, sp in enumerate(in_specs) if _overlaps(sp[0], sp[1])}
-    fnwatch = _FnWatch(watch, storages, len(fakes), plain if plain is not None else [True] * len(fakes), grads,
-                       histories, bits)
-    for i, (t, a) in enumerate(zip(fakes, attrs)):
-        if a:
-            t.__dict__.update({k: (_TensorAttr(watch, paths[i], k) if v is TENSOR_ATTR else v) for k, v in a.items()})
+class _Tracing:
+    """One trace: the stand-ins of the inputs, the watchers, ``make_fx``, the checks after it, the plan."""
 
-    def is_ours(v: Any) -> bool:
-        return isinstance(v, FakeTensor) and v.fake_mode is mode
+    def __init__(self, fn: Callable[..., Any], rebuild: Callable[..., Any], inputs: _Inputs, paths: List[str],
+                 desc: str, cuda: bool, roots: Sequence[Root], snap: Snapshot):
+        self.fn, self.rebuild, self.inputs, self.paths = fn, rebuild, inputs, paths
+        self.desc, self.cuda, self.roots, self.snap = desc, cuda, roots, snap
+        self.mode = mode = _TraceMode(allow_non_fake_inputs=True)
+        with mode:
+            self.fakes = [torch.empty_strided(size, stride, dtype=dtype, device=device).requires_grad_(rg)
+                          for size, stride, dtype, device, rg in inputs.specs]
+        self.box: Dict[str, Any] = {}
+        self.storages: Dict[Any, int] = {}
+        self.index = StateIndex(roots)
+        self.reads = AttrReads(roots)
+        self.watch = watch = _Watch(self.storages, paths, desc, cuda, mode, self.index, len(self.fakes))
+        watch.overlapping = {i for i, sp in enumerate(inputs.specs) if _overlaps(sp[0], sp[1])}
+        self.fnwatch = _FnWatch(watch, self.storages, len(self.fakes), inputs.plain, inputs.grads,
+                                inputs.histories, inputs.bits)
+        for i, (t, a) in enumerate(zip(self.fakes, inputs.attrs)):
+            if a:  # (a tensor-valued attribute: a stand-in whose use is refused)
+                t.__dict__.update({k: (_TensorAttr(watch, paths[i], k) if isinstance(v, torch.Tensor) else v)
+                                   for k, v in a.items()})
 
-    def flat_fn(*tensors: torch.Tensor) -> Tuple[torch.Tensor, ...]:
-        storages.clear()
+    def is_ours(self, v: Any) -> bool:
+        return isinstance(v, FakeTensor) and v.fake_mode is self.mode
+
+    def flat_fn(self, *tensors: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        """The function over the flat tensor inputs, as ``make_fx`` traces it; what it leaves goes in ``box``."""
+        watch, box, desc = self.watch, self.box, self.desc
+        self.storages.clear()
         for i, t in enumerate(tensors):
-            storages.setdefault(StorageWeakRef(t.untyped_storage()), i)
+            self.storages.setdefault(StorageWeakRef(t.untyped_storage()), i)
         box["inputs"] = tensors
-        fnwatch.inputs = tensors
-        args, kwargs = rebuild(tensors)
-        with watch, fnwatch, reads:
-            out = fn(*args, **kwargs)
+        self.fnwatch.inputs = tensors
+        args, kwargs = self.rebuild(tensors)
+        with watch, self.fnwatch, self.reads:
+            out = self.fn(*args, **kwargs)
         leaves, spec = flatten_output(out, desc)
         # a tensor the function returns as it reached it (a closed-over W,
         # `return self.weight`) is that very tensor in eager: state read in
         # place (so the output is the current tensor itself), or, a CPU tensor
         # of a CUDA function, handed back as is
-        leaves = [_returned_as_is(x, watch, cuda) if isinstance(x, torch.Tensor) and not isinstance(x, FakeTensor) else x
-                  for x in leaves]
+        leaves = [_returned_as_is(x, watch, self.cuda) if isinstance(x, torch.Tensor) and not isinstance(x, FakeTensor)
+                  else x for x in leaves]
         box["spec"] = spec
         box["leaves"] = leaves
         box["custom_grad"] = _custom_functions([x for x in leaves if isinstance(x, torch.Tensor)],
                                                [t.grad_fn for t in watch.state if t.grad_fn is not None])
+        histories = self.inputs.histories
         for i, t in enumerate(tensors):
-            if t.requires_grad and is_ours(leaf_grad(t)):
-                _grad_of_argument(desc, paths[i], fnwatch.backward_at, i < len(histories) and histories[i] is not None)
-        scan = snap.scan(is_ours)
+            if t.requires_grad and self.is_ours(leaf_grad(t)):
+                _grad_of_argument(desc, self.paths[i], self.fnwatch.backward_at,
+                                  i < len(histories) and histories[i] is not None)
+        scan = self.snap.scan(self.is_ours)
         slots = {(id(s.obj), s.kind, s.key) for s, _ in scan.escapes}
         for k, t in enumerate(watch.state):
             g = leaf_grad(t) if t.requires_grad else None
-            if is_ours(g) and (id(t), "grad", "grad") not in slots:
+            if self.is_ours(g) and (id(t), "grad", "grad") not in slots:
                 scan.escapes.append((Slot("grad", t, "grad", f"{watch.paths[watch.n_in + k]}.grad"), g))
         box["scan"] = scan
         # .grad set to None by the function (zero_grad()) and not made again by its backward
         # (a parameter this signature does not use): eager leaves it None after every call
-        box["grad_cleared"] = [t for t in fnwatch.grad_cleared.values() if leaf_grad(t) is None]
+        box["grad_cleared"] = [t for t in self.fnwatch.grad_cleared.values() if leaf_grad(t) is None]
         outs = [x for x in leaves if isinstance(x, torch.Tensor)] + [f for _, f in scan.escapes]
         return tuple(_resolved(outs, list(tensors) + list(watch.state_fakes)))
 
-    host_rng = _host_rng_state()
-    host_drew: List[str] = []
-    try:
+    def make_fx(self) -> Tuple[torch.fx.GraphModule, List[str]]:
+        """``make_fx`` of :meth:`flat_fn`, its failures told as the user's; and what it drew on the host."""
+        desc, cuda = self.desc, self.cuda
+        host_rng = _host_rng_state()
+        host_drew: List[str] = []
         try:
-            # fx tracing keeps global state (its patcher): one trace at a time
-            with TRACE_LOCK, _compiling(), _parametrize_cache(), _no_seeding(desc), _rnn_weights_as_they_are(), \
-                    _quiet_fake_log(), mode:
-                _ACTIVE.depth = _ACTIVE.__dict__.get("depth", 0) + 1
-                try:
-                    gm = make_fx(flat_fn, tracing_mode="real", _allow_non_fake_inputs=True)(*fakes)
-                finally:
-                    _ACTIVE.depth -= 1
-        except (DataDependentOutputException, DynamicOutputShapeException, GuardOnDataDependentSymNode) as e:
-            raise _data_dependent(desc, e, cuda) from None
-        except NotImplementedError as e:
-            if "Generator" not in str(e):
-                raise
-            fr = user_frame_from_exc(e)
-            raise GraphifyError(
-                f"{desc}: a random op takes an explicit torch.Generator, which this version of "
-                f"torch ({torch.__version__}) cannot trace.\n  at {format_frame(fr)}\n"
-                "Why: the tracer cannot record a Generator object as an argument of an operation.\n"
-                "Fix: use the default generator (seeded with torch.manual_seed), or upgrade torch "
-                "(2.13 traces explicit generators)."
-            ) from None
-        except RuntimeError as e:
-            msg = str(e)
-            host = next((what for key, what in _HOST_READS if key in msg), None)
-            fix_more = next((f for key, f in _HOST_READ_FIX.items() if key in msg), "")
-            if host is None:
-                internal = _internal_failure(desc, e, cuda)
-                if internal is None:
+            try:
+                # fx tracing keeps global state (its patcher): one trace at a time
+                with TRACE_LOCK, _compiling(), _parametrize_cache(), _no_seeding(desc), _rnn_weights_as_they_are(), \
+                        _quiet_fake_log(), self.mode:
+                    _ACTIVE.depth = _ACTIVE.__dict__.get("depth", 0) + 1
+                    try:
+                        gm = make_fx(self.flat_fn, tracing_mode="real", _allow_non_fake_inputs=True)(*self.fakes)
+                    finally:
+                        _ACTIVE.depth -= 1
+            except Exception as e:
+                told = _trace_error(desc, e, cuda)
+                if told is None:
                     raise
-                raise internal from e
-            fr = user_frame_from_exc(e)
-            raise GraphifyError(
-                f"{desc}: {host} reads a tensor's data on the host.\n  at {format_frame(fr)}\n"
-                "Why: a recording is traced once without real data and replayed without Python; "
-                "host-side reads of tensor data cannot be part of it.\n"
-                f"Fix: keep the computation in torch ops on the device{fix_more}, or move this part out "
-                "of the graphified function."
-            ) from None
-        except TypeError as e:
-            # raised inside torch on fake tensors (torch.optim's traceable branch of Adamax with
-            # foreach=True passes tensors where eager passes numbers); the user's own TypeError
-            # propagates unchanged
-            internal = _internal_failure(desc, e, cuda)
-            if internal is None:
-                raise
-            raise internal from e
-        except SyntaxError as e:
-            # torch.fx writes each op as `torch.ops.aten.<op>.<overload>`: an overload named
-            # after a Python keyword (aten.random_.from, of Tensor.random_(low, high)) cannot be
-            # written so (a torch limitation)
-            line = (e.text or "").strip()
-            raise GraphifyError(
-                f"{desc}: torch.fx cannot write the traced graph as Python code (SyntaxError at "
-                f"`{line}`).\n"
-                "Why: an operation's overload has the name of a Python keyword; Tensor.random_(low, "
-                "high) is one (aten.random_.from), and torch's tracer cannot record it.\n"
-                "Fix: draw with torch.randint(low, high, size, device=..., dtype=...) instead of "
-                "Tensor.random_(low, high) (it follows torch.manual_seed as eager does), or move that "
-                "operation out of the graphified function."
-            ) from None
-        except UnsupportedOperatorException as e:
-            fr = user_frame_from_exc(e)
-            raise GraphifyError(
-                f"{desc}: operator {e} cannot be traced with fake tensors.\n  at {format_frame(fr)}\n"
-                "Why: graphify traces each signature without running it, and this operator has no "
-                "shape rule (meta kernel).\nFix: move this operation out of the graphified function."
-            ) from None
-        finally:
-            # the trace has no visible effect on the Python state the function reaches,
-            # nor on its tensors' autograd history
-            snap.restore()
-            drop_history(watch.no_history)
-            mode.closed = desc
-            host_drew = _host_rng_restore(host_rng)
+                raise told[0] from told[1]
+            finally:
+                # the trace has no visible effect on the Python state the function reaches,
+                # nor on its tensors' autograd history
+                self.snap.restore()
+                drop_history(self.watch.no_history)
+                self.mode.closed = desc
+                host_drew = _host_rng_restore(host_rng)
+        except GraphifyError as err:
+            # the first call of a signature that touches state may fail to trace before
+            # lazily created state exists: the caller may run that call eagerly instead
+            err.gt_touched_state = bool(self.watch.state)  # type: ignore[attr-defined]
+            raise
+        return gm, host_drew
 
-    except GraphifyError as err:
-        # the first call of a signature that touches state may fail to trace before
-        # lazily created state exists: the caller may run that call eagerly instead
-        err.gt_touched_state = bool(watch.state)  # type: ignore[attr-defined]
-        raise
-
-    watch.check_layouts(list(box["inputs"]) + list(watch.state_fakes))
-    if host_drew:
-        raise GraphifyError(
-            f"{desc}: the function draws random numbers on the host ({' and '.join(host_drew)}).\n"
-            "Why: host random numbers become constants of the recording: every replay would reuse "
-            "the numbers drawn while tracing (torch's random ops draw fresh ones on every call).\n"
-            "Fix: draw them with torch (torch.rand, torch.randint, torch.bernoulli... follow "
-            "torch.manual_seed), or draw them outside and pass them in as tensor arguments. For "
-            "Hugging Face speech models (wav2vec2, HuBERT, WavLM, Whisper), SpecAugment masks time "
-            "steps with numpy: set config.mask_time_prob = config.mask_feature_prob = 0 (or "
-            "apply_spec_augment=False) while graphified."
-        )
-    scan = box["scan"]
-    _no_dynamic_cache(desc, roots, scan)
-    if scan.appended:
-        made = next((x for x in scan.sites if x), "")
-        raise escape_error(desc, scan.appended, f"\n  made at {made}" if made else "", scan.grown)
-    if scan.stored:
-        made = next((x for x in scan.stored_sites if x), "")
-        refusal = stored_error(desc, scan.stored, f"\n  made at {made}" if made else "")
-        # an object made on first use (`if self.cache is None: self.cache = Cache(...)`): that
-        # call runs eagerly, and a trace that stores one again (every call does) is refused
-        refusal.gt_touched_state = True  # type: ignore[attr-defined]
-        raise refusal
-    if torch.is_grad_enabled() and not fnwatch.for_grad and (
-            any(sp[4] for sp in in_specs) or any(f.requires_grad for f in watch.state_fakes)):
-        hooked = _backward_hooked_modules(roots)
-        if hooked:
+    def check(self, host_drew: List[str]) -> None:
+        """Refuse what the trace did that a replay cannot do as eager does."""
+        desc, watch, scan, fnwatch = self.desc, self.watch, self.box["scan"], self.fnwatch
+        watch.check_layouts(list(self.box["inputs"]) + list(watch.state_fakes))
+        if host_drew:
             raise GraphifyError(
-                f"{desc}: the function uses module {hooked[0]}, which has backward hooks "
-                "(register_full_backward_hook / register_full_backward_pre_hook), in grad mode.\n"
-                "Why: eager calls those Python hooks in every backward; a recording's backward is "
-                "replayed without Python, so they would run once, while tracing, or never.\n"
-                "Fix: remove the hooks while the model runs graphified (handle.remove()), call it "
-                "under torch.no_grad() if no gradient is needed, or hook the parameters instead "
-                "(p.register_hook(...) runs when the gradient reaches p)."
+                f"{desc}: the function draws random numbers on the host ({' and '.join(host_drew)}).\n"
+                "Why: host random numbers become constants of the recording: every replay would reuse "
+                "the numbers drawn while tracing (torch's random ops draw fresh ones on every call).\n"
+                "Fix: draw them with torch (torch.rand, torch.randint, torch.bernoulli... follow "
+                "torch.manual_seed), or draw them outside and pass them in as tensor arguments. For "
+                "Hugging Face speech models (wav2vec2, HuBERT, WavLM, Whisper), SpecAugment masks time "
+                "steps with numpy: set config.mask_time_prob = config.mask_feature_prob = 0 (or "
+                "apply_spec_augment=False) while graphified."
             )
-    if not torch.is_grad_enabled() and not fnwatch.for_grad:
-        _no_grad_outputs_requiring_grad(desc, box["spec"], box["leaves"], scan.escapes)
-    _lift_state(gm, watch.state_fakes)
-    _no_traced_constants(gm, is_ours, desc)
-    _drop_profiler_nodes(gm)
-    _reshape_computed_views(gm)
-    _kernels_in_grad_mode(gm)
-    _materialize_zero_tensors(gm)
-    gm.recompile()
-    if cuda:
-        _constants_to_device(gm, next((t.device for t in fakes), None))
-    inputs = list(box["inputs"]) + list(watch.state_fakes)
-    in_store: Dict[Any, int] = {}
-    for i, t in enumerate(inputs):
-        in_store.setdefault(StorageWeakRef(t.untyped_storage()), i)
-    k = 0
+        _no_dynamic_cache(desc, self.roots, scan)
+        if scan.appended:
+            made = next((x for x in scan.sites if x), "")
+            raise escape_error(desc, scan.appended, f"\n  made at {made}" if made else "", scan.grown)
+        if scan.stored:
+            made = next((x for x in scan.stored_sites if x), "")
+            refusal = stored_error(desc, scan.stored, f"\n  made at {made}" if made else "")
+            # an object made on first use (`if self.cache is None: self.cache = Cache(...)`): that
+            # call runs eagerly, and a trace that stores one again (every call does) is refused
+            refusal.gt_touched_state = True  # type: ignore[attr-defined]
+            raise refusal
+        if torch.is_grad_enabled() and not fnwatch.for_grad and (
+                self.inputs.any_rg or any(f.requires_grad for f in watch.state_fakes)):
+            _no_backward_hooks(desc, self.roots)
+        if not torch.is_grad_enabled() and not fnwatch.for_grad:
+            _no_grad_outputs_requiring_grad(desc, self.box["spec"], self.box["leaves"], scan.escapes)
 
-    def entry(val: torch.Tensor, what: str) -> OutEntry:
+    def graph(self, gm: torch.fx.GraphModule) -> None:
+        """The passes of ``_rewrite`` over the traced graph."""
+        _lift_state(gm, self.watch.state_fakes)
+        _no_traced_constants(gm, self.is_ours, self.desc)
+        _drop_profiler_nodes(gm)
+        _reshape_computed_views(gm)
+        _kernels_in_grad_mode(gm)
+        _materialize_zero_tensors(gm)
+        gm.recompile()
+        if self.cuda:
+            _constants_to_device(gm, next((t.device for t in self.fakes), None))
+
+    def outputs(self) -> Tuple[List[OutEntry], List[OutEntry]]:
+        """How each output leaf and each tensor left in Python state is produced at call time."""
+        inputs = list(self.box["inputs"]) + list(self.watch.state_fakes)
+        in_store: Dict[Any, int] = {}
+        for i, t in enumerate(inputs):
+            in_store.setdefault(StorageWeakRef(t.untyped_storage()), i)
+        entries: List[OutEntry] = []
+        for leaf in self.box["leaves"]:
+            if isinstance(leaf, _AsIs):
+                entries.append(OutEntry("const", value=leaf.t))
+            elif not isinstance(leaf, torch.Tensor):
+                c = fresh_copier(leaf)  # (a copy of its own: the first call may hand out the traced one)
+                entries.append(OutEntry("const", value=leaf if c is None else c(leaf), fresh=c))
+            else:
+                entries.append(self._entry(leaf, f"output {len(entries)}", inputs, in_store, entries))
+        esc_entries: List[OutEntry] = []
+        for slot, fake in self.box["scan"].escapes:
+            if fake.layout != torch.strided:
+                _sparse_left(self.desc, fake, slot)
+            esc_entries.append(self._entry(fake, slot.path, inputs, in_store, entries + esc_entries))
+        return entries, esc_entries
+
+    def _entry(self, val: torch.Tensor, what: str, inputs: List[torch.Tensor], in_store: Dict[Any, int],
+               before: List[OutEntry]) -> OutEntry:
         src = in_store.get(StorageWeakRef(val.untyped_storage()))
         if src is None:
-            return OutEntry("pool", index=k)
-        inp = inputs[src]
-        if val.dtype != inp.dtype:
-            raise GraphifyError(
-                f"{desc}: {what} is a view of input {paths[src]} with another dtype "
-                f"({inp.dtype} -> {val.dtype}).\nWhy: outputs that alias inputs are rebuilt "
-                "from the caller's tensor, which needs the same dtype.\n"
-                "Fix: return .clone() of that output."
-            )
-        rel = val.storage_offset() - inp.storage_offset()
-        return OutEntry("input", index=src, size=tuple(val.shape), stride=val.stride(), rel_offset=rel,
-                        identical=val is inp, conj=val.is_conj() != inp.is_conj(), neg=val.is_neg() != inp.is_neg())
+            ent = OutEntry("pool", index=sum(e.kind != "const" for e in before))
+        else:
+            inp = inputs[src]
+            if val.dtype != inp.dtype:
+                raise GraphifyError(
+                    f"{self.desc}: {what} is a view of input {self.paths[src]} with another dtype "
+                    f"({inp.dtype} -> {val.dtype}).\nWhy: outputs that alias inputs are rebuilt "
+                    "from the caller's tensor, which needs the same dtype.\n"
+                    "Fix: return .clone() of that output."
+                )
+            ent = OutEntry("input", index=src, size=tuple(val.shape), stride=val.stride(),
+                           rel_offset=int(val.storage_offset() - inp.storage_offset()), identical=val is inp,
+                           conj=val.is_conj() != inp.is_conj(), neg=val.is_neg() != inp.is_neg())
+        ent.requires_grad = bool(val.requires_grad)
+        return ent
 
-    entries: List[OutEntry] = []
-    for leaf in box["leaves"]:
-        if isinstance(leaf, _AsIs):
-            entries.append(OutEntry("const", value=leaf.t))
-            continue
-        if not isinstance(leaf, torch.Tensor):
-            c = fresh_copier(leaf)  # (a copy of its own: the first call may hand out the traced one)
-            entries.append(OutEntry("const", value=leaf if c is None else c(leaf), fresh=c))
-            continue
-        ent = entry(leaf, f"output {k}")
-        ent.requires_grad = bool(leaf.requires_grad)
-        entries.append(ent)
-        k += 1
-    esc_entries: List[OutEntry] = []
-    for slot, fake in scan.escapes:
-        if fake.layout != torch.strided:
-            sparse_grad = (" (nn.Embedding(sparse=True) and nn.EmbeddingBag(sparse=True) make sparse "
-                           "gradients)") if slot.kind == "grad" else ""
-            raise GraphifyError(
-                f"{desc}: the function leaves a {fake.layout} tensor in {slot.path}{sparse_grad}.\n"
-                "Why: what the function leaves in Python state is written back from the recording's "
-                "memory after every call, as dense strided tensors.\n"
-                "Fix: use dense tensors there (nn.Embedding(..., sparse=False)), or leave nothing behind "
-                "(call opt.zero_grad() at the end of the function, after opt.step())."
-            )
-        ent = entry(fake, slot.path)
-        ent.requires_grad = bool(fake.requires_grad)
-        esc_entries.append(ent)
-        k += 1
-    state_slots = [index.slot_of(t) for t in watch.state]
-    return Plan(
-        gm=gm,
-        in_paths=paths,
-        mutated=set(watch.mutated),
-        mutated_at=dict(watch.mutated_at),
-        out_spec=box["spec"],
-        out_entries=entries,
-        n_gm_out=k,
-        uses_cuda=watch.uses_cuda,
-        random=watch.random,
-        op_count=watch.ops,
-        generators=watch.generators,
-        state=list(watch.state),
-        state_slots=state_slots,
-        state_names=paths[len(fakes):],
-        escape_slots=[s for s, _ in scan.escapes],
-        grad_cleared=box.get("grad_cleared", []),
-        escape_entries=esc_entries,
-        py_changes=list(scan.changes),
-        roots=list(roots),
-        attr_reads=reads,
-        layout_idx=set(fnwatch.layout_used),
-        grad_idx=set(fnwatch.grad_read),
-        leaf_idx=dict(fnwatch.leaf_read),
-        hooks=list(fnwatch.hooks),
-        custom_grad=box.get("custom_grad", []),
-        rg_traced=(any(sp[4] for sp in in_specs) or any(f.requires_grad for f in watch.state_fakes)) and not fnwatch.for_grad,
-        ran_backward=fnwatch.backward_calls > 0 or any(s.kind == "grad" for s, _ in scan.escapes) or any(
-            s is not None and s.kind == "grad" for s in state_slots),
-        fn=fn,
-        rebuild=rebuild,
-        cuda=cuda,
+    def plan(self) -> Plan:
+        """Trace, check, rewrite: the :class:`Plan` of the signature."""
+        gm, host_drew = self.make_fx()
+        self.check(host_drew)
+        self.graph(gm)
+        entries, esc_entries = self.outputs()
+        watch, fnwatch, scan, paths = self.watch, self.fnwatch, self.box["scan"], self.paths
+        state_slots = [self.index.slot_of(t) for t in watch.state]
+        return Plan(
+            gm=gm,
+            in_paths=paths,
+            mutated=set(watch.mutated),
+            mutated_at=dict(watch.mutated_at),
+            out_spec=self.box["spec"],
+            out_entries=entries,
+            n_gm_out=sum(e.kind != "const" for e in entries + esc_entries),
+            uses_cuda=watch.uses_cuda,
+            random=watch.random,
+            op_count=watch.ops,
+            generators=watch.generators,
+            state=list(watch.state),
+            state_slots=state_slots,
+            state_names=paths[len(self.fakes):],
+            escape_slots=[s for s, _ in scan.escapes],
+            grad_cleared=self.box.get("grad_cleared", []),
+            escape_entries=esc_entries,
+            py_changes=list(scan.changes),
+            roots=list(self.roots),
+            attr_reads=self.reads,
+            layout_idx=set(fnwatch.layout_used),
+            grad_idx=set(fnwatch.grad_read),
+            leaf_idx=dict(fnwatch.leaf_read),
+            hooks=list(fnwatch.hooks),
+            custom_grad=self.box.get("custom_grad", []),
+            rg_traced=(self.inputs.any_rg or any(f.requires_grad for f in watch.state_fakes)) and not fnwatch.for_grad,
+            ran_backward=fnwatch.backward_calls > 0 or any(s.kind == "grad" for s, _ in scan.escapes) or any(
+                s is not None and s.kind == "grad" for s in state_slots),
+            fn=self.fn,
+            rebuild=self.rebuild,
+            cuda=self.cuda,
+        )
+
+
+def _trace_error(desc: str, e: Exception, cuda: bool) -> Optional[Tuple[BaseException, Optional[BaseException]]]:
+    """What ``make_fx``'s exception ``e`` means for the user: the error to raise and its cause, or None (as is)."""
+    if isinstance(e, (DataDependentOutputException, DynamicOutputShapeException, GuardOnDataDependentSymNode)):
+        return _data_dependent(desc, e, cuda), None
+    if isinstance(e, NotImplementedError):
+        if "Generator" not in str(e):
+            return None
+        return GraphifyError(
+            f"{desc}: a random op takes an explicit torch.Generator, which this version of "
+            f"torch ({torch.__version__}) cannot trace.\n  at {format_frame(user_frame_from_exc(e))}\n"
+            "Why: the tracer cannot record a Generator object as an argument of an operation.\n"
+            "Fix: use the default generator (seeded with torch.manual_seed), or upgrade torch "
+            "(2.13 traces explicit generators)."
+        ), None
+    if isinstance(e, RuntimeError):
+        msg = str(e)
+        host = next((what for key, what in _HOST_READS if key in msg), None)
+        fix_more = next((f for key, f in _HOST_READ_FIX.items() if key in msg), "")
+        if host is None:
+            internal = _internal_failure(desc, e, cuda)
+            return None if internal is None else (internal, e)
+        return GraphifyError(
+            f"{desc}: {host} reads a tensor's data on the host.\n  at {format_frame(user_frame_from_exc(e))}\n"
+            "Why: a recording is traced once without real data and replayed without Python; "
+            "host-side reads of tensor data cannot be part of it.\n"
+            f"Fix: keep the computation in torch ops on the device{fix_more}, or move this part out "
+            "of the graphified function."
+        ), None
+    if isinstance(e, TypeError):
+        # raised inside torch on fake tensors (torch.optim's traceable branch of Adamax with
+        # foreach=True passes tensors where eager passes numbers); the user's own TypeError
+        # propagates unchanged
+        internal = _internal_failure(desc, e, cuda)
+        return None if internal is None else (internal, e)
+    if isinstance(e, SyntaxError):
+        # torch.fx writes each op as `torch.ops.aten.<op>.<overload>`: an overload named
+        # after a Python keyword (aten.random_.from, of Tensor.random_(low, high)) cannot be
+        # written so (a torch limitation)
+        line = (e.text or "").strip()
+        return GraphifyError(
+            f"{desc}: torch.fx cannot write the traced graph as Python code (SyntaxError at "
+            f"`{line}`).\n"
+            "Why: an operation's overload has the name of a Python keyword; Tensor.random_(low, "
+            "high) is one (aten.random_.from), and torch's tracer cannot record it.\n"
+            "Fix: draw with torch.randint(low, high, size, device=..., dtype=...) instead of "
+            "Tensor.random_(low, high) (it follows torch.manual_seed as eager does), or move that "
+            "operation out of the graphified function."
+        ), None
+    if isinstance(e, UnsupportedOperatorException):
+        return GraphifyError(
+            f"{desc}: operator {e} cannot be traced with fake tensors.\n  at {format_frame(user_frame_from_exc(e))}\n"
+            "Why: graphify traces each signature without running it, and this operator has no "
+            "shape rule (meta kernel).\nFix: move this operation out of the graphified function."
+        ), None
+    return None
+
+
+def _no_backward_hooks(desc: str, roots: Sequence[Root]) -> None:
+    """A differentiated call of a module with backward hooks: refused (a replay's backward runs no Python)."""
+    hooked = _backward_hooked_modules(roots)
+    if hooked:
+        raise GraphifyError(
+            f"{desc}: the function uses module {hooked[0]}, which has backward hooks "
+            "(register_full_backward_hook / register_full_backward_pre_hook), in grad mode.\n"
+            "Why: eager calls those Python hooks in every backward; a recording's backward is "
+            "replayed without Python, so they would run once, while tracing, or never.\n"
+            "Fix: remove the hooks while the model runs graphified (handle.remove()), call it "
+            "under torch.no_grad() if no gradient is needed, or hook the parameters instead "
+            "(p.register_hook(...) runs when the gradient reaches p)."
+        )
+
+
+def _sparse_left(desc: str, fake: torch.Tensor, slot: Any) -> None:
+    """A sparse tensor left in Python state (a sparse embedding's gradient): refused."""
+    sparse_grad = (" (nn.Embedding(sparse=True) and nn.EmbeddingBag(sparse=True) make sparse "
+                   "gradients)") if slot.kind == "grad" else ""
+    raise GraphifyError(
+        f"{desc}: the function leaves a {fake.layout} tensor in {slot.path}{sparse_grad}.\n"
+        "Why: what the function leaves in Python state is written back from the recording's "
+        "memory after every call, as dense strided tensors.\n"
+        "Fix: use dense tensors there (nn.Embedding(..., sparse=False)), or leave nothing behind "
+        "(call opt.zero_grad() at the end of the function, after opt.step())."
     )

@@ -1,5 +1,9 @@
 """One pytree policy for the whole library, leaf paths, and signature keys.
 
+Containers optree does not know are registered in our namespace when first met (as inputs
+or as outputs): types registered with ``torch.utils._pytree`` (Hugging Face's
+``ModelOutput``) the way torch flattens them, dataclasses by their fields.
+
 Policy: optree with ``namespace="gtransform"`` and ``none_is_leaf=False``
 (``None`` is an empty subtree, as in JAX). Users may register their own
 containers in that namespace with ``optree.register_pytree_node(...,
@@ -23,6 +27,9 @@ __all__ = [
     "leaf_paths",
     "static_leaf_key",
     "tensor_meta",
+    "has_grad",
+    "flatten_args",
+    "register_containers_in",
 ]
 
 NAMESPACE = "gtransform"
@@ -162,6 +169,95 @@ def static_leaf_key(leaf: Any) -> Hashable:
     return (t, leaf)
 
 
+def has_grad(t: torch.Tensor) -> bool:
+    """Whether ``t`` has a ``.grad`` (read without the non-leaf warning)."""
+    return (t.is_leaf or t.retains_grad) and t.grad is not None
+
+
 def tensor_meta(t: torch.Tensor) -> Tuple[Any, ...]:
     """Cache-key entry of a tensor leaf."""
     return (type(t), tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad)
+
+
+def _register_container(cls: type) -> bool:
+    """Teach our pytree namespace a container type optree does not know.
+
+    Types registered with ``torch.utils._pytree`` (e.g. Hugging Face's
+    ``ModelOutput``) are flattened the way torch does; dataclasses by their
+    fields. Returns whether ``cls`` was newly registered.
+    """
+    import dataclasses
+
+    import optree
+    import torch.utils._pytree as tpytree
+
+    node = tpytree.SUPPORTED_NODES.get(cls)
+    try:
+        if node is not None:
+            flat, unflat = node.flatten_fn, node.unflatten_fn
+
+            def _flat_t(x: Any) -> Any:
+                children, ctx = flat(x)
+                children = list(children)
+                if isinstance(ctx, (list, tuple)) and len(ctx) == len(children) and all(isinstance(k, str) for k in ctx):
+                    return children, ctx, tuple(ctx)  # the keys name the leaves (output.logits)
+                return children, ctx
+
+            optree.register_pytree_node(cls, _flat_t, lambda ctx, ch: unflat(list(ch), ctx), namespace=NAMESPACE)
+            return True
+        if dataclasses.is_dataclass(cls):
+            names = tuple(f.name for f in dataclasses.fields(cls))
+
+            def _flat_d(x: Any) -> Any:
+                return [getattr(x, n) for n in names], names, names
+
+            def _unflat_d(ctx: Any, children: Any) -> Any:
+                obj = object.__new__(cls)
+                for n, v in zip(ctx, children):
+                    object.__setattr__(obj, n, v)
+                return obj
+
+            optree.register_pytree_node(cls, _flat_d, _unflat_d, namespace=NAMESPACE)  # type: ignore[arg-type]
+            return True
+    except ValueError:  # already registered
+        return False
+    return False
+
+
+def register_containers_in(leaves: Sequence[Any]) -> bool:
+    """Register the dataclasses and ``torch.utils._pytree`` types among ``leaves``.
+
+    Returns whether any was new (the tree must then be flattened again). Inputs and
+    outputs take such containers apart alike, whichever the process met first.
+    """
+    import dataclasses
+
+    import torch.utils._pytree as tpytree
+
+    new = False
+    for x in leaves:
+        if isinstance(x, torch.Tensor) or x is None:
+            continue
+        cls = type(x)
+        if cls in _NOT_CONTAINERS:  # torch.Size: a leaf, it comes back as a torch.Size (torch's pytree rebuilds a tuple)
+            continue
+        if cls in tpytree.SUPPORTED_NODES or (dataclasses.is_dataclass(cls) and not isinstance(x, type)):
+            new = _register_container(cls) or new
+    return new
+
+
+_NOT_CONTAINERS = frozenset((int, float, bool, str, type(None), complex, torch.Size))
+
+
+def flatten_args(args: Any, kwargs: Any) -> Tuple[List[Any], Any]:
+    """Flatten the call's arguments.
+
+    Dataclasses and torch-pytree containers are taken apart (registered on first
+    sight, as outputs are), nested ones too.
+    """
+    leaves, spec = flatten((args, kwargs))
+    for _ in range(8):
+        if not register_containers_in(leaves):
+            break
+        leaves, spec = flatten((args, kwargs))
+    return leaves, spec

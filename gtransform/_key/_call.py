@@ -22,6 +22,7 @@ from ._parts import alias_pattern, dict_orders, same_objects, tensor_bits
 __all__ = ["CallKey", "call_key"]
 
 _Parameter = torch.nn.Parameter
+_strided = torch.strided
 
 
 class CallKey(NamedTuple):
@@ -40,47 +41,48 @@ def call_key(desc: str, leaves: Sequence[Any], spec: Any, tree: Any, statics: Tu
     ``tree`` is ``(args, kwargs)``: its leaf paths name a refused leaf, and its dicts' key
     orders are part of the key.
     """
-    parts: List[Any] = []
-    tpos: List[int] = []
-    paths: List[str] = []
-    device = None
-
-    def get_paths() -> List[str]:
-        if not paths:
-            paths.extend(leaf_paths(tree))
-        return paths
-
-    for i, x in enumerate(leaves):
-        if isinstance(x, torch.Tensor):
-            if type(x) is not torch.Tensor and type(x) is not _Parameter:
-                _bad_tensor(desc, get_paths()[i], x)
-            if x.layout != torch.strided or x.is_nested or x.device.type == "meta" or x.is_quantized:
-                _bad_tensor(desc, get_paths()[i], x)
-            if device is None:
-                device = x.device
-            elif x.device != device:
-                _mixed_devices(desc, leaves, get_paths())
-            parts.append(tensor_meta(x))
-            tpos.append(i)
-        else:
-            try:
-                parts.append(static_leaf_key(x))
-            except TypeError:
-                raise TypeError(
-                    f"{desc}: the non-tensor leaf {get_paths()[i]} of type {type(x).__name__} is not "
-                    "hashable. Non-tensor leaves are static: their values are part of the cache key. "
-                    "Fix: pass it as a tensor, make it hashable (e.g. a tuple instead of a list), or "
-                    "register its type as a pytree node with optree (namespace='gtransform')."
-                ) from None
+    tpos = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
     ts = [leaves[i] for i in tpos]
+    device = ts[0].device if ts else None
+    for i, t in zip(tpos, ts):
+        if not _plain(t) or t.device != device:
+            _refuse(desc, leaves, tree, i)
     alias = (alias_pattern(ts), same_objects(ts), tensor_bits(ts))
-    return CallKey((spec, tuple(parts), alias, statics, glob, dict_orders(tree)), parts, tpos, device, paths)
+    parts: List[Any] = []
+    try:
+        for x in leaves:
+            parts.append(tensor_meta(x) if isinstance(x, torch.Tensor) else static_leaf_key(x))
+    except TypeError:
+        _refuse(desc, leaves, tree, len(parts))
+    return CallKey((spec, tuple(parts), alias, statics, glob, dict_orders(tree)), parts, tpos, device, [])
+
+
+def _plain(t: torch.Tensor) -> bool:
+    """Whether a recording takes the tensor: dense, strided, with data, a torch.Tensor or nn.Parameter."""
+    return ((type(t) is torch.Tensor or type(t) is _Parameter) and t.layout == _strided and not t.is_nested
+            and t.device.type != "meta" and not t.is_quantized)
+
+
+def _refuse(desc: str, leaves: Sequence[Any], tree: Any, i: int) -> None:
+    """Raise the error of the leaf at ``i``, which a recording cannot take, with its path and the fix."""
+    x = leaves[i]
+    if isinstance(x, StaleOutput):
+        msg = stale_message(x)
+        raise OverwrittenOutputError(f"{msg}\n(passed as input {leaf_paths(tree)[i]} to {desc})")
+    paths = leaf_paths(tree)
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(
+            f"{desc}: the non-tensor leaf {paths[i]} of type {type(x).__name__} is not "
+            "hashable. Non-tensor leaves are static: their values are part of the cache key. "
+            "Fix: pass it as a tensor, make it hashable (e.g. a tuple instead of a list), or "
+            "register its type as a pytree node with optree (namespace='gtransform')."
+        ) from None
+    if _plain(x):
+        _mixed_devices(desc, leaves, paths)
+    _bad_tensor(desc, paths[i], x)
 
 
 def _bad_tensor(desc: str, path: str, t: torch.Tensor) -> None:
-    if isinstance(t, StaleOutput):
-        msg = stale_message(t)
-        raise OverwrittenOutputError(f"{msg}\n(passed as input {path} to {desc})")
     if t.layout != torch.strided:
         what, fix = f"a {t.layout} tensor", "pass a dense tensor (t.to_dense())"
     elif t.is_nested:

@@ -12,11 +12,10 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .._tree import static_leaf_key
-from .._watch import FOR_GRAD, TENSOR_ATTR
+from .._tree import has_grad, static_leaf_key
+from .._watch import FOR_GRAD
 
-__all__ = ["global_key", "dict_orders", "alias_pattern", "same_objects", "tensor_bits", "has_grad", "tensor_attrs",
-           "attrs_key"]
+__all__ = ["global_key", "dict_orders", "alias_pattern", "same_objects", "tensor_bits", "has_grad", "attrs_key"]
 
 _is_grad_enabled = torch.is_grad_enabled
 _get_default_dtype = torch.get_default_dtype
@@ -105,23 +104,6 @@ def tensor_bits(tensors: Sequence[torch.Tensor]) -> Tuple[Tuple[int, bool, bool,
     """
     return tuple((k, t.is_conj(), t.is_neg(), t.is_inference()) for k, t in enumerate(tensors)
                  if t.is_conj() or t.is_neg() or t.is_inference())
-
-
-def has_grad(t: torch.Tensor) -> bool:
-    """Whether ``t`` has a ``.grad`` (read without the non-leaf warning)."""
-    return (t.is_leaf or t.retains_grad) and t.grad is not None
-
-
-def tensor_attrs(t: torch.Tensor) -> Optional[Dict[str, Any]]:
-    """The Python attributes of a tensor input that the trace's stand-in gets.
-
-    Tensor-valued ones are given as :data:`TENSOR_ATTR`: the trace sets a
-    stand-in whose use is refused (see ``_watch._TensorAttr``).
-    """
-    d = t.__dict__
-    if not d:
-        return None
-    return {k: (TENSOR_ATTR if isinstance(v, torch.Tensor) else v) for k, v in d.items()}
 
 
 def attrs_key(t: torch.Tensor) -> Any:
