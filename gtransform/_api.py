@@ -43,7 +43,6 @@ from ._autograd import unwrap as unwrap_functorch
 from ._batching import NOT_HANDLED, call_vmapped
 from ._errors import EagerWarning, GraphifyError, OverwrittenOutputError, describe_fn, user_frame
 from ._fastpath import MISS, build_fast_path
-from ._inductor import warm_pool
 from ._liveness import PoolState, StaleOutput, stale_message
 from ._log import log
 from ._objects import register_containers_in
@@ -766,6 +765,8 @@ class Graphified(Generic[P, R]):
                          self._desc, ", ".join(lazy[:4]))
             return None
         if self._fuse and cuda and record:
+            from .fuse import warm_pool  # the fused backend: loaded for fuse=True alone
+
             warm_pool()  # inductor's compile workers start while the function is traced
         gens = GeneratorGuard(self._fn, extra, roots)
         try:

@@ -114,7 +114,7 @@ def _launch(a: torch.Tensor, ws: Sequence[torch.Tensor], biases: Sequence[Option
         part = range(s, min(s + SLOTS, len(ws)))
         grid, args, consts = _plan(a, [ws[j].contiguous() for j in part], [biases[j] for j in part],
                                    [outs[j] for j in part])
-        # as gtransform._gemm: Triton's binding picks (or compiles) the variant, the CUDA
+        # as gtransform.fuse._gemm: Triton's binding picks (or compiles) the variant, the CUDA
         # driver launches it (no C launcher built for it)
         compiled = kernel.warmup(*args, grid=grid, **consts)
         if hasattr(compiled, "result"):  # Triton's async compile mode
@@ -167,7 +167,7 @@ def precompile(groups: Sequence[Tuple[Any, Sequence[Any], Sequence[bool]]]) -> L
 
     Each group is ``(a, ns, has_bias)``: the input's fake tensor (a graph value), each
     product's output count and whether it adds a bias. As
-    :func:`gtransform._gemm.precompile`: the kernels build while inductor compiles the
+    :func:`gtransform.fuse._gemm.precompile`: the kernels build while inductor compiles the
     rest of the graph; a launch whose variant is not ready compiles it then.
 
     Returns:

@@ -1,7 +1,8 @@
 """A traced graph compiled by TorchInductor, for ``graphify(fn, fuse=True)``.
 
-:meth:`_trace.Plan.fused` makes one per signature; inductor itself is imported
-on its first call only, so tracing and recording never load it unless asked.
+:meth:`gtransform._trace.Plan.fused` makes one per signature (through
+:func:`gtransform.fuse.compiled`); inductor itself is imported on its first call
+only, so tracing and recording never load it unless asked.
 """
 
 from __future__ import annotations
@@ -108,8 +109,8 @@ class _Inductor:
             from torch._inductor.compile_fx import compile_fx
             from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
+            from .._log import log
             from . import _gemm, _gemv
-            from ._log import log
 
             gm = torch.fx.GraphModule(self.gm, copy.deepcopy(self.gm.graph))
             _keep_narrowing_casts(gm)

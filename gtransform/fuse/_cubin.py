@@ -6,7 +6,7 @@ that signature: 0.36-0.42 s per kernel variant on the lent H100 hosts with a col
 Triton cache, on the critical path of ``fuse=True``'s first call (benchmarks/NOTES.md,
 "The matrix-product kernel's launcher"). Inductor avoids that build for its own
 kernels with torch's static launcher; this module does the same for the kernel of
-:mod:`gtransform._gemm`. It loads the compiled binary with the driver utilities
+:mod:`gtransform.fuse._gemm`. It loads the compiled binary with the driver utilities
 Triton has already built in this process and launches it with the CUDA driver's
 ``cuLaunchKernel`` through ctypes.
 

@@ -186,7 +186,7 @@ def _launch(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor], mask
     args = (a, b, out, out if bias is None else bias, out if mask is None else mask, *ints, float(threshold))
     kernel = _kernel()
     # Triton's binding picks (or compiles) the variant these arguments need; the launch
-    # skips the C launcher Triton would build for it (gtransform._cubin). Current device
+    # skips the C launcher Triton would build for it (gtransform.fuse._cubin). Current device
     # and stream, as Triton's own launch.
     compiled = kernel.warmup(*args, grid=grid, **consts)
     if hasattr(compiled, "result"):  # Triton's async compile mode
