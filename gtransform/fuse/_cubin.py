@@ -17,6 +17,11 @@ Anything this module does not know for sure (a Triton whose compiled kernel lack
 field, clusters, programmatic launch, scratch memory, an argument type it does not
 list) makes :func:`launcher` return None, and the caller launches through Triton as
 before.
+
+Torch's own static launcher does the same job for inductor's kernels:
+:mod:`._static` hands it ours under ``GTRANSFORM_FUSE_LAUNCHER=torch`` (this module
+stays the default until the two are timed side by side on a GPU), and says why
+``torch.library.triton_op`` is no drop-in replacement for either.
 """
 
 from __future__ import annotations

@@ -7,25 +7,35 @@ lives here:
 * :func:`use_inductors_ptxas`, called before Triton first computes a cache key in this
   process, so that the keys of our kernels are the same in every process;
 * :func:`launch`: Triton's binding picks (or compiles) the variant the arguments need,
-  and :mod:`._cubin` launches its binary without the C launcher Triton would otherwise
-  build for it; where it cannot, Triton launches as usual;
+  and :func:`launcher` launches its binary without the C launcher Triton would
+  otherwise build for it (0.36-0.42 s a variant on an H100 with a cold cache); where
+  it cannot, Triton launches as usual;
 * :func:`precompile`: the variants a graph's launches will need, compiled in threads
   while inductor compiles the rest of the graph, and loaded for our launch.
 
 Launches happen only while a recording is made: a replay never comes back to Python.
 Triton is imported by the kernels' own modules, on the first CUDA launch or precompile.
+
+``GTRANSFORM_FUSE_LAUNCHER`` picks the launcher: ``cubin`` (the default: ours,
+:mod:`._cubin`), ``torch`` (torch's static launcher, :mod:`._static`, which says why
+it is not the default yet) or ``triton`` (Triton's own, C launcher and all: the
+baseline both avoid).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import os
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import _cubin
+from . import _cubin, _static
 
-__all__ = ["launch", "precompile", "specialization", "use_inductors_ptxas"]
+__all__ = ["LAUNCHERS", "launch", "launcher", "precompile", "specialization", "use_inductors_ptxas"]
+
+LAUNCHERS = ("cubin", "torch", "triton")
+"""The values of ``GTRANSFORM_FUSE_LAUNCHER``; the first is the default."""
 
 
 def use_inductors_ptxas() -> None:
@@ -47,16 +57,36 @@ def use_inductors_ptxas() -> None:
     _set_triton_ptxas_path()
 
 
+def launcher(compiled: Any, device: int) -> Optional[Any]:
+    """What launches Triton's ``CompiledKernel`` on CUDA device ``device``, per ``GTRANSFORM_FUSE_LAUNCHER``.
+
+    Returns:
+        A callable ``(grid, stream, args)``, or None: Triton's own launch.
+
+    Raises:
+        ValueError: the variable names no launcher of :data:`LAUNCHERS`.
+    """
+    which = os.environ.get("GTRANSFORM_FUSE_LAUNCHER", LAUNCHERS[0])
+    if which == "cubin":
+        return _cubin.launcher(compiled, device)
+    if which == "torch":
+        return _static.launcher(compiled, device)
+    if which == "triton":
+        return None
+    raise ValueError(f"GTRANSFORM_FUSE_LAUNCHER={which!r} names no launcher of fuse=True's kernels: "
+                     f"use one of {', '.join(LAUNCHERS)} (the default: {LAUNCHERS[0]})")
+
+
 def launch(kernel: Any, grid: Sequence[int], args: Sequence[Any], consts: Dict[str, Any], device: int) -> None:
     """``kernel[grid](*args, **consts)`` on the current stream of CUDA device ``device`` (the current one).
 
     Triton's binding picks (or compiles) the variant these arguments need; the launch
-    skips the C launcher Triton would build for it (:mod:`._cubin`).
+    skips the C launcher Triton would build for it (:func:`launcher`).
     """
     compiled = kernel.warmup(*args, grid=grid, **consts)
     if hasattr(compiled, "result"):  # Triton's async compile mode
         compiled = compiled.result()
-    run = None if compiled is None else _cubin.launcher(compiled, device)
+    run = None if compiled is None else launcher(compiled, device)
     if run is None:
         kernel[grid](*args, **consts)
     else:
@@ -81,7 +111,7 @@ def precompile(kernel: Any, jobs: Sequence[Tuple[Sequence[Any], Any, Dict[str, A
     spends much of its time outside the interpreter (MLIR passes, ptxas), so the
     variants build while inductor compiles the rest of the graph; a launch whose
     variant is not ready (or differs) compiles it then, as it would anyway. Each built
-    variant is loaded for our own launch (or, where :mod:`._cubin` cannot launch it,
+    variant is loaded for our own launch (or, where :func:`launcher` has none for it,
     given Triton's C launcher now rather than at the launch).
 
     Args:
@@ -103,7 +133,7 @@ def precompile(kernel: Any, jobs: Sequence[Tuple[Sequence[Any], Any, Dict[str, A
     def build(args: Sequence[Any], grid: Any, consts: Dict[str, Any]) -> None:
         with torch.cuda.device(on):  # Triton compiles for (and caches under) the current device
             compiled = kernel.warmup(*args, grid=grid, **consts)
-            if _cubin.launcher(compiled, on) is None:  # loads it for our own launch
+            if launcher(compiled, on) is None:  # loads it for our own launch
                 init = getattr(compiled, "_init_handles", None)
                 if init is not None:  # Triton's: builds its C launcher (0.25-0.4 s when cold)
                     init()
