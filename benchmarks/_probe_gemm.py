@@ -1,5 +1,5 @@
 """Probe: GPU time of small float32 products, cuBLAS against gtransform's gemm kernel
-(gtransform/_gemm.py) for each tile configuration, full float32 precision (no TF32).
+(gtransform/fuse/_gemm.py) for each tile configuration, full float32 precision (no TF32).
 
 Each variant is captured in a CUDA graph of REPS back-to-back launches, replayed, and
 timed with CUDA events (us per launch, median of 5). Also printed: each configuration's
@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _gputime  # noqa: E402
 
-from gtransform import _gemm  # noqa: E402
+from gtransform.fuse import _gemm  # noqa: E402
 
 REPS = 20
 

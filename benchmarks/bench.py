@@ -1406,7 +1406,7 @@ def clear_compile_memory() -> None:
     kernels it built in memory: a row would reuse another row's, write nothing
     to its own cache directory, and its warm-cache process would compile
     them), so the next compile reads only the (fresh or reused) cache directory."""
-    gemm = sys.modules.get("gtransform._gemm")
+    gemm = sys.modules.get("gtransform.fuse._gemm")
     if gemm is not None:
         gemm._kernel.cache_clear()
     if "torch._dynamo" in sys.modules:

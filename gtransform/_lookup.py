@@ -165,7 +165,7 @@ def _new_signature(g: Any, st: ThreadState, ck: CallKey, call: Call,
         return None
     rebuild = _rebuilder(call, ck)
     if g._fuse and cuda and record:
-        from ._inductor import warm_pool
+        from .fuse import warm_pool  # the fused backend: loaded for fuse=True alone
 
         warm_pool()  # inductor's compile workers start while the function is traced
     try:

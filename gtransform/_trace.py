@@ -7,7 +7,8 @@ watches every operation (``_watch``): it records which inputs are written in
 place, refuses resizes of inputs, and (for CUDA functions) refuses copies
 between host and device and operations on CPU tensors, naming the user's
 source line. The traced graph then goes through the passes of ``_rewrite``
-and becomes a :class:`Plan`; ``_inductor`` compiles it for ``fuse=True``.
+and becomes a :class:`Plan`; the fused backend (:mod:`gtransform.fuse`) compiles it
+for ``fuse=True``.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from ._errors import _PKG_DIR, GraphifyError, format_frame, innermost_frame, user_frame, user_frame_from_exc
-from ._inductor import _Inductor
 from ._objects import flatten_output
 from ._rewrite import (
     _constants_to_device,
@@ -290,7 +290,9 @@ class Plan:
         they keep following ``torch.manual_seed`` exactly.
         """
         if self._fused is None:
-            self._fused = _Inductor(self.gm)
+            from .fuse import compiled  # the fused backend: loaded for fuse=True alone
+
+            self._fused = compiled(self.gm)
         return self._fused
 
     def assemble(self, flat: Sequence[Any]) -> Any:

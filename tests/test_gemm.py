@@ -1,4 +1,4 @@
-"""fuse=True's small float32 products (gtransform/_gemm.py): the graph pass that swaps
+"""fuse=True's small float32 products (gtransform/fuse/_gemm.py): the graph pass that swaps
 mm/addmm and their epilogue for gtransform::gemm, and the op itself.
 
 On the CPU the op is the same arithmetic in aten ops, so these tests check the graph
@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import gtransform as gt
-from gtransform import _gemm
+from gtransform.fuse import _gemm
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -214,9 +214,9 @@ def test_op_matches_eager(device, c):
 @pytest.mark.cuda
 @cuda
 def test_the_kernel_is_launched_by_our_launcher_and_triton_s_still_works(monkeypatch):
-    """gtransform._cubin launches the binary (no C launcher built by Triton); where it
+    """gtransform.fuse._cubin launches the binary (no C launcher built by Triton); where it
     cannot (here: forced), Triton's own launch gives the same numbers."""
-    from gtransform import _cubin
+    from gtransform.fuse import _cubin
 
     calls = [0]
     real_call = _cubin.Launcher.__call__
@@ -240,7 +240,7 @@ def test_the_kernel_is_launched_by_our_launcher_and_triton_s_still_works(monkeyp
     assert calls[0] == 2
 
 
-# --- which arguments a kernel binary takes (gtransform._cubin.plan), without a GPU --------
+# --- which arguments a kernel binary takes (gtransform.fuse._cubin.plan), without a GPU --------
 
 
 class _FakeFn:
@@ -270,7 +270,7 @@ _SIG = {"a_ptr": "*fp32", "n": "i32", "one": "constexpr", "x": "fp32", "BLOCK": 
 
 
 def test_cubin_plan_keeps_the_runtime_arguments_in_order_and_adds_the_scratch_pointers():
-    from gtransform import _cubin
+    from gtransform.fuse import _cubin
 
     steps, scratch = _cubin.plan(_FakeCompiled(_SIG, {(2,): 1, (4,): 64}, global_scratch_size=0,
                                                profile_scratch_size=0))
@@ -289,7 +289,7 @@ def test_cubin_plan_keeps_the_runtime_arguments_in_order_and_adds_the_scratch_po
                                  dict(sig={**_SIG, "n": "i1"})])
 def test_cubin_plan_refuses_what_it_does_not_know(bad):
     """None: the caller launches through Triton, as before."""
-    from gtransform import _cubin
+    from gtransform.fuse import _cubin
 
     sig = bad.pop("sig", _SIG)
     assert _cubin.plan(_FakeCompiled(sig, {(2,): 1, (4,): 64}, **bad)) is None

@@ -1,4 +1,4 @@
-"""fuse=True's small products x @ w.t() (gtransform/_gemv.py): the graph pass that groups
+"""fuse=True's small products x @ w.t() (gtransform/fuse/_gemv.py): the graph pass that groups
 the products reading one input into one gtransform::gemv, and the op itself.
 
 On the CPU the op is the same arithmetic in aten ops, so these tests check the graph
@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from test_gemm import _ieee, cuda, traced  # noqa: F401
 
 import gtransform as gt
-from gtransform import _gemv
+from gtransform.fuse import _gemv
 
 
 def gemv_nodes(gm):

@@ -30,14 +30,14 @@ where no GPU is. Triton is imported on the first CUDA launch only.
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import _cubin
+from . import _triton
+from ._operands import enabled, f32_on, product_operands, reach, val
 
-__all__ = ["rewrite", "gemm", "precompile", "pick_config", "product_operands", "Config", "ACT_NONE", "ACT_RELU"]
+__all__ = ["rewrite", "gemm", "precompile", "pick_config", "Config", "ACT_NONE", "ACT_RELU"]
 
 ACT_NONE, ACT_RELU = 0, 1
 
@@ -73,9 +73,7 @@ def pick_config(m: int, n: int, k: int) -> Config:
 
 @functools.cache
 def _kernel() -> Any:
-    from ._inductor import use_inductors_ptxas
-
-    use_inductors_ptxas()  # before Triton first computes a cache key in this process
+    _triton.use_inductors_ptxas()  # before Triton first computes a cache key in this process
     import triton
     import triton.language as tl
 
@@ -184,18 +182,8 @@ def _launch(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor], mask
         return out
     grid, ints, consts = _plan(a, b, bias, mask, act, config)
     args = (a, b, out, out if bias is None else bias, out if mask is None else mask, *ints, float(threshold))
-    kernel = _kernel()
-    # Triton's binding picks (or compiles) the variant these arguments need; the launch
-    # skips the C launcher Triton would build for it (gtransform._cubin). Current device
-    # and stream, as Triton's own launch.
-    compiled = kernel.warmup(*args, grid=grid, **consts)
-    if hasattr(compiled, "result"):  # Triton's async compile mode
-        compiled = compiled.result()
-    run = None if compiled is None else _cubin.launcher(compiled, torch.cuda.current_device())
-    if run is None:
-        kernel[grid](*args, **consts)
-    else:
-        run(grid, torch.cuda.current_stream().cuda_stream, args)
+    # current device and stream, as Triton's own launch; no C launcher built (_triton.launch)
+    _triton.launch(_kernel(), grid, args, consts, torch.cuda.current_device())
     return out
 
 
@@ -203,45 +191,27 @@ def precompile(launches: Sequence[Tuple[Any, Any, Any, Any, int]]) -> List[Any]:
     """Start compiling, in threads, the kernels that these launches will need.
 
     Each launch is ``(a, b, bias, mask, act)`` of fake tensors (a graph node's values).
-    Triton's compiler spends much of its time outside the interpreter (MLIR passes,
-    ptxas), so the kernels build while inductor compiles the rest of the graph; a
-    launch whose kernel is not ready (or differs) compiles it then, as it would anyway.
+    The kernels build while inductor compiles the rest of the graph
+    (:func:`gtransform.fuse._triton.precompile`); a launch whose kernel is not ready
+    (or differs) compiles it then, as it would anyway.
 
     Returns:
         Futures to wait on (their failures are only logged: the launch reports them).
     """
     if not launches:
         return []
-    import concurrent.futures
-
-    import triton  # noqa: F401  (imported here, once, not in each thread)
-
     kernel = _kernel()
+    f32 = torch.float32
     seen, jobs = set(), []
     for a, b, bias, mask, act in launches:
         grid, ints, consts = _plan(a, b, bias, mask, act)
-        # one build per kernel Triton would make: it specializes integers on being 1 or a
-        # multiple of 16 (the epilogue flags, the last three, not at all)
-        key = (tuple(1 if v == 1 else 16 if v % 16 == 0 else 0 for v in ints[:-3]), tuple(sorted(consts.items())))
+        # one build per kernel Triton would make (the epilogue flags, the last three,
+        # are not specialized on)
+        key = (_triton.specialization(ints[:-3]), tuple(sorted(consts.items())))
         if key not in seen:
             seen.add(key)
-            jobs.append((grid, ints, consts))
-    pool = concurrent.futures.ThreadPoolExecutor(max_workers=min(8, len(jobs)), thread_name_prefix="gtransform-gemm")
-    f32 = torch.float32
-    device = launches[0][0].device.index
-    device = torch.cuda.current_device() if device is None else device
-
-    def build(grid: Any, ints: Tuple[int, ...], consts: Dict[str, Any]) -> None:
-        with torch.cuda.device(device):  # Triton compiles for (and caches under) the current device
-            compiled = kernel.warmup(f32, f32, f32, f32, f32, *ints, 0.0, grid=grid, **consts)
-            if _cubin.launcher(compiled, device) is None:  # loads it for our own launch
-                init = getattr(compiled, "_init_handles", None)
-                if init is not None:  # Triton's: builds its C launcher (0.25-0.4 s when cold)
-                    init()
-
-    futures = [pool.submit(build, grid, ints, consts) for grid, ints, consts in jobs]
-    pool.shutdown(wait=False)
-    return futures
+            jobs.append(((f32, f32, f32, f32, f32, *ints, 0.0), grid, consts))
+    return _triton.precompile(kernel, jobs, launches[0][0].device.index, workers=8, name="gtransform-gemm")
 
 
 def _reference(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor], mask: Optional[torch.Tensor],
@@ -306,24 +276,11 @@ def gemm(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor] = None, 
 _aten = torch.ops.aten
 
 
-def _val(node: Any) -> Any:
-    return node.meta.get("val") if hasattr(node, "meta") else None
-
-
-def _f32_on(t: Any, device: str) -> bool:
-    return isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.device.type == device
-
-
-def _reach(t: torch.Tensor) -> int:
-    """How many elements past its first one a tensor reaches (the kernel indexes in int32)."""
-    return sum((int(n) - 1) * abs(int(st)) for n, st in zip(t.shape, t.stride()) if int(n) > 0)
-
-
 def _eligible(a: Any, b: Any, device: str) -> bool:
-    va, vb = _val(a), _val(b)
-    if not (_f32_on(va, device) and _f32_on(vb, device) and va.dim() == 2 and vb.dim() == 2):
+    va, vb = val(a), val(b)
+    if not (f32_on(va, device) and f32_on(vb, device) and va.dim() == 2 and vb.dim() == 2):
         return False
-    if max(_reach(va), _reach(vb)) >= 2**31:
+    if max(reach(va), reach(vb)) >= 2**31:
         return False
     m, k = va.shape
     n = vb.shape[1]
@@ -333,8 +290,8 @@ def _eligible(a: Any, b: Any, device: str) -> bool:
 
 
 def _bias_ok(bias: Any, m: int, n: int, device: str) -> bool:
-    v = _val(bias)
-    if not _f32_on(v, device) or v.dim() > 2 or _reach(v) >= 2**31:
+    v = val(bias)
+    if not f32_on(v, device) or v.dim() > 2 or reach(v) >= 2**31:
         return False
     try:
         return tuple(torch.broadcast_shapes(tuple(v.shape), (m, n))) == (m, n)
@@ -342,28 +299,9 @@ def _bias_ok(bias: Any, m: int, n: int, device: str) -> bool:
         return False
 
 
-def product_operands(node: Any) -> Optional[Tuple[Any, Any, Any]]:
-    """``(bias, a, b)`` of a node ``a @ b`` (``mm``, bias None) or ``bias + a @ b`` (unscaled ``addmm``), else None."""
-    if node.target is _aten.mm.default and len(node.args) == 2 and not node.kwargs:
-        return (None, *node.args)
-    if node.target is _aten.addmm.default and len(node.args) == 3 \
-            and all(node.kwargs.get(k, 1) == 1 for k in ("beta", "alpha")) and set(node.kwargs) <= {"beta", "alpha"}:
-        return tuple(node.args)  # type: ignore[return-value]
-    return None
-
-
 def _only_user(node: Any) -> Any:
     users = list(node.users)
     return users[0] if len(users) == 1 else None
-
-
-def enabled() -> bool:
-    """Whether to swap now.
-
-    Float32 products must run in full precision (the kernel's only mode), and
-    ``GTRANSFORM_GEMM=0`` in the environment switches the swap off.
-    """
-    return not torch.backends.cuda.matmul.allow_tf32 and os.environ.get("GTRANSFORM_GEMM", "1") != "0"
 
 
 def rewrite(gm: torch.fx.GraphModule, device: str = "cuda", launches: Optional[List[Any]] = None) -> Dict[str, int]:
@@ -393,14 +331,14 @@ def rewrite(gm: torch.fx.GraphModule, device: str = "cuda", launches: Optional[L
         bias, a, b = operands
         if not _eligible(a, b, device):
             continue
-        m, n = _val(a).shape[0], _val(b).shape[1]
+        m, n = val(a).shape[0], val(b).shape[1]
         if bias is not None and not _bias_ok(bias, m, n, device):
             continue
         last, act, mask, threshold = node, ACT_NONE, None, 0.0
         user = _only_user(last)
         if bias is None and user is not None and user.target is _aten.add.Tensor and len(user.args) == 2 \
                 and not user.kwargs and user.args[0] is last and user.args[1] is not last \
-                and _bias_ok(user.args[1], m, n, device) and _val(user.args[1]).dim() == 1:
+                and _bias_ok(user.args[1], m, n, device) and val(user.args[1]).dim() == 1:
             bias, last = user.args[1], user
             counts["bias"] += 1
             user = _only_user(last)
@@ -410,8 +348,8 @@ def rewrite(gm: torch.fx.GraphModule, device: str = "cuda", launches: Optional[L
             user = _only_user(last)
         if user is not None and user.target is _aten.threshold_backward.default and user.args[0] is last \
                 and user.args[1] is not last and isinstance(user.args[2], (int, float)):
-            mv = _val(user.args[1])
-            if _f32_on(mv, device) and tuple(mv.shape) == (m, n) and _reach(mv) < 2**31:
+            mv = val(user.args[1])
+            if f32_on(mv, device) and tuple(mv.shape) == (m, n) and reach(mv) < 2**31:
                 last, mask, threshold = user, user.args[1], float(user.args[2])
                 counts["mask"] += 1
         if op is None:
@@ -429,8 +367,8 @@ def rewrite(gm: torch.fx.GraphModule, device: str = "cuda", launches: Optional[L
         graph.erase_node(node)
         counts["gemm"] += 1
         if launches is not None:
-            launches.append((_val(a), _val(b), _val(bias) if bias is not None else None,
-                             _val(mask) if mask is not None else None, act))
+            launches.append((val(a), val(b), val(bias) if bias is not None else None,
+                             val(mask) if mask is not None else None, act))
     if counts["gemm"]:
         graph.lint()
         gm.recompile()

@@ -32,8 +32,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import _cubin
-from ._gemm import _f32_on, _reach, _val, enabled, product_operands
+from . import _triton
+from ._operands import enabled, f32_on, product_operands, reach, val
 
 __all__ = ["rewrite", "gemv", "describe", "MAX_ROWS", "MAX_WEIGHT", "SLOTS"]
 
@@ -58,9 +58,7 @@ def _block_k(k: int) -> int:
 
 @functools.cache
 def _kernel() -> Any:
-    from ._inductor import use_inductors_ptxas
-
-    use_inductors_ptxas()  # before Triton first computes a cache key in this process
+    _triton.use_inductors_ptxas()  # before Triton first computes a cache key in this process
     import triton
     import triton.language as tl
 
@@ -114,16 +112,7 @@ def _launch(a: torch.Tensor, ws: Sequence[torch.Tensor], biases: Sequence[Option
         part = range(s, min(s + SLOTS, len(ws)))
         grid, args, consts = _plan(a, [ws[j].contiguous() for j in part], [biases[j] for j in part],
                                    [outs[j] for j in part])
-        # as gtransform._gemm: Triton's binding picks (or compiles) the variant, the CUDA
-        # driver launches it (no C launcher built for it)
-        compiled = kernel.warmup(*args, grid=grid, **consts)
-        if hasattr(compiled, "result"):  # Triton's async compile mode
-            compiled = compiled.result()
-        run = None if compiled is None else _cubin.launcher(compiled, dev)
-        if run is None:
-            kernel[grid](*args, **consts)
-        else:
-            run(grid, torch.cuda.current_stream().cuda_stream, args)
+        _triton.launch(kernel, grid, args, consts, dev)  # as _gemm's: no C launcher built
     return outs
 
 
@@ -167,18 +156,15 @@ def precompile(groups: Sequence[Tuple[Any, Sequence[Any], Sequence[bool]]]) -> L
 
     Each group is ``(a, ns, has_bias)``: the input's fake tensor (a graph value), each
     product's output count and whether it adds a bias. As
-    :func:`gtransform._gemm.precompile`: the kernels build while inductor compiles the
-    rest of the graph; a launch whose variant is not ready compiles it then.
+    :func:`gtransform.fuse._gemm.precompile`: the kernels build while inductor compiles
+    the rest of the graph (:func:`gtransform.fuse._triton.precompile`); a launch whose
+    variant is not ready compiles it then.
 
     Returns:
         Futures to wait on (their failures are only logged: the launch reports them).
     """
     if not groups:
         return []
-    import concurrent.futures
-
-    import triton  # noqa: F401  (imported here, once, not in each thread)
-
     kernel = _kernel()
     f32 = torch.float32
     seen, jobs = set(), []
@@ -189,27 +175,13 @@ def precompile(groups: Sequence[Tuple[Any, Sequence[Any], Sequence[bool]]]) -> L
             grid, args, consts = _plan(_Spec(a.shape, a.stride()), [_Spec((ns[j], k), (k, 1)) for j in part],
                                        [f32 if has_bias[j] else None for j in part],
                                        [_Spec((m, ns[j]), (ns[j], 1)) for j in part])
-            # Triton specializes integers on being 1 or a multiple of 16 (the bias flags not at all)
+            # one build per variant Triton would make (the bias flags are not specialized on)
             ints = tuple(v for v in args if isinstance(v, int))
-            key = (tuple(1 if v == 1 else 16 if v % 16 == 0 else 0 for v in ints), tuple(sorted(consts.items())))
+            key = (_triton.specialization(ints), tuple(sorted(consts.items())))
             if key not in seen:
                 seen.add(key)
                 jobs.append(([f32 if isinstance(v, _Spec) or v is f32 else v for v in args], grid, consts))
-    device = groups[0][0].device.index
-    device = torch.cuda.current_device() if device is None else device
-    pool = concurrent.futures.ThreadPoolExecutor(max_workers=min(4, len(jobs)), thread_name_prefix="gtransform-gemv")
-
-    def build(args: List[Any], grid: Any, consts: Dict[str, Any]) -> None:
-        with torch.cuda.device(device):  # Triton compiles for (and caches under) the current device
-            compiled = kernel.warmup(*args, grid=grid, **consts)
-            if _cubin.launcher(compiled, device) is None:  # loads it for our own launch
-                init = getattr(compiled, "_init_handles", None)
-                if init is not None:
-                    init()
-
-    futures = [pool.submit(build, args, grid, consts) for args, grid, consts in jobs]
-    pool.shutdown(wait=False)
-    return futures
+    return _triton.precompile(kernel, jobs, groups[0][0].device.index, workers=4, name="gtransform-gemv")
 
 
 def _reference(a: torch.Tensor, ws: Sequence[torch.Tensor], biases: Sequence[Optional[torch.Tensor]]) -> List[torch.Tensor]:
@@ -248,7 +220,7 @@ _VIEWS = (_aten.view.default, _aten._unsafe_view.default, _aten.reshape.default)
 
 def _source(a: Any) -> Tuple[Any, Tuple[int, ...]]:
     """What a product's left operand reads: ``view(x, shape)`` of the same ``x`` and shape is one input."""
-    shape = tuple(int(s) for s in _val(a).shape)
+    shape = tuple(int(s) for s in val(a).shape)
     while getattr(a, "op", None) == "call_function" and a.target in _VIEWS:
         a = a.args[0]
     return a, shape
@@ -265,18 +237,18 @@ def _match(node: Any, device: str) -> Optional[Tuple[Any, Any, Any]]:
     w = b.args[0]
     # (the weight's own value may be missing: state lifted into placeholders has none;
     # its t() view has one)
-    va, vb = _val(a), _val(b)
-    if not (_f32_on(va, device) and _f32_on(vb, device) and va.dim() == 2 and vb.dim() == 2):
+    va, vb = val(a), val(b)
+    if not (f32_on(va, device) and f32_on(vb, device) and va.dim() == 2 and vb.dim() == 2):
         return None
     m, k = va.shape
     n = vb.shape[1]
     if not (0 < m <= MAX_ROWS and 0 < n and 0 < k and n * k <= MAX_WEIGHT and vb.shape[0] == k):
         return None
-    if tuple(vb.stride()) != (1, k) or _reach(va) >= 2**31:  # w contiguous (n, k)
+    if tuple(vb.stride()) != (1, k) or reach(va) >= 2**31:  # w contiguous (n, k)
         return None
     if bias is not None:
-        vb = _val(bias)
-        if not (_f32_on(vb, device) and vb.dim() == 1 and vb.shape[0] == n and vb.stride()[0] == 1):
+        vb = val(bias)
+        if not (f32_on(vb, device) and vb.dim() == 1 and vb.shape[0] == n and vb.stride()[0] == 1):
             return None
     return a, w, bias
 
@@ -330,10 +302,10 @@ def rewrite(gm: torch.fx.GraphModule, device: str = "cuda", launches: Optional[L
     for group in groups:
         first, a = group[0][0], group[0][1]
         if launches is not None:
-            launches.append((_val(a), [int(_val(g[0]).shape[1]) for g in group], [g[3] is not None for g in group]))
+            launches.append((val(a), [int(val(g[0]).shape[1]) for g in group], [g[3] is not None for g in group]))
         with graph.inserting_before(first):
             new = graph.call_function(op, (a, [g[2] for g in group], [g[3] for g in group]))
-            new.meta["val"] = [_val(g[0]) for g in group]
+            new.meta["val"] = [val(g[0]) for g in group]
             for i, (node, _a, _w, _b) in enumerate(group):
                 item = graph.call_function(operator.getitem, (new, i))
                 item.meta.update(node.meta)

@@ -1,7 +1,11 @@
-"""A traced graph compiled by TorchInductor, for ``graphify(fn, fuse=True)``.
+"""A traced graph compiled by TorchInductor, for ``graphify(fn, fuse=True)``: the fused backend's driver.
 
-:meth:`_trace.Plan.fused` makes one per signature; inductor itself is imported
-on its first call only, so tracing and recording never load it unless asked.
+:meth:`gtransform._trace.Plan.fused` makes one per signature (through
+:func:`gtransform.fuse.compiled`); inductor itself is imported on its first call
+only, so tracing and recording never load it unless asked. That call swaps the
+graph's small float32 products for gtransform's own kernels (:mod:`._gemv`, then
+:mod:`._gemm`), starts compiling those in threads, and hands the graph to
+inductor's ``compile_fx``.
 """
 
 from __future__ import annotations
@@ -12,6 +16,9 @@ from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
+
+from .._log import log
+from . import _gemm, _gemv, _triton
 
 # Inductor settings for fuse=True (applied where present in the installed torch).
 # fallback_random: random ops follow eager's numbers. triton.cudagraphs: the
@@ -45,34 +52,15 @@ def config() -> dict:
     return {k: v for k, v in _CONFIG.items() if known(k)}
 
 
-def use_inductors_ptxas() -> None:
-    """Point Triton at the ptxas inductor uses (torch's own), as its compile workers do.
-
-    Triton keys its on-disk kernel cache on the ptxas version, read once per process
-    when it first computes a key. Inductor sets ``TRITON_PTXAS_PATH`` only when it
-    first compiles a kernel in this process, so which ptxas the keys name depended on
-    what ran first: a second process whose inductor kernels all came from the cache
-    keyed fuse=True's matrix-product kernels to another ptxas, missed the entries the
-    first process wrote and compiled them again (0.6-1.4 s each on an H100,
-    benchmarks/NOTES.md). Set before the first compile, the keys are the same in
-    every process that runs the same program. A path the user set is kept.
-    """
-    try:
-        from torch._inductor.runtime.compile_tasks import _set_triton_ptxas_path
-    except ImportError:  # pragma: no cover - another torch: Triton's own choice
-        return
-    _set_triton_ptxas_path()
-
-
 def warm_pool() -> None:
     """Get ready for a fuse=True compile: Triton's ptxas fixed, compile workers started.
 
-    The ptxas as :func:`use_inductors_ptxas` says. The workers start now, as
-    torch.compile starts them before it compiles: they come up while the function is
-    traced; otherwise the first kernels compile one by one in this process while the
-    pool starts.
+    The ptxas as :func:`gtransform.fuse._triton.use_inductors_ptxas` says. The workers
+    start now, as torch.compile starts them before it compiles: they come up while the
+    function is traced; otherwise the first kernels compile one by one in this process
+    while the pool starts.
     """
-    use_inductors_ptxas()
+    _triton.use_inductors_ptxas()
     try:
         from torch._inductor.async_compile import maybe_warm_pool
 
@@ -107,9 +95,6 @@ class _Inductor:
             from torch._guards import TracingContext, tracing
             from torch._inductor.compile_fx import compile_fx
             from torch.fx.experimental.symbolic_shapes import ShapeEnv
-
-            from . import _gemm, _gemv
-            from ._log import log
 
             gm = torch.fx.GraphModule(self.gm, copy.deepcopy(self.gm.graph))
             _keep_narrowing_casts(gm)

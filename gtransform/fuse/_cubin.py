@@ -6,7 +6,7 @@ that signature: 0.36-0.42 s per kernel variant on the lent H100 hosts with a col
 Triton cache, on the critical path of ``fuse=True``'s first call (benchmarks/NOTES.md,
 "The matrix-product kernel's launcher"). Inductor avoids that build for its own
 kernels with torch's static launcher; this module does the same for the kernel of
-:mod:`gtransform._gemm`. It loads the compiled binary with the driver utilities
+:mod:`gtransform.fuse._gemm`. It loads the compiled binary with the driver utilities
 Triton has already built in this process and launches it with the CUDA driver's
 ``cuLaunchKernel`` through ctypes.
 
@@ -17,6 +17,11 @@ Anything this module does not know for sure (a Triton whose compiled kernel lack
 field, clusters, programmatic launch, scratch memory, an argument type it does not
 list) makes :func:`launcher` return None, and the caller launches through Triton as
 before.
+
+Torch's own static launcher does the same job for inductor's kernels:
+:mod:`._static` hands it ours under ``GTRANSFORM_FUSE_LAUNCHER=torch`` (this module
+stays the default until the two are timed side by side on a GPU), and says why
+``torch.library.triton_op`` is no drop-in replacement for either.
 """
 
 from __future__ import annotations
