@@ -21,7 +21,7 @@ new signatures, autograd, torch.func transforms and every error message.
 from __future__ import annotations
 
 import functools
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import optree
 import torch
@@ -88,6 +88,33 @@ def build_fast_path(owner: Any, entry: Any, rec: Any, pool: Any) -> Any:
         passed them (static ones included) returning the output tree, or ``MISS``.
     """
     g = Gen()
+    flat, tens = _check_lines(g, entry, rec)
+    call = _replay_lines(g, rec, tens) + _output_lines(g, entry.plan, rec, tens)
+    # the static arguments apart as the generic path takes them (a refused one -> miss)
+    text = ["def fast(args, kwargs):", "    try:"]
+    if owner._has_static:
+        text.append("        args, kwargs, statics = SPLIT(args, kwargs)")
+    else:
+        text.append("        statics = ()")
+    text.append("        root = (args, kwargs)")
+    text += ["        " + line for line in flat[0]]
+    text += ["    except (KeyError, IndexError, TypeError, AttributeError):", "        return MISS"]
+    text += ["    " + line for line in flat[1]]
+    if pool.lock is not None:
+        text += ["    with LOCK:"] + ["        " + line for line in call]
+    else:
+        text += ["    " + line for line in call]
+    src = "\n".join(text) + "\n"
+    ns: Dict[str, Any] = namespace(g)  # (what the checks' code reads, and its constants)
+    ns.update(_names(owner, entry, rec, pool))
+    exec(compile(src, f"<gtransform fast path of {owner._desc}>", "exec"), ns)
+    fast = ns["fast"]
+    fast.source = src
+    return fast
+
+
+def _check_lines(g: Gen, entry: Any, rec: Any) -> Tuple[Tuple[List[str], List[str]], List[str]]:
+    """The arguments taken apart and every check of the signature (those that may raise, the others); tensor names."""
     leaves: List[str] = []
     sample = optree.tree_unflatten(entry.spec, list(range(entry.n_leaves)))  # the recorded key order
     if not gen_flatten(g, entry.spec, "root", leaves, sample):
@@ -107,15 +134,18 @@ def build_fast_path(owner: Any, entry: Any, rec: Any, pool: Any) -> Any:
         # the recording's binding, not the signature: inputs read in place at the recorded addresses
         st = ", ".join(tens[i] for i in rec.static_idx)
         checks.append(f"if list(map(_data_ptr, ({st},))) != PTRS: return MISS")
-    esc = rec.escapes is not None
+    return (flat, checks), tens
 
+
+def _replay_lines(g: Gen, rec: Any, tens: List[str]) -> List[str]:
+    """The inputs copied into the static buffers, the pool's stale outputs poisoned, the replay, the write-backs."""
     call: List[str] = []
     if rec.copy_idx:
         if rec.copy_base:
             call.append("_copy(BUFS, REC.copy_sources([" + ", ".join(tens) + "]))")
         else:
             call.append(f"_copy(BUFS, [{', '.join(tens[i] for i in rec.copy_idx)}])")
-    cuda_replay = _GRAPH_REPLAY is not None and type(rec)._replay is _record.CUDARecording._replay
+    cuda_replay = _cuda_replay(rec)
     bind = [f"ARGS[{i}] = {tens[i]}" for i in rec.static_idx]  # see Recording.bind_statics
     if bind and not cuda_replay:
         call += bind  # the CPU replay runs on them
@@ -129,7 +159,7 @@ def build_fast_path(owner: Any, entry: Any, rec: Any, pool: Any) -> Any:
         call.append(f"if REC.must_retire: REC._maybe_retire(({st}))")
     else:
         call.append("if REC.must_retire: REC._maybe_retire()")
-    if esc:
+    if rec.escapes is not None:
         call.append("ESC.before_replay()")
     if cuda_replay:
         # CUDAGraph.replay's C method on the active generation's graph: the
@@ -143,13 +173,18 @@ def build_fast_path(owner: Any, entry: Any, rec: Any, pool: Any) -> Any:
         # an output fed back in and updated in place was poisoned by begin_call, or an input has
         # the conj / neg bit, which the bulk copy refuses (zero-cost try; see copy_back_stale)
         call += ["try:", f"    _cbcopy([{cb}], CBBUFS)", "except RuntimeError:", f"    REC.copy_back_stale([{cb}])"]
-    if esc:
+    if rec.escapes is not None:
         call.append(f"ESC.write(REC.escape_values([{', '.join(tens)}]))")
     for t in rec.grad_cleared:  # see Plan.grad_cleared
         call.append(f"{g.const(t, 'G')}.grad = None")
     if rec.groups:
         call.append("POOL.outstanding.append(REC.handout)")
-    plan = entry.plan
+    return call
+
+
+def _output_lines(g: Gen, plan: Any, rec: Any, tens: List[str]) -> List[str]:
+    """The output tree built literally (``{'y': o0, 'n': 3}``) from the pool, the inputs and constants."""
+    call: List[str] = []
     if any(e.kind == "pool" for e in plan.out_entries):
         call.append("objs = REC.handout.objs")
     for idx, e in enumerate(plan.out_entries):
@@ -180,24 +215,12 @@ def build_fast_path(owner: Any, entry: Any, rec: Any, pool: Any) -> Any:
         call.append(f"return _unflatten(OUTSPEC, [{', '.join(f'o{i}' for i in range(n_out))}])")
     else:
         call.append(f"return {build}")
+    return call
 
-    # the static arguments apart as the generic path takes them (a refused one -> miss)
-    text = ["def fast(args, kwargs):", "    try:"]
-    if owner._has_static:
-        text.append("        args, kwargs, statics = SPLIT(args, kwargs)")
-    else:
-        text.append("        statics = ()")
-    text.append("        root = (args, kwargs)")
-    text += ["        " + line for line in flat]
-    text += ["    except (KeyError, IndexError, TypeError, AttributeError):", "        return MISS"]
-    text += ["    " + line for line in checks]
-    if pool.lock is not None:
-        text += ["    with LOCK:"] + ["        " + line for line in call]
-    else:
-        text += ["    " + line for line in call]
-    src = "\n".join(text) + "\n"
-    ns: Dict[str, Any] = namespace(g)  # (what the checks' code reads, and its constants)
-    ns.update({
+
+def _names(owner: Any, entry: Any, rec: Any, pool: Any) -> Dict[str, Any]:
+    """What the generated code reads besides the checks' names: the recording, its buffers, the pool."""
+    return {
         "MISS": MISS,
         "SPLIT": functools.partial(split, owner._desc, owner._static_argnums, owner._static_argnames),
         "GUARD": entry.guard.impl if entry.guard.impl is not None else entry.guard,
@@ -215,17 +238,16 @@ def build_fast_path(owner: Any, entry: Any, rec: Any, pool: Any) -> Any:
         "LOCK": pool.lock,
         "OWNER": owner,
         "SPEC": entry.spec,
-        "OUTSPEC": plan.out_spec,
+        "OUTSPEC": entry.plan.out_spec,
         "_copy": rec.copier,
         "_cbcopy": rec.cb_copier,
         "_neg_view": torch._neg_view,
         "_flatten": flatten,
         "_unflatten": optree.tree_unflatten,
         "ESC": rec.escapes,
-    })
-    exec(compile(src, f"<gtransform fast path of {owner._desc}>", "exec"), ns)
-    fast = ns["fast"]
-    fast.source = src
-    return fast
+    }
 
 
+def _cuda_replay(rec: Any) -> bool:
+    """Whether the fast path calls CUDAGraph.replay's C method itself (a CUDA recording of the stock kind)."""
+    return _GRAPH_REPLAY is not None and type(rec)._replay is _record.CUDARecording._replay
