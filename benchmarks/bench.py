@@ -63,9 +63,12 @@ import atexit
 import shutil
 import sys
 
-# The package and gtransform from this checkout (run as a script, Python puts only benchmarks/ on
-# the path): the checkout's gtransform comes before an installed one, so the numbers are this tree's.
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# The package and gtransform from this checkout, the checkout's gtransform before an installed one,
+# so the numbers are this tree's. Run as a script, Python puts benchmarks/ itself on the path: its
+# modules (core, timing, report...) are the package's, not top-level names, so that entry goes.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+sys.path.insert(0, os.path.dirname(_HERE))
 
 from benchmarks.cli import main  # noqa: E402
 
