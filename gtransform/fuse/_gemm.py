@@ -48,7 +48,7 @@ MAX_FLOPS = 1 << 28
 """Largest M*N*K swapped for the kernel (256x1024x1024); past it cuBLAS fills the GPU by itself
 (at 1024^3 cuBLAS is 10% faster on an H100)."""
 
-_FORCED: Optional[Config] = None  # set by benchmarks/_probe_gemm.py to time one configuration
+_FORCED: Optional[Config] = None  # set by benchmarks/probes/_probe_gemm.py to time one configuration
 
 
 def pick_config(m: int, n: int, k: int) -> Config:
@@ -57,7 +57,7 @@ def pick_config(m: int, n: int, k: int) -> Config:
     Small tiles give many programs (a 64x512 output in 16x16 tiles is 128 of them),
     which is what these products lack under cuBLAS, and a long K step keeps each
     busy; the K loop stays in one program, so the sum is deterministic. Chosen from
-    the H100 measurements of ``benchmarks/_probe_gemm.py`` (NOTES.md).
+    the H100 measurements of ``benchmarks/probes/_probe_gemm.py`` (NOTES.md).
     """
     if _FORCED is not None:
         return _FORCED

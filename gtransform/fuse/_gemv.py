@@ -7,7 +7,7 @@ and inductor leaves them as they are. The projections that read the same input (
 Llama layer's q, k and v; its gate and up) then cost three and two such kernels. This
 module's Triton kernel computes up to four of them in one launch: 1.7 us for q, k and
 v against 6.7 for cuBLAS's three, 1.9 for gate and up against 5.4
-(``benchmarks/_probe_gemv.py``, NOTES.md, thirteenth session).
+(``benchmarks/probes/_probe_gemv.py``, NOTES.md, thirteenth session).
 
 :func:`rewrite` finds the ``mm`` / ``addmm`` nodes of a traced graph whose right
 operand is ``t(w)`` (nn.Linear's forward: ``w`` a contiguous ``(n, k)`` weight) and

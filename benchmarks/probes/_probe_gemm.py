@@ -4,7 +4,7 @@
 Each variant is captured in a CUDA graph of REPS back-to-back launches, replayed, and
 timed with CUDA events (us per launch, median of 5). Also printed: each configuration's
 first-call (compile) time and its largest error against a float64 product.
-Run on the GPU machine: python3 benchmarks/_probe_gemm.py (see NOTES.md, "Small float32
+Run on the GPU machine: python3 benchmarks/probes/_probe_gemm.py (see NOTES.md, "Small float32
 products"). `--full` times more configurations of the row-major products.
 """
 
@@ -14,7 +14,7 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository root
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _gputime  # noqa: E402
 

@@ -1,29 +1,30 @@
 #!/usr/bin/env python3
 """Llama decode step: fuse=True against torch.compile(mode="reduce-overhead"), kernel by kernel.
 
-Both built from the same fresh model and cache (bench.llama_factory), warmed up, then: per-call
+Both built from the same fresh model and cache (llama_factory, benchmarks/workloads/language.py), warmed up, then: per-call
 time in interleaved blocks (10 rounds of 300 calls each, median), and one torch.profiler
 trace of 20 calls each: kernels per call, GPU time per call, the kernels by total time.
-CUDA only: `python benchmarks/_probe_llama.py`. See benchmarks/NOTES.md (thirteenth session).
+CUDA only: `python benchmarks/probes/_probe_llama.py`. See benchmarks/NOTES.md (thirteenth session).
 """
 import os, sys, time, statistics, tempfile, collections
-sys.path.insert(0, "benchmarks")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository root
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="probe-llama-"))
-import torch, bench
+import torch
+from benchmarks.workloads.language import llama_args_factory, llama_factory
 import gtransform as gt
 
 dev = torch.device("cuda")
 torch.backends.cuda.matmul.allow_tf32 = False
 torch.backends.cudnn.allow_tf32 = False
-make = bench.llama_args_factory()
+make = llama_args_factory()
 args = make(dev)
 cols = {}
 with torch.no_grad():
-    inst = bench.llama_factory(dev)
+    inst = llama_factory(dev)
     cols["compile"] = torch.compile(inst.fn, mode="reduce-overhead")
-    inst2 = bench.llama_factory(dev)
+    inst2 = llama_factory(dev)
     cols["fused"] = gt.graphify(inst2.fn, fuse=True)
-    inst3 = bench.llama_factory(dev)
+    inst3 = llama_factory(dev)
     cols["gt"] = gt.graphify(inst3.fn)
     for f in cols.values():
         for _ in range(8):

@@ -3,18 +3,20 @@
 one function, each in its own pool, or all in one pool so that their intermediates share memory)
 and graphify same / held / views, on the RL, MLP-gradient and ensemble rows (or those named).
 "host" is wall time per call with one synchronisation at the end.
-CUDA only: `python benchmarks/_probe_ring.py [row ...]`. See benchmarks/NOTES.md (2026-11-24).
+CUDA only: `python benchmarks/probes/_probe_ring.py [row ...]`. See benchmarks/NOTES.md (2026-11-24).
 """
-import sys, time, statistics
-sys.path.insert(0, "benchmarks")
-import torch, bench
+import os, sys, time, statistics
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository root
+import torch
+from benchmarks.timing import a_view
+from benchmarks.workloads import make_workloads
 import gtransform as gt
 from _gputime import capture_graphs
 
 dev = torch.device("cuda")
 torch.backends.cuda.matmul.allow_tf32 = False
 torch.backends.cudnn.allow_tf32 = False
-wl = {w.name: w for w in bench.make_workloads(dev)}
+wl = {w.name: w for w in make_workloads(dev)}
 
 def gpu_and_host(step, n=200):
     """(host us per call with one sync at the end, GPU us per call with the host ahead)"""
@@ -59,7 +61,7 @@ for name in names:
                 return
             st["out"] = out
             if mode == "views":
-                st["hist"].append(bench._a_view(out))
+                st["hist"].append(a_view(out))
                 if len(st["hist"]) > 4: del st["hist"][0]
         h, gg = gpu_and_host(step)
         print(f"{name} graphify {mode}: host {h:.1f} us/call, GPU {gg:.1f} us/call", flush=True)

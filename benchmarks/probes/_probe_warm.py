@@ -1,14 +1,16 @@
 #!/usr/bin/env python3
 """fuse=True first call of one benchmark row with a given cache directory, under cProfile. CUDA only.
 
-    D=$(mktemp -d); python benchmarks/_probe_warm.py mlp_grad $D cold; python benchmarks/_probe_warm.py mlp_grad $D warm
+    D=$(mktemp -d); python benchmarks/probes/_probe_warm.py mlp_grad $D cold; python benchmarks/probes/_probe_warm.py mlp_grad $D warm
 
 The second process reuses the directory the first filled (see NOTES.md, "fuse=True with warm caches").
 """
 import sys, time, os, cProfile, pstats, io, tempfile
-sys.path.insert(0, "benchmarks")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository root
 row, d, mode = sys.argv[1], sys.argv[2], sys.argv[3]
-import torch, bench
+import torch
+from benchmarks.caches import clear_compile_memory
+from benchmarks.workloads import make_workloads
 import gtransform as gt
 dev = torch.device("cuda")
 torch.backends.cuda.matmul.allow_tf32 = False
@@ -20,8 +22,8 @@ x = torch.randn(64, 64, device=dev)
 gf = gt.graphify(lambda a: (a @ a).relu() * 2, fuse=True); [gf(x) for _ in range(3)]
 torch.cuda.synchronize()
 os.environ["TORCHINDUCTOR_CACHE_DIR"] = d; os.environ["TRITON_CACHE_DIR"] = os.path.join(d, "triton")
-bench.clear_compile_memory()
-w = {w.name: w for w in bench.make_workloads(dev)}[row]
+clear_compile_memory()
+w = {w.name: w for w in make_workloads(dev)}[row]
 args = w.make_args(dev)
 f = gt.graphify(w.fn, fuse=True)
 pr = cProfile.Profile()

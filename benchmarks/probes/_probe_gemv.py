@@ -2,7 +2,7 @@
 """Grouped float32 GEMV (one kernel for several x @ w_i.t() sharing x) against cuBLAS's separate
 products, inside CUDA graphs, at the Llama decode row's shapes (M=1: q/k/v 256->256,128,128;
 gate/up 256->1024,1024). GPU time per replay (events, 2000 replays), error against float64.
-CUDA only: `python benchmarks/_probe_gemv.py`. See benchmarks/NOTES.md (thirteenth session).
+CUDA only: `python benchmarks/probes/_probe_gemv.py`. See benchmarks/NOTES.md (thirteenth session).
 """
 import torch, triton, triton.language as tl
 

@@ -1,14 +1,15 @@
 #!/usr/bin/env python3
 """Is the host's speed steady? The RL row's views loop (host-bound within ~10%), per-call wall time
 in blocks of 100 calls over 3 s, idle and right after jax.jit, torch.compile and fuse=True work.
-CUDA only: `python benchmarks/_probe_noise.py`. See benchmarks/NOTES.md (2026-11-24, host bursts).
+CUDA only: `python benchmarks/probes/_probe_noise.py`. See benchmarks/NOTES.md (2026-11-24, host bursts).
 """
 import sys, time, statistics, os
-sys.path.insert(0, "benchmarks")
-import torch, bench
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository root
+import torch
+from benchmarks.workloads import make_workloads
 import gtransform as gt
 dev = torch.device("cuda")
-w = {w.name: w for w in bench.make_workloads(dev)}["rl"]
+w = {w.name: w for w in make_workloads(dev)}["rl"]
 args = w.make_args(dev)
 f = gt.graphify(w.fn)
 hist = []

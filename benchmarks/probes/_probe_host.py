@@ -3,18 +3,19 @@
 call waits for it): replay alone, 5 graphs in turn + the user's view, gt same / held / views, each
 with the fast path's direct C replay and without. CUDA only.
 
-    python benchmarks/_probe_host.py rl        # or ensemble, any bench.py row name
+    python benchmarks/probes/_probe_host.py rl        # or ensemble, any bench.py row name
 
 See benchmarks/NOTES.md, "Held views: host time per call" (2026-11-24).
 """
-import sys, time, statistics
-sys.path.insert(0, "benchmarks")
-import torch, bench
+import os, sys, time, statistics
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository root
+import torch
+from benchmarks.workloads import make_workloads
 import gtransform as gt
 import gtransform._fastpath as FP
 from _gputime import capture_graphs
 dev = torch.device("cuda")
-w = next(x for x in bench.make_workloads(dev) if x.name == sys.argv[1])
+w = next(x for x in make_workloads(dev) if x.name == sys.argv[1])
 args = w.make_args(dev)
 fn = w.fn
 graphs, outs = capture_graphs(fn, args, 5)

@@ -1,21 +1,24 @@
 #!/usr/bin/env python3
 """First call of one benchmark row (default: chain) in a process warmed up as bench.py's, with fresh
-compile caches, under cProfile: `python benchmarks/_probe_first.py fused|compile [row]`. Run each in
+compile caches, under cProfile: `python benchmarks/probes/_probe_first.py fused|compile [row]`. Run each in
 its own process. See benchmarks/NOTES.md (2026-11-24, third session).
 """
 import sys, os, time, tempfile, cProfile, pstats, io, argparse
-sys.path.insert(0, "benchmarks")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository root
 which = sys.argv[1]
 row = sys.argv[2] if len(sys.argv) > 2 else "chain"
-import torch, bench
+import torch
+from benchmarks.caches import clear_compile_memory
+from benchmarks.runner import warm_up_process
+from benchmarks.workloads import make_workloads
 import gtransform as gt
 dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 w0 = tempfile.mkdtemp(); os.environ["TORCHINDUCTOR_CACHE_DIR"] = w0; os.environ["TRITON_CACHE_DIR"] = w0 + "/triton"
 opts = argparse.Namespace(cpu_compile=True)
-print(bench.warm_up_process(dev, ["gt_same", "gt_fused", "compile"], opts))
+print(warm_up_process(dev, ["gt_same", "gt_fused", "compile"], opts))
 d = tempfile.mkdtemp(); os.environ["TORCHINDUCTOR_CACHE_DIR"] = d; os.environ["TRITON_CACHE_DIR"] = d + "/triton"
-bench.clear_compile_memory()
-w = {w.name: w for w in bench.make_workloads(dev)}[row]
+clear_compile_memory()
+w = {w.name: w for w in make_workloads(dev)}[row]
 x = w.make_args(dev)
 f = gt.graphify(w.fn, fuse=True) if which == "fused" else torch.compile(w.fn, mode="reduce-overhead")
 pr = cProfile.Profile(); t0 = time.perf_counter(); pr.enable()
