@@ -1024,57 +1024,48 @@ def _plain_attr(v: Any) -> bool:
 # -- gradient hooks on state tensors ---------------------------------------------------------
 # A hook on a parameter (p.register_hook, p.register_post_accumulate_grad_hook) runs in the
 # backward: a backward inside the function traces it into the recording. Adding or removing
-# one afterwards must record again. Reading every parameter's hooks on every call would cost
-# microseconds per call; instead the two registration methods are wrapped (once, at import)
-# and bump an epoch when the tensor is state of a recording, and so do the handles' remove().
-_HOOK_EPOCH = [0]
-# ids of state tensors of recordings (not weak references: a tensor with one cannot be
-# swapped, torch.utils.swap_tensors / module.to() with swap_module_params_on_conversion). A
-# dead tensor's id taken by a new one only costs a needless new recording.
-_HOOK_WATCHED: Set[int] = set()
+# one afterwards must record again. torch keeps them in a dict per tensor, which the
+# environment key compares (GradHooks); reading every parameter's dicts on every call would
+# cost microseconds, so they are read again only when one may have changed.
+_RemovableHandle = torch.utils.hooks.RemovableHandle
 
 
-def _hook_touched(t: Any) -> None:
-    if id(t) in _HOOK_WATCHED:
-        _HOOK_EPOCH[0] += 1
+class GradHooks:
+    """The gradient hooks on a signature's parameters, as part of its environment key.
 
+    ``value`` is the ids of the hooks (their handles' ids, unique in the process) on the
+    parameters of the root modules and optimizers that require grad, in order. It is read
+    again (:meth:`refresh`) only when the per-call check of :func:`_compile_env` fails:
+    torch numbers every hook handle it makes from one counter
+    (``RemovableHandle.next_id``), so an added hook moves it; a removed one shrinks a dict
+    that held hooks (``watched``, whose lengths ``lens`` keeps).
+    """
 
-def _watch_hooks(tensors: Sequence[torch.Tensor]) -> None:
-    if len(_HOOK_WATCHED) > 1_000_000:  # bounded: ids of long-gone tensors
-        _HOOK_WATCHED.clear()
-        _HOOK_EPOCH[0] += 1
-    _HOOK_WATCHED.update(map(id, tensors))
+    __slots__ = ("mods", "groups", "seen", "value", "watched", "lens")
 
+    def __init__(self, mods: Sequence[Any], groups: Sequence[Dict[str, Any]]):
+        self.mods = list(mods)
+        self.groups = list(groups)
+        self.seen = -1
+        self.value: Any = None
+        self.watched: List[Dict[Any, Any]] = []
+        self.lens: List[int] = []
+        self.refresh()
+        self.watched = [d for d in self._dicts() if d]
+        self.lens = [len(d) for d in self.watched]
 
-def _wrap_hook_registration(name: str) -> None:
-    orig = getattr(torch.Tensor, name, None)
-    if orig is None or getattr(orig, "_gt_wrapped", False):
-        return
+    def _dicts(self) -> List[Any]:
+        ps = ([p for m in self.mods for p in m._parameters.values() if p is not None and p.requires_grad]
+              + [p for g in self.groups for p in g["params"] if isinstance(p, torch.Tensor) and p.requires_grad])
+        return [d for p in ps for d in (getattr(p, "_backward_hooks", None), getattr(p, "_post_accumulate_grad_hooks", None))]
 
-    @functools.wraps(orig)
-    def register(self: torch.Tensor, hook: Any) -> Any:
-        handle = orig(self, hook)
-        _hook_touched(self)
-        try:
-            remove = handle.remove
-            k = id(self)  # not a weak reference: it would forbid swapping the tensor
-
-            def _remove() -> None:
-                remove()
-                if k in _HOOK_WATCHED:
-                    _HOOK_EPOCH[0] += 1
-
-            handle.remove = _remove
-        except (AttributeError, TypeError):  # pragma: no cover - a handle without remove()
-            pass
-        return handle
-
-    register._gt_wrapped = True  # type: ignore[attr-defined]
-    setattr(torch.Tensor, name, register)
-
-
-for _name in ("register_hook", "register_post_accumulate_grad_hook"):
-    _wrap_hook_registration(_name)
+    def refresh(self) -> Any:
+        """Read the hooks again; the new value."""
+        seen = _RemovableHandle.next_id
+        self.value = tuple(k for d in self._dicts() if d for k in d)
+        self.lens[:] = [len(d) for d in self.watched]
+        self.seen = seen
+        return self.value
 
 
 def env_key_fn(roots: Sequence[Root], reads: Optional[AttrReads] = None) -> Optional[Callable[[], Any]]:
@@ -1220,12 +1211,10 @@ def env_key_fn(roots: Sequence[Root], reads: Optional[AttrReads] = None) -> Opti
     # By identity: the cached value holds the old modules, so no new one can take their ids.
     sub_dicts = [m._modules for m in mods if m._modules]
     sub_names = [name for name, m in named if m._modules]
-    _watch_hooks([p for m in mods for p in m._parameters.values() if p is not None and p.requires_grad]
-                 + [p for g in groups for p in g["params"] if isinstance(p, torch.Tensor) and p.requires_grad])
 
     env = _compile_env(attr_dicts, hook_dicts, gdicts, groups, keys, opts, sub_dicts, mods,
                        None if no_extra else (id_d, id_k, ab_d, ab_k, cl_d, cl_k), conts,
-                       (b_dicts, b_keys, b_cells) if bound else None)
+                       (b_dicts, b_keys, b_cells) if bound else None, grad_hooks=GradHooks(mods, groups))
 
     env.keep = ([r.obj for r in bound] + [o.state for o in opts] + groups + [g["params"] for g in groups]  # type: ignore[attr-defined]
                 + [s for o in opts for s in o.state.values()]  # each parameter's state (opt.state[p] = {})
@@ -1289,7 +1278,7 @@ def env_key_fn(roots: Sequence[Root], reads: Optional[AttrReads] = None) -> Opti
 def _compile_env(attr_dicts: Sequence[Tuple[Dict[str, Any], Tuple[str, ...]]], hook_dicts: Sequence[Dict[Any, Any]],
                  gdicts: Sequence[Dict[Any, Any]], groups: Sequence[Dict[str, Any]], keys: Sequence[Tuple[str, ...]],
                  opts: Sequence[Any], sub_dicts: Sequence[Dict[str, Any]], mods: Sequence[Any], extra: Any,
-                 conts: Sequence[Any], bound: Any) -> Callable[[], Any]:
+                 conts: Sequence[Any], bound: Any, grad_hooks: Optional[GradHooks] = None) -> Callable[[], Any]:
     """The function :func:`env_key_fn` returns, written out as straight-line Python.
 
     It is on every call's path: each dict and attribute it reads is a name of its own and
@@ -1298,10 +1287,10 @@ def _compile_env(attr_dicts: Sequence[Tuple[Dict[str, Any], Tuple[str, ...]]], h
     ~1 us written out; three to four times that on the lent GPU hosts). The value is the
     tuple ``diff`` and ``lazy_part`` index: attributes, module hooks, global hooks,
     optimizer hyperparameters, optimizers' structure, their groups' parameter lists,
-    submodules, module classes, the gradient-hook epoch, identity slots / absent names /
-    class attributes, container lengths, name bindings.
+    submodules, module classes, the parameters' gradient hooks (:class:`GradHooks`), identity
+    slots / absent names / class attributes, container lengths, name bindings.
     """
-    ns: Dict[str, Any] = {"_TRACE_HOOKS": _TRACE_HOOKS, "EPOCH": _HOOK_EPOCH, "_id": id}
+    ns: Dict[str, Any] = {"_TRACE_HOOKS": _TRACE_HOOKS, "_id": id}
     n = [0]
 
     def name(value: Any, prefix: str) -> str:
@@ -1361,9 +1350,14 @@ def _compile_env(attr_dicts: Sequence[Tuple[Dict[str, Any], Tuple[str, ...]]], h
         lines += ["    try:", f"        binds = {tup(items)}", "    except ValueError:  # a cell was emptied (del)",
                   "        binds = None"]
         bind_expr = "binds"
+    grads_expr = "None"
+    if grad_hooks is not None:  # read again only when a hook may have been added or removed
+        ns.update(GRADS=grad_hooks, RH=_RemovableHandle, GL=grad_hooks.lens)
+        checks = ["RH.next_id == GRADS.seen"] + [f"len({name(d, 'GD')}) == GL[{i}]" for i, d in enumerate(grad_hooks.watched)]
+        grads_expr = f"GRADS.value if {' and '.join(checks)} else GRADS.refresh()"
     lines.append(
         f"    return (attrs, hooks, ghooks, {tup(hyper)}, {tup(struct)}, {tup(plists)}, {tup(subs)}, "
-        f"{tup(types_)}, EPOCH[0], extra, {conts_expr}, {bind_expr})")
+        f"{tup(types_)}, {grads_expr}, extra, {conts_expr}, {bind_expr})")
     src = "\n".join(lines) + "\n"
     exec(compile(src, "<gtransform environment key>", "exec"), ns)
     env = ns["env"]
