@@ -172,7 +172,7 @@ def build_partition(plan: Any, metas: Sequence[Any], need: Sequence[bool], owner
     from ._rewrite import _drop_profiler_nodes, _lift_state
     from ._state import StateIndex
     from ._trace import TRACE_LOCK, _TraceMode
-    from ._watch import _compiling, _parametrize_cache, _rnn_weights_as_they_are, _RnnScope, _Watch
+    from ._watch import _compiling, _parametrize_cache, _RnnScope, _Watch
 
     # (why not, for the messages of what the recompute path refuses: see _recompute_refusal)
     if plan.fn is None or plan.mutated:
@@ -261,7 +261,7 @@ def build_partition(plan: Any, metas: Sequence[Any], need: Sequence[bool], owner
     try:
         # (library code sees the same torch.compiler.is_compiling() as in the forward's trace:
         # it must take the same branch in both)
-        with TRACE_LOCK, _compiling(), _parametrize_cache(), _rnn_weights_as_they_are(), mode:
+        with TRACE_LOCK, _compiling(), _parametrize_cache(), mode:
             gm = make_fx(joint, tracing_mode="real", _allow_non_fake_inputs=True)(*fakes, *tangents)
     finally:
         mode.closed = owner._desc

@@ -64,7 +64,6 @@ from ._watch import (
     _no_seeding,
     _parametrize_cache,
     _returned_as_is,
-    _rnn_weights_as_they_are,
     _TensorAttr,
     _tensors_in,
     _Watch,
@@ -861,7 +860,7 @@ def _trace(
     try:
         try:
             # fx tracing keeps global state (its patcher): one trace at a time
-            with TRACE_LOCK, _compiling(), _parametrize_cache(), _no_seeding(desc), _rnn_weights_as_they_are(), \
+            with TRACE_LOCK, _compiling(), _parametrize_cache(), _no_seeding(desc), \
                     _quiet_fake_log(), mode:
                 _ACTIVE.depth = _ACTIVE.__dict__.get("depth", 0) + 1
                 try:

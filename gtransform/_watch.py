@@ -11,8 +11,8 @@ tensors hung on arguments, and :class:`_no_seeding` refuses reseeding. While a
 generators' states are wrapped (:class:`_RngLedger`): a state set back inside the
 function (``torch.set_rng_state``, ``fork_rng``, ``torch.utils.checkpoint``'s
 recompute) that would make eager repeat random numbers is refused. Beside
-them, :class:`_compiling` and :class:`_rnn_weights_as_they_are` steer library
-code onto its traceable path. ``_trace.trace`` and the joint trace of
+them, :class:`_compiling` steers library code onto its traceable path, and the
+modes keep recurrent modules from packing their weights (``_FLATTEN``). ``_trace.trace`` and the joint trace of
 ``_partition`` enter them; what is done with the traced graph afterwards is
 ``_rewrite``'s.
 """
@@ -20,6 +20,7 @@ code onto its traceable path. ``_trace.trace`` and the joint trace of
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 import sys
 import threading
@@ -652,6 +653,38 @@ class _NoHandle:
     def remove(self) -> None:
         return None
 _AUTOGRAD_FACTS = (_IS_LEAF_ATTR, _GRAD_FN_ATTR, _VERSION_ATTR)
+# the code of Optimizer.zero_grad and Module.zero_grad (under torch's decorators): a .grad
+# read made from there is zero_grad's (see _FnWatch._zero_grad_reads)
+_ZERO_GRADS = frozenset(inspect.unwrap(f).__code__ for f in (torch.optim.Optimizer.zero_grad, torch.nn.Module.zero_grad))
+# While tracing, recurrent modules do not re-pack their weights. A module's parameters are
+# stand-ins during a trace, so nn.LSTM sees its weights changed and, on CUDA,
+# flatten_parameters packs them into one cuDNN buffer by swapping their storages
+# (_cudnn_rnn_flatten_weight): not an operation a graph can hold, and its data_ptr() reads
+# are a placeholder's. The modes of the trace answer its question `fw.is_cuda` with False,
+# so it returns at once, as it does for CPU weights; unpacked weights are what cuDNN copies
+# into its buffer inside the recorded op (see _cudnn_rnn). The modes are the tracing
+# thread's only: another thread's eager LSTM packs its weights as ever.
+_FLATTEN = torch.nn.modules.rnn.RNNBase.flatten_parameters.__code__
+_IS_CUDA_ATTR = torch._C.TensorBase.__dict__["is_cuda"]
+
+
+def _is_cuda_get(func: Any) -> bool:
+    return getattr(func, "__self__", None) is _IS_CUDA_ATTR and getattr(func, "__name__", "") == "__get__"
+
+
+def _caller() -> Any:
+    """The frame of the code whose tensor call a mode's ``__torch_function__`` (the caller of this) sees.
+
+    Past other modes' ``__torch_function__`` frames: a mode entered inside the function
+    (``with torch.device(...)``) handles the call first and makes it again from its own frame.
+    """
+    f = sys._getframe(2)
+    while f.f_back is not None and (f.f_code.co_name == "__torch_function__" or f.f_code.co_filename == _OVERRIDES):
+        f = f.f_back
+    return f
+
+
+_OVERRIDES = sys.modules["torch.overrides"].__file__
 
 
 def _called_from_library(frame: Any) -> bool:
@@ -773,6 +806,9 @@ class _FnWatch(TorchFunctionMode):
         if args and getattr(func, "__name__", "") == "__get__" and getattr(func, "__self__", None) in _AUTOGRAD_FACTS:
             return self._autograd_fact(func.__self__, args[0], func)
         if args and getattr(func, "__self__", None) is _GRAD_ATTR and getattr(func, "__name__", "") == "__get__":
+            caller = _caller()
+            if caller.f_code in _ZERO_GRADS:
+                self._zero_grad_reads(args[0], caller)
             idx = self._input(args[0])
             if idx is not None and args[0] is self.inputs[idx]:
                 if idx < len(self.grads) and self.grads[idx]:
@@ -808,6 +844,8 @@ class _FnWatch(TorchFunctionMode):
                         "graphified function.",
                     )
                 self.layout_used.add(idx)
+        if _is_cuda_get(func) and _caller().f_code is _FLATTEN:
+            return False  # (see _FLATTEN)
         if func in _cudnn_rnn.FUNCS and not kwargs and _cudnn_rnn.applies(func, args):
             fail = self.watch._fail
             return self._call(lambda *a: _cudnn_rnn.call(func, a, fail), args, kwargs)
@@ -877,22 +915,16 @@ class _FnWatch(TorchFunctionMode):
             return hist is None
         return hist
 
-    def __enter__(self) -> _FnWatch:
-        _zero_grad_hooks(True)
-        _ZG.rec = self.grad_cleared
-        try:
-            return super().__enter__()  # type: ignore[no-any-return]
-        except BaseException:
-            _ZG.rec = None
-            _zero_grad_hooks(False)
-            raise
+    def _zero_grad_reads(self, t: Any, frame: Any) -> None:
+        """``zero_grad()`` reads ``t.grad``: note ``t`` as a parameter whose ``.grad`` eager leaves None.
 
-    def __exit__(self, typ: Any, exc: Any, tb: Any) -> None:
-        try:
-            super().__exit__(typ, exc, tb)
-        finally:
-            _ZG.rec = None
-            _zero_grad_hooks(False)
+        ``Optimizer.zero_grad()`` / ``Module.zero_grad()`` set ``.grad`` to None only where
+        there is one: a parameter whose ``.grad`` is None while tracing shows no write.
+        Eager leaves it None after every call whatever the caller put there, so the trace
+        notes every parameter they cover (the ``p.grad = None`` they run is seen below too).
+        """
+        if isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor) and frame.f_locals.get("set_to_none", True):
+            self.grad_cleared[id(t)] = t
 
     def _data_set(self, t: Any) -> None:
         """Refuse ``t.data = ...`` on an input or on state (eager swaps that tensor's storage)."""
@@ -940,35 +972,11 @@ class _RnnScope(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if _is_cuda_get(func) and _caller().f_code is _FLATTEN:
+            return False  # (see _FLATTEN)
         if func in _cudnn_rnn.FUNCS and not kwargs and _cudnn_rnn.applies(func, args):
             return _cudnn_rnn.call(func, args, self.watch._fail)
         return func(*args, **kwargs)
-
-
-class _rnn_weights_as_they_are:
-    """While tracing, recurrent modules do not re-pack their weights (``flatten_parameters``).
-
-    A module's parameters are stand-ins during a trace, so ``nn.LSTM`` sees its weights
-    changed and, on CUDA, packs them into one cuDNN buffer by swapping their storages
-    (``_cudnn_rnn_flatten_weight``): not an operation a graph can hold. Unpacked weights
-    are what cuDNN copies into its buffer inside the recorded op. Traces hold _trace.TRACE_LOCK;
-    another thread's eager LSTM meanwhile just skips the packing (slower, same numbers).
-    """
-
-    def __enter__(self) -> None:
-        from torch.nn.modules.rnn import RNNBase
-
-        self.orig = RNNBase.__dict__["flatten_parameters"]
-        RNNBase.flatten_parameters = _no_flatten  # type: ignore[method-assign]
-
-    def __exit__(self, *exc: Any) -> None:
-        from torch.nn.modules.rnn import RNNBase
-
-        RNNBase.flatten_parameters = self.orig  # type: ignore[method-assign]
-
-
-def _no_flatten(self: Any) -> None:
-    return None
 
 
 def _tagging_no_grad(func: Any, args: Sequence[Any], kwargs: Dict[str, Any]) -> Any:
@@ -1403,36 +1411,6 @@ _rng_hooks = _Patches(_rng_patches)
 """Wrap the generators' state getters and setters while any trace is entered."""
 _jiterator_hooks = _Patches(_jiterator.patches)
 """Record CUDA jiterator launches made on the trace's tensors (see ``_jiterator``)."""
-
-
-# -- zero_grad inside the function -----------------------------------------------------------
-# Optimizer.zero_grad() / Module.zero_grad() set .grad to None only where there is one: a
-# parameter whose .grad is None while tracing shows nothing. Eager leaves it None after every
-# call whatever the caller put there, so the trace notes every parameter they cover
-# (_FnWatch.grad_cleared; the `p.grad = None` they run is seen there too).
-
-_ZG = threading.local()  # .rec: the grad_cleared dict of this thread's trace, if any
-
-
-def _zero_grad_wrapper(orig: Any, params_of: Callable[[Any], Any]) -> Any:
-    @functools.wraps(orig)
-    def zero_grad(self: Any, set_to_none: bool = True) -> Any:
-        rec = getattr(_ZG, "rec", None)
-        if rec is not None and set_to_none:
-            for p in params_of(self):
-                if isinstance(p, torch.Tensor) and not isinstance(p, FakeTensor):
-                    rec[id(p)] = p
-        return orig(self, set_to_none)
-
-    return zero_grad
-
-
-_zero_grad_hooks = _Patches(lambda: [
-    (torch.optim.Optimizer, "zero_grad", _zero_grad_wrapper(
-        torch.optim.Optimizer.__dict__["zero_grad"], lambda o: [p for g in o.param_groups for p in g["params"]])),
-    (torch.nn.Module, "zero_grad", _zero_grad_wrapper(torch.nn.Module.__dict__["zero_grad"], lambda m: m.parameters())),
-])
-"""Wrap Optimizer.zero_grad and Module.zero_grad while any trace is entered."""
 
 
 class _compiling:
