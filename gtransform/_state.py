@@ -39,7 +39,6 @@ import operator
 import os
 import re
 import sys
-import threading
 import types
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
@@ -47,6 +46,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 import torch
 
 from ._errors import GraphifyError, is_library_file
+from ._patches import READING as _READING
+from ._patches import TRACE_HOOKS as _TRACE_HOOKS
+from ._patches import track_reads, untrack_reads, watch_module_calls
 
 __all__ = ["Root", "find_roots", "Snapshot", "Slot", "StateIndex", "env_key_fn", "EscapeWriter", "AttrReads", "functorch_base"]
 
@@ -892,29 +894,6 @@ def _opt_params(opt: _Optimizer) -> List[torch.Tensor]:
 
 
 _PLAIN_TYPES = (int, float, bool, complex, str, bytes, type(None))
-_READING = threading.local()  # .reads: the AttrReads recording this thread's trace, if any
-# ids of the global forward pre-hooks that traces register while they run (AttrReads): not
-# the user's, so not part of any signature (another thread's trace may hold one at any time)
-_TRACE_HOOKS: Set[int] = set()
-_TRACKERS: Dict[type, type] = {}
-
-
-def _tracker(cls: type) -> type:
-    """A subclass of module class ``cls`` that records which attributes are read (see AttrReads)."""
-    sub = _TRACKERS.get(cls)
-    if sub is None:
-        base_get: Any = cls.__getattribute__
-
-        def __getattribute__(self: Any, name: str) -> Any:
-            reads = getattr(_READING, "reads", None)
-            if reads is not None:
-                reads.names.setdefault(id(self), set()).add(name)
-            return base_get(self, name)
-
-        sub = type(cls.__name__, (cls,), {"__getattribute__": __getattribute__, "__module__": cls.__module__,
-                                          "__qualname__": cls.__qualname__})
-        _TRACKERS[cls] = sub
-    return sub
 
 
 def plain_object_roots(roots: Sequence[Root]) -> List[Tuple[str, Any]]:
@@ -930,9 +909,10 @@ class AttrReads:
     """Which attributes of the root modules the function reads while it is traced.
 
     Within the ``with`` block each root module's class is a subclass of its own that
-    records attribute reads (``self.momentum``, ``getattr(self, "p")``); the classes are
-    put back on exit. A module whose class cannot be swapped is listed in ``untracked``:
-    all its plain attributes are then watched (see :func:`env_key_fn`).
+    records attribute reads (``self.momentum``, ``getattr(self, "p")``) made in the tracing
+    thread; the classes are put back on exit (see ``_patches.track_reads``, which says what
+    another thread can see meanwhile). A module whose class cannot be swapped is listed in
+    ``untracked``: all its plain attributes are then watched (see :func:`env_key_fn`).
     """
 
     def __init__(self, roots: Sequence[Root]):
@@ -947,7 +927,7 @@ class AttrReads:
         # functools.partial, three containers deep, in a set...): their training flags,
         # hooks and attributes are part of the signature all the same
         self.called: List[Any] = []
-        self._hook: Any = None
+        self._calls = watch_module_calls(self._seen_call)
 
     def _seen_call(self, m: Any, args: Any) -> None:
         if getattr(_READING, "reads", None) is not self:  # a module called in another thread
@@ -959,33 +939,17 @@ class AttrReads:
 
     def __enter__(self) -> AttrReads:
         self._known = {id(m) for m in self.mods}
-        try:
-            self._hook = torch.nn.modules.module.register_module_forward_pre_hook(self._seen_call)
-            _TRACE_HOOKS.add(self._hook.id)
-        except Exception:  # pragma: no cover - a torch without global module hooks
-            self._hook = None
-        for m in self.mods + [o for _, o in self.objs]:
-            cls = type(m)
-            try:
-                sub = _tracker(cls)
-                m.__class__ = sub
-            except Exception:  # a layout the subclass cannot take (__slots__, a C type), a metaclass
-                self.untracked.add(id(m))
-                continue
-            self._swapped.append((m, cls, sub))
+        self._calls.__enter__()
+        self._swapped, untracked = track_reads(self.mods + [o for _, o in self.objs])
+        self.untracked |= untracked
         self._outer = getattr(_READING, "reads", None)
         _READING.reads = self
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        if self._hook is not None:
-            self._hook.remove()
-            _TRACE_HOOKS.discard(self._hook.id)
-            self._hook = None
+        self._calls.__exit__()
         _READING.reads = self._outer
-        for m, cls, sub in self._swapped:
-            if type(m) is sub:  # unless the function gave it another class itself
-                m.__class__ = cls
+        untrack_reads(self._swapped)
         self._swapped = []
 
     def read(self, m: Any) -> Optional[Set[str]]:
