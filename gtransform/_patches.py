@@ -58,6 +58,14 @@ Made and undone by each trace (see the functions below):
 * the gradient hooks on state tensors while the joint trace differentiates them
   (:func:`muted_hooks`): they run where eager runs them, on the recording's gradient.
 
+Outside traces:
+
+* ``torch.distributed.destroy_process_group`` (code routed in every thread), from the
+  first trace of a function with collectives until the whole world is destroyed:
+  recordings holding the group's communicators are released before it goes
+  (``_distributed``). The only change that outlives a trace; it exists only in
+  processes that record collectives.
+
 Replaced by supported mechanisms (no patch any more):
 
 * ``Tensor.register_hook`` / ``register_post_accumulate_grad_hook``, wrapped at import
@@ -103,7 +111,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 __all__ = ["tracing", "trace_scope", "track_reads", "untrack_reads", "READING", "watch_module_calls", "TRACE_HOOKS",
-           "muted_hooks"]
+           "muted_hooks", "route_always", "unroute"]
 
 _TLS = threading.local()  # .depth: the trace scopes this thread is inside
 _len_dispatch_stack: Callable[[], int] = getattr(torch._C, "_len_torch_dispatch_stack", lambda: 1)
@@ -193,6 +201,29 @@ class _Route:
             else:
                 setattr(o, n, orig)
         self.saved, self.fn, self.code = [], None, None
+
+
+_ALWAYS: Dict[int, _Route] = {}
+
+
+def route_always(fn: Any, make: Callable[[Any], Any], owners: Sequence[Tuple[Any, str]]) -> None:
+    """Route ``fn`` (held by ``owners``) to ``make(original)`` in every thread until :func:`unroute`.
+
+    For a change that must outlive a trace (``destroy_process_group``, see the module docstring).
+    """
+    with _LOCK:
+        if id(fn) not in _ALWAYS:
+            r = _Route(owners, make, when=lambda: True)
+            r.install()
+            _ALWAYS[id(fn)] = r
+
+
+def unroute(fn: Any) -> None:
+    """Put back a function routed by :func:`route_always`."""
+    with _LOCK:
+        r = _ALWAYS.pop(id(fn), None)
+        if r is not None:
+            r.uninstall()
 
 
 # -- the patches shared by traces ------------------------------------------------------------
