@@ -14,7 +14,7 @@ and is the original everywhere else.
 **How a function of torch is changed: its code, not its name.** A Python function of
 torch keeps its identity (``torch.get_rng_state is`` what it was, in every thread, and
 so is every name bound to it, early-bound ones included); while it is patched, its
-``__code__`` is a small router compiled in this file that calls the replacement where
+``__code__`` is a small router (``<gtransform._patches router>`` in tracebacks) that calls the replacement where
 :func:`tracing` is true and a copy of the original function elsewhere. The original
 code is put back when the last trace ends. Only a C function (which has no code to
 swap) or a function with a closure is replaced by name on the modules that hold it.
@@ -130,12 +130,12 @@ def tracing() -> bool:
 
 _MARK = "__gtransform_route__"
 # (compiled from text: the constant is replaced by the route tuple, which no literal can be)
-_ROUTER: types.CodeType = compile(
+_ROUTER: types.CodeType = next(c for c in compile(
     "def router(*args, **kwargs):\n"
     f"    route = {_MARK!r}  # (when: a predicate, replacement, original)\n"
     "    return (route[1] if route[0]() else route[2])(*args, **kwargs)\n",
-    __file__, "exec",
-).co_consts[0]
+    "<gtransform._patches router>", "exec",
+).co_consts if isinstance(c, types.CodeType))
 
 
 def _copy(fn: types.FunctionType) -> types.FunctionType:
