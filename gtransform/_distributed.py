@@ -35,7 +35,9 @@ What this module does for a recording with collectives:
 3. **Shutdown.** NCCL keeps a reference on its communicator for every CUDA
    graph that captured one of its collectives, and ``ncclCommDestroy`` waits
    for those graphs to go away (pytorch/pytorch#115388). Before
-   ``torch.distributed.destroy_process_group`` (which this module wraps) and
+   ``torch.distributed.destroy_process_group`` (which ``_patches`` routes here
+   from the first trace of a function with collectives until the whole world is
+   destroyed: nothing is changed at import) and
    at interpreter exit, the device is synchronised and every recording with
    collectives is closed and its CUDA graphs destroyed. A function whose
    recordings were released raises a ``GraphifyError`` when called again
@@ -67,6 +69,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 import torch
 
 from ._errors import GraphifyError
+from ._patches import route_always, unroute
 
 __all__ = ["before_record", "track", "record_failed", "release", "collective_ops", "TIMEOUT_ENV"]
 
@@ -460,6 +463,7 @@ def before_record(plan: Any, desc: str, cuda: Optional[bool] = None, fuse: Optio
         return
     global _TRACED_COLLECTIVES
     _TRACED_COLLECTIVES = True
+    _route_destroy()
     if cuda is None or fuse is None:
         cuda, fuse = _caller_flags(plan)
     if (not cuda or fuse) and not info.rewritten:
@@ -867,9 +871,6 @@ def _renew_keeper(pool: Any, dev: Any) -> None:
         pass
 
 
-_HOOKED = False
-
-
 def _import_group_defaults() -> None:
     """Import ``torch.distributed.nn.functional`` while no process group exists.
 
@@ -926,19 +927,21 @@ def _forget_groups() -> None:
     gc.collect()
 
 
-def _install_hooks() -> None:
-    """Wrap ``destroy_process_group`` and register the exit hook (once)."""
-    global _HOOKED
-    if _HOOKED or not _AVAILABLE:
+def _route_destroy() -> None:
+    """Route ``destroy_process_group`` to :func:`_destroying` (in every thread, see ``_patches``).
+
+    Its code is routed, not its name: ``from torch.distributed import destroy_process_group``
+    written before (or after) gets it too, and the function stays torch's object.
+    """
+    if not _AVAILABLE:
         return
-    _HOOKED = True
-    _import_group_defaults()
     import torch.distributed.distributed_c10d as c10d
 
-    orig = c10d.destroy_process_group
-    if getattr(orig, "_gt_wrapped", False):
-        return
+    route_always(c10d.destroy_process_group, _destroying, [(c10d, "destroy_process_group"), (_dist, "destroy_process_group")])
 
+
+def _destroying(orig: Any) -> Callable[..., None]:
+    """What ``destroy_process_group`` does while routed; ``orig`` is torch's."""
     def destroy_process_group(group: Any = None) -> None:
         w = _WORLD
         try:
@@ -948,13 +951,12 @@ def _install_hooks() -> None:
             if group is None and w is not None:
                 _stop_monitor(w)
         orig(group)
+        if group is None:  # the whole world is gone, and every recording with collectives released
+            import torch.distributed.distributed_c10d as c10d
 
-    destroy_process_group.__doc__ = orig.__doc__
-    destroy_process_group.__wrapped__ = orig  # type: ignore[attr-defined]
-    destroy_process_group._gt_wrapped = True  # type: ignore[attr-defined]
-    c10d.destroy_process_group = destroy_process_group
-    if getattr(_dist, "destroy_process_group", None) is orig:
-        _dist.destroy_process_group = destroy_process_group  # type: ignore[union-attr]
+            unroute(c10d.destroy_process_group)
+
+    return destroy_process_group
 
 
 def _stop_monitor(w: _World, timeout_s: float = 5.0) -> None:
@@ -984,8 +986,6 @@ def _at_exit() -> None:
 
 
 if _AVAILABLE:
-    # At import, so that ``from torch.distributed import destroy_process_group``
-    # written after ``import gtransform`` gets the wrapper too; it does nothing
-    # until a recording with collectives exists.
-    _install_hooks()
+    # (an import of torch's own module, before any group exists: see _import_group_defaults)
+    _import_group_defaults()
     atexit.register(_at_exit)

@@ -3,11 +3,12 @@
 A jitted function launches its kernel through a C function of torch, not through the
 dispatcher: a trace calling it on fake tensors launched the kernel on placeholders
 without memory (an illegal memory access: the process's CUDA context was lost). While
-a trace runs, that C function is wrapped: called on the trace's tensors, it records the
-op ``gtransform::jiterator`` instead, whose kernel is the same launch on the recording's
+a trace runs, ``_patches`` routes that C function, in the tracing thread, to
+:func:`launcher`: called on the trace's tensors, it records the op
+``gtransform::jiterator`` instead, whose kernel is the same launch on the recording's
 tensors (compiled by NVRTC at the warm-up, before the capture) and whose fake computes
 the broadcast shape and promoted dtype, as the jiterator's TensorIterator does. Calls
-on real tensors, from any thread, go straight to torch's function.
+on real tensors, and calls from any other thread, go straight to torch's function.
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ from typing import Any, Dict, List, Sequence, Tuple
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-__all__ = ["patches"]
+__all__ = ["NAME", "available", "launcher"]
 
-_NAME = "_cuda_jiterator_compile_and_launch_kernel"
+NAME = "_cuda_jiterator_compile_and_launch_kernel"  # (a function of torch._C)
 # what each recorded launch compiles: handle -> (code, kernel name, return_by_ref, outputs, scalars)
 _KERNELS: Dict[int, Tuple[str, str, bool, int, Dict[str, Any]]] = {}
 _HANDLES: Dict[Any, int] = {}
@@ -41,7 +42,7 @@ def _handle(code: str, name: str, by_ref: bool, n_out: int, kwargs: Dict[str, An
 
 @functools.cache
 def _op() -> Any:
-    launch = getattr(torch._C, _NAME)
+    launch = _LAUNCH
 
     @torch.library.custom_op("gtransform::jiterator", mutates_args=())
     def jiterator(handle: int, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
@@ -61,8 +62,8 @@ def _op() -> Any:
     return torch.ops.gtransform.jiterator.default
 
 
-def _wrap(orig: Any) -> Any:
-    @functools.wraps(orig)
+def launcher(orig: Any) -> Any:
+    """What torch's launch function (``orig``) does in a tracing thread."""
     def launch(code: str, name: str, by_ref: bool, n_out: int, tensors: Sequence[Any], kwargs: Dict[str, Any]) -> Any:
         if not any(isinstance(t, FakeTensor) for t in tensors):
             return orig(code, name, by_ref, n_out, tensors, kwargs)
@@ -72,7 +73,9 @@ def _wrap(orig: Any) -> Any:
     return launch
 
 
-def patches() -> List[Tuple[Any, str, Any]]:
-    """``(owner, name, replacement)`` for the trace-time patch list (see ``_watch._Patches``)."""
-    orig = torch._C.__dict__.get(_NAME)
-    return [] if orig is None else [(torch._C, _NAME, _wrap(orig))]
+def available() -> bool:
+    """Whether this build of torch has the jiterator (CUDA builds)."""
+    return _LAUNCH is not None
+
+
+_LAUNCH: Any = torch._C.__dict__.get(NAME)  # torch's own function (the recorded op calls it, never a routed one)

@@ -169,10 +169,11 @@ def build_partition(plan: Any, metas: Sequence[Any], need: Sequence[bool], owner
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from ._objects import flatten_output
+    from ._patches import muted_hooks, trace_scope
     from ._rewrite import _drop_profiler_nodes, _lift_state
     from ._state import StateIndex
     from ._trace import TRACE_LOCK, _TraceMode
-    from ._watch import _compiling, _parametrize_cache, _rnn_weights_as_they_are, _RnnScope, _Watch
+    from ._watch import _RnnScope, _Watch
 
     # (why not, for the messages of what the recompute path refuses: see _recompute_refusal)
     if plan.fn is None or plan.mutated:
@@ -240,16 +241,10 @@ def build_partition(plan: Any, metas: Sequence[Any], need: Sequence[bool], owner
                 # hooks the caller registered on state (p.register_hook(...)) run where eager
                 # runs them, when the recording's gradient reaches the parameter: not in here,
                 # or the recorded backward would apply them a second time
-                muted = [(h, dict(h)) for h in (getattr(t, "_backward_hooks", None) for t in plan.state) if h]
-                for h, _ in muted:
-                    h.clear()
+                # (muted for this thread only: another thread's backward still runs them)
                 drawn = sum(watch.rng.draws.values())
-                try:
-                    with watch:
-                        grads = torch.autograd.grad([o for o, _ in pairs], wrt, [t for _, t in pairs], allow_unused=True)
-                finally:
-                    for h, items in muted:
-                        h.update(items)
+                with muted_hooks(plan.state), watch:
+                    grads = torch.autograd.grad([o for o, _ in pairs], wrt, [t for _, t in pairs], allow_unused=True)
                 if sum(watch.rng.draws.values()) > drawn:
                     box["draws_in_backward"] = True
         box["diff"] = diff
@@ -261,7 +256,7 @@ def build_partition(plan: Any, metas: Sequence[Any], need: Sequence[bool], owner
     try:
         # (library code sees the same torch.compiler.is_compiling() as in the forward's trace:
         # it must take the same branch in both)
-        with TRACE_LOCK, _compiling(), _parametrize_cache(), _rnn_weights_as_they_are(), mode:
+        with TRACE_LOCK, trace_scope(), mode:
             gm = make_fx(joint, tracing_mode="real", _allow_non_fake_inputs=True)(*fakes, *tangents)
     finally:
         mode.closed = owner._desc

@@ -38,7 +38,6 @@ import inspect
 import os
 import re
 import sys
-import threading
 import types
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
@@ -46,6 +45,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 import torch
 
 from ._errors import GraphifyError, is_library_file
+from ._patches import READING as _READING
+from ._patches import track_reads, untrack_reads, watch_module_calls
 
 __all__ = ["Root", "find_roots", "Snapshot", "Slot", "StateIndex", "EscapeWriter", "AttrReads", "functorch_base"]
 
@@ -891,29 +892,6 @@ def _opt_params(opt: _Optimizer) -> List[torch.Tensor]:
 
 
 _PLAIN_TYPES = (int, float, bool, complex, str, bytes, type(None))
-_READING = threading.local()  # .reads: the AttrReads recording this thread's trace, if any
-# ids of the global forward pre-hooks that traces register while they run (AttrReads): not
-# the user's, so not part of any signature (another thread's trace may hold one at any time)
-_TRACE_HOOKS: Set[int] = set()
-_TRACKERS: Dict[type, type] = {}
-
-
-def _tracker(cls: type) -> type:
-    """A subclass of module class ``cls`` that records which attributes are read (see AttrReads)."""
-    sub = _TRACKERS.get(cls)
-    if sub is None:
-        base_get: Any = cls.__getattribute__
-
-        def __getattribute__(self: Any, name: str) -> Any:
-            reads = getattr(_READING, "reads", None)
-            if reads is not None:
-                reads.names.setdefault(id(self), set()).add(name)
-            return base_get(self, name)
-
-        sub = type(cls.__name__, (cls,), {"__getattribute__": __getattribute__, "__module__": cls.__module__,
-                                          "__qualname__": cls.__qualname__})
-        _TRACKERS[cls] = sub
-    return sub
 
 
 def plain_object_roots(roots: Sequence[Root]) -> List[Tuple[str, Any]]:
@@ -929,9 +907,10 @@ class AttrReads:
     """Which attributes of the root modules the function reads while it is traced.
 
     Within the ``with`` block each root module's class is a subclass of its own that
-    records attribute reads (``self.momentum``, ``getattr(self, "p")``); the classes are
-    put back on exit. A module whose class cannot be swapped is listed in ``untracked``:
-    all its plain attributes are then watched (see :func:`env_key_fn`).
+    records attribute reads (``self.momentum``, ``getattr(self, "p")``) made in the tracing
+    thread; the classes are put back on exit (see ``_patches.track_reads``, which says what
+    another thread can see meanwhile). A module whose class cannot be swapped is listed in
+    ``untracked``: all its plain attributes are then watched (see :func:`env_key_fn`).
     """
 
     def __init__(self, roots: Sequence[Root]):
@@ -946,7 +925,7 @@ class AttrReads:
         # functools.partial, three containers deep, in a set...): their training flags,
         # hooks and attributes are part of the signature all the same
         self.called: List[Any] = []
-        self._hook: Any = None
+        self._calls = watch_module_calls(self._seen_call)
 
     def _seen_call(self, m: Any, args: Any) -> None:
         if getattr(_READING, "reads", None) is not self:  # a module called in another thread
@@ -958,33 +937,17 @@ class AttrReads:
 
     def __enter__(self) -> AttrReads:
         self._known = {id(m) for m in self.mods}
-        try:
-            self._hook = torch.nn.modules.module.register_module_forward_pre_hook(self._seen_call)
-            _TRACE_HOOKS.add(self._hook.id)
-        except Exception:  # pragma: no cover - a torch without global module hooks
-            self._hook = None
-        for m in self.mods + [o for _, o in self.objs]:
-            cls = type(m)
-            try:
-                sub = _tracker(cls)
-                m.__class__ = sub
-            except Exception:  # a layout the subclass cannot take (__slots__, a C type), a metaclass
-                self.untracked.add(id(m))
-                continue
-            self._swapped.append((m, cls, sub))
+        self._calls.__enter__()
+        self._swapped, untracked = track_reads(self.mods + [o for _, o in self.objs])
+        self.untracked |= untracked
         self._outer = getattr(_READING, "reads", None)
         _READING.reads = self
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        if self._hook is not None:
-            self._hook.remove()
-            _TRACE_HOOKS.discard(self._hook.id)
-            self._hook = None
+        self._calls.__exit__()
         _READING.reads = self._outer
-        for m, cls, sub in self._swapped:
-            if type(m) is sub:  # unless the function gave it another class itself
-                m.__class__ = cls
+        untrack_reads(self._swapped)
         self._swapped = []
 
     def read(self, m: Any) -> Optional[Set[str]]:
@@ -1023,57 +986,48 @@ def _plain_attr(v: Any) -> bool:
 # -- gradient hooks on state tensors ---------------------------------------------------------
 # A hook on a parameter (p.register_hook, p.register_post_accumulate_grad_hook) runs in the
 # backward: a backward inside the function traces it into the recording. Adding or removing
-# one afterwards must record again. Reading every parameter's hooks on every call would cost
-# microseconds per call; instead the two registration methods are wrapped (once, at import)
-# and bump an epoch when the tensor is state of a recording, and so do the handles' remove().
-_HOOK_EPOCH = [0]
-# ids of state tensors of recordings (not weak references: a tensor with one cannot be
-# swapped, torch.utils.swap_tensors / module.to() with swap_module_params_on_conversion). A
-# dead tensor's id taken by a new one only costs a needless new recording.
-_HOOK_WATCHED: Set[int] = set()
+# one afterwards must record again. torch keeps them in a dict per tensor, which the
+# environment key compares (GradHooks); reading every parameter's dicts on every call would
+# cost microseconds, so they are read again only when one may have changed.
+_RemovableHandle = torch.utils.hooks.RemovableHandle
 
 
-def _hook_touched(t: Any) -> None:
-    if id(t) in _HOOK_WATCHED:
-        _HOOK_EPOCH[0] += 1
+class GradHooks:
+    """The gradient hooks on a signature's parameters, as part of its environment key.
 
+    ``value`` is the ids of the hooks (their handles' ids, unique in the process) on the
+    parameters of the root modules and optimizers that require grad, in order. It is read
+    again (:meth:`refresh`) only when the per-call check of :func:`_compile_env` fails:
+    torch numbers every hook handle it makes from one counter
+    (``RemovableHandle.next_id``), so an added hook moves it; a removed one shrinks a dict
+    that held hooks (``watched``, whose lengths ``lens`` keeps).
+    """
 
-def _watch_hooks(tensors: Sequence[torch.Tensor]) -> None:
-    if len(_HOOK_WATCHED) > 1_000_000:  # bounded: ids of long-gone tensors
-        _HOOK_WATCHED.clear()
-        _HOOK_EPOCH[0] += 1
-    _HOOK_WATCHED.update(map(id, tensors))
+    __slots__ = ("mods", "groups", "seen", "value", "watched", "lens")
 
+    def __init__(self, mods: Sequence[Any], groups: Sequence[Dict[str, Any]]):
+        self.mods = list(mods)
+        self.groups = list(groups)
+        self.seen = -1
+        self.value: Any = None
+        self.watched: List[Dict[Any, Any]] = []
+        self.lens: List[int] = []
+        self.refresh()
+        self.watched = [d for d in self._dicts() if d]
+        self.lens = [len(d) for d in self.watched]
 
-def _wrap_hook_registration(name: str) -> None:
-    orig = getattr(torch.Tensor, name, None)
-    if orig is None or getattr(orig, "_gt_wrapped", False):
-        return
+    def _dicts(self) -> List[Any]:
+        ps = ([p for m in self.mods for p in m._parameters.values() if p is not None and p.requires_grad]
+              + [p for g in self.groups for p in g["params"] if isinstance(p, torch.Tensor) and p.requires_grad])
+        return [d for p in ps for d in (getattr(p, "_backward_hooks", None), getattr(p, "_post_accumulate_grad_hooks", None))]
 
-    @functools.wraps(orig)
-    def register(self: torch.Tensor, hook: Any) -> Any:
-        handle = orig(self, hook)
-        _hook_touched(self)
-        try:
-            remove = handle.remove
-            k = id(self)  # not a weak reference: it would forbid swapping the tensor
-
-            def _remove() -> None:
-                remove()
-                if k in _HOOK_WATCHED:
-                    _HOOK_EPOCH[0] += 1
-
-            handle.remove = _remove
-        except (AttributeError, TypeError):  # pragma: no cover - a handle without remove()
-            pass
-        return handle
-
-    register._gt_wrapped = True  # type: ignore[attr-defined]
-    setattr(torch.Tensor, name, register)
-
-
-for _name in ("register_hook", "register_post_accumulate_grad_hook"):
-    _wrap_hook_registration(_name)
+    def refresh(self) -> Any:
+        """Read the hooks again; the new value."""
+        seen = _RemovableHandle.next_id
+        self.value = tuple(k for d in self._dicts() if d for k in d)
+        self.lens[:] = [len(d) for d in self.watched]
+        self.seen = seen
+        return self.value
 
 
 # -- writing escapes back -------------------------------------------------------------------

@@ -34,6 +34,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from ._errors import _PKG_DIR, GraphifyError, format_frame, innermost_frame, user_frame, user_frame_from_exc
 from ._objects import flatten_output
+from ._patches import trace_scope
 from ._rewrite import (
     _constants_to_device,
     _drop_profiler_nodes,
@@ -59,12 +60,9 @@ from ._state import (
 from ._tree import has_grad, unflatten
 from ._watch import (
     _AsIs,
-    _compiling,
     _FnWatch,
     _no_seeding,
-    _parametrize_cache,
     _returned_as_is,
-    _rnn_weights_as_they_are,
     _TensorAttr,
     _tensors_in,
     _Watch,
@@ -547,24 +545,6 @@ _STEP_COUNT_OPTIMIZERS = frozenset(("adam.py", "adamw.py", "adamax.py", "nadam.p
                                     "adagrad.py", "_adafactor.py", "adafactor.py", "sparse_adam.py", "optimizer.py"))
 
 
-class _quiet_fake_log:
-    """Silence torch's fake-tensor logger while tracing.
-
-    It logs every error a fake kernel raises ("failed while attempting to run meta for
-    ..."), with a traceback, at ERROR level; the error itself reaches the caller.
-    """
-
-    def __enter__(self) -> None:
-        import logging
-
-        self.logger = logging.getLogger("torch._subclasses.fake_tensor")
-        self.level = self.logger.level
-        self.logger.setLevel(logging.CRITICAL)
-
-    def __exit__(self, *exc: Any) -> None:
-        self.logger.setLevel(self.level)
-
-
 def _host_rng_state() -> List[Tuple[str, Any, Any]]:
     """The state of numpy's global generator, if numpy is loaded.
 
@@ -878,9 +858,9 @@ class _Tracing:
         host_drew: List[str] = []
         try:
             try:
-                # fx tracing keeps global state (its patcher): one trace at a time
-                with TRACE_LOCK, _compiling(), _parametrize_cache(), _no_seeding(desc), _rnn_weights_as_they_are(), \
-                        _quiet_fake_log(), self.mode:
+                # fx tracing keeps global state (its patcher): one trace at a time. What the
+                # trace changes in torch, for this thread only: see _patches
+                with TRACE_LOCK, trace_scope(), _no_seeding(desc), self.mode:
                     _ACTIVE.depth = _ACTIVE.__dict__.get("depth", 0) + 1
                     try:
                         gm = make_fx(self.flat_fn, tracing_mode="real", _allow_non_fake_inputs=True)(*self.fakes)

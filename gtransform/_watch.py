@@ -8,18 +8,20 @@ the Python-level tensor calls dispatch cannot see (``.data =``, layout reads,
 ``.grad``, hooks, ``no_grad`` blocks), :class:`_TensorAttr` stands in for
 tensors hung on arguments, and :class:`_no_seeding` refuses reseeding. While a
 :class:`_Watch` is entered, the Python-level getters and setters of the default
-generators' states are wrapped (:class:`_RngLedger`): a state set back inside the
+generators' states are followed (:class:`_RngLedger`): a state set back inside the
 function (``torch.set_rng_state``, ``fork_rng``, ``torch.utils.checkpoint``'s
-recompute) that would make eager repeat random numbers is refused. Beside
-them, :class:`_compiling` and :class:`_rnn_weights_as_they_are` steer library
-code onto its traceable path. ``_trace.trace`` and the joint trace of
+recompute) that would make eager repeat random numbers is refused. What these need
+changed in torch (the state functions, the seeding functions,
+``torch.compiler.is_compiling``) is changed by ``_patches`` while a trace runs, for
+the tracing thread only; the replacements' bodies are here (:func:`rng_getter`,
+:func:`rng_setter`, :func:`seed_refusal`). ``_trace.trace`` and the joint trace of
 ``_partition`` enter them; what is done with the traced graph afterwards is
 ``_rewrite``'s.
 """
 
 from __future__ import annotations
 
-import functools
+import inspect
 import os
 import sys
 import threading
@@ -34,8 +36,9 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes, _get_current_dispatch_mode_stack
 
-from . import _cudnn_rnn, _jiterator
+from . import _cudnn_rnn
 from ._errors import _PKG_DIR, GraphifyError, PrintWarning, format_frame, is_library_file, user_frame
+from ._patches import tracing
 from ._state import StateIndex
 
 __all__ = ["FOR_GRAD", "TENSOR_ATTR"]
@@ -117,6 +120,10 @@ class _Watch(TorchDispatchMode):
     of the graph.
     """
 
+    # marks a thread running the trace's work (autograd's device threads carry the
+    # tracing thread's dispatch modes): see _patches.tracing
+    _gt_trace = True
+
     def __init__(self, inputs: Dict[Any, int], paths: List[str], desc: str, cuda: bool, mode: FakeTensorMode, index: StateIndex, n_in: int):
         super().__init__()
         self.inputs = inputs
@@ -150,18 +157,8 @@ class _Watch(TorchDispatchMode):
         # (matmul(v, m, out=o) unsqueezes a 1-d `o` around its product): see check_layouts
         self.reshaped: Dict[int, Tuple[str, str, Any]] = {}
 
-    def __enter__(self) -> _Watch:
-        super().__enter__()
-        _rng_hooks(True)
-        _jiterator_hooks(True)
-        return self
-
     def __exit__(self, typ: Any, exc: Any, tb: Any) -> None:
-        try:
-            super().__exit__(typ, exc, tb)
-        finally:
-            _rng_hooks(False)
-            _jiterator_hooks(False)
+        super().__exit__(typ, exc, tb)
         if typ is None:
             self.rng.check_end()
 
@@ -653,6 +650,38 @@ class _NoHandle:
         return None
 _AUTOGRAD_FACTS = (_IS_LEAF_ATTR, _GRAD_FN_ATTR, _VERSION_ATTR)
 _BIT_READS = {torch._C.TensorBase.is_conj: 0, torch._C.TensorBase.is_neg: 1, torch._C.TensorBase.is_inference: 2}
+# the code of Optimizer.zero_grad and Module.zero_grad (under torch's decorators): a .grad
+# read made from there is zero_grad's (see _FnWatch._zero_grad_reads)
+_ZERO_GRADS = frozenset(inspect.unwrap(f).__code__ for f in (torch.optim.Optimizer.zero_grad, torch.nn.Module.zero_grad))
+# While tracing, recurrent modules do not re-pack their weights. A module's parameters are
+# stand-ins during a trace, so nn.LSTM sees its weights changed and, on CUDA,
+# flatten_parameters packs them into one cuDNN buffer by swapping their storages
+# (_cudnn_rnn_flatten_weight): not an operation a graph can hold, and its data_ptr() reads
+# are a placeholder's. The modes of the trace answer its question `fw.is_cuda` with False,
+# so it returns at once, as it does for CPU weights; unpacked weights are what cuDNN copies
+# into its buffer inside the recorded op (see _cudnn_rnn). The modes are the tracing
+# thread's only: another thread's eager LSTM packs its weights as ever.
+_FLATTEN = torch.nn.modules.rnn.RNNBase.flatten_parameters.__code__
+_IS_CUDA_ATTR = torch._C.TensorBase.__dict__["is_cuda"]
+
+
+def _is_cuda_get(func: Any) -> bool:
+    return getattr(func, "__self__", None) is _IS_CUDA_ATTR and getattr(func, "__name__", "") == "__get__"
+
+
+def _caller() -> Any:
+    """The frame of the code whose tensor call a mode's ``__torch_function__`` (the caller of this) sees.
+
+    Past other modes' ``__torch_function__`` frames: a mode entered inside the function
+    (``with torch.device(...)``) handles the call first and makes it again from its own frame.
+    """
+    f = sys._getframe(2)
+    while f.f_back is not None and (f.f_code.co_name == "__torch_function__" or f.f_code.co_filename == _OVERRIDES):
+        f = f.f_back
+    return f
+
+
+_OVERRIDES = sys.modules["torch.overrides"].__file__
 
 
 def _called_from_library(frame: Any) -> bool:
@@ -781,6 +810,9 @@ class _FnWatch(TorchFunctionMode):
         if args and getattr(func, "__name__", "") == "__get__" and getattr(func, "__self__", None) in _AUTOGRAD_FACTS:
             return self._autograd_fact(func.__self__, args[0], func)
         if args and getattr(func, "__self__", None) is _GRAD_ATTR and getattr(func, "__name__", "") == "__get__":
+            caller = _caller()
+            if caller.f_code in _ZERO_GRADS:
+                self._zero_grad_reads(args[0], caller)
             idx = self._input(args[0])
             if idx is not None and args[0] is self.inputs[idx]:
                 if idx < len(self.grads) and self.grads[idx]:
@@ -816,6 +848,8 @@ class _FnWatch(TorchFunctionMode):
                         "graphified function.",
                     )
                 self.layout_used.add(idx)
+        if _is_cuda_get(func) and _caller().f_code is _FLATTEN:
+            return False  # (see _FLATTEN)
         if func in _cudnn_rnn.FUNCS and not kwargs and _cudnn_rnn.applies(func, args):
             fail = self.watch._fail
             return self._call(lambda *a: _cudnn_rnn.call(func, a, fail), args, kwargs)
@@ -885,22 +919,16 @@ class _FnWatch(TorchFunctionMode):
             return hist is None
         return hist
 
-    def __enter__(self) -> _FnWatch:
-        _zero_grad_hooks(True)
-        _ZG.rec = self.grad_cleared
-        try:
-            return super().__enter__()  # type: ignore[no-any-return]
-        except BaseException:
-            _ZG.rec = None
-            _zero_grad_hooks(False)
-            raise
+    def _zero_grad_reads(self, t: Any, frame: Any) -> None:
+        """``zero_grad()`` reads ``t.grad``: note ``t`` as a parameter whose ``.grad`` eager leaves None.
 
-    def __exit__(self, typ: Any, exc: Any, tb: Any) -> None:
-        try:
-            super().__exit__(typ, exc, tb)
-        finally:
-            _ZG.rec = None
-            _zero_grad_hooks(False)
+        ``Optimizer.zero_grad()`` / ``Module.zero_grad()`` set ``.grad`` to None only where
+        there is one: a parameter whose ``.grad`` is None while tracing shows no write.
+        Eager leaves it None after every call whatever the caller put there, so the trace
+        notes every parameter they cover (the ``p.grad = None`` they run is seen below too).
+        """
+        if isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor) and frame.f_locals.get("set_to_none", True):
+            self.grad_cleared[id(t)] = t
 
     def _data_set(self, t: Any) -> None:
         """Refuse ``t.data = ...`` on an input or on state (eager swaps that tensor's storage)."""
@@ -948,35 +976,11 @@ class _RnnScope(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if _is_cuda_get(func) and _caller().f_code is _FLATTEN:
+            return False  # (see _FLATTEN)
         if func in _cudnn_rnn.FUNCS and not kwargs and _cudnn_rnn.applies(func, args):
             return _cudnn_rnn.call(func, args, self.watch._fail)
         return func(*args, **kwargs)
-
-
-class _rnn_weights_as_they_are:
-    """While tracing, recurrent modules do not re-pack their weights (``flatten_parameters``).
-
-    A module's parameters are stand-ins during a trace, so ``nn.LSTM`` sees its weights
-    changed and, on CUDA, packs them into one cuDNN buffer by swapping their storages
-    (``_cudnn_rnn_flatten_weight``): not an operation a graph can hold. Unpacked weights
-    are what cuDNN copies into its buffer inside the recorded op. Traces hold _trace.TRACE_LOCK;
-    another thread's eager LSTM meanwhile just skips the packing (slower, same numbers).
-    """
-
-    def __enter__(self) -> None:
-        from torch.nn.modules.rnn import RNNBase
-
-        self.orig = RNNBase.__dict__["flatten_parameters"]
-        RNNBase.flatten_parameters = _no_flatten  # type: ignore[method-assign]
-
-    def __exit__(self, *exc: Any) -> None:
-        from torch.nn.modules.rnn import RNNBase
-
-        RNNBase.flatten_parameters = self.orig  # type: ignore[method-assign]
-
-
-def _no_flatten(self: Any) -> None:
-    return None
 
 
 def _tagging_no_grad(func: Any, args: Sequence[Any], kwargs: Dict[str, Any]) -> Any:
@@ -1054,16 +1058,6 @@ for _name in ("add", "sub", "mul", "matmul", "truediv", "floordiv", "mod", "pow"
         setattr(_TensorAttr, f"__r{_name}__", _tensor_attr_fail)
 
 
-_SEED_FNS = (
-    (torch, "manual_seed"),
-    (torch.random, "manual_seed"),
-    (torch, "seed"),
-    (torch.random, "seed"),
-    (torch.cuda, "manual_seed"),
-    (torch.cuda, "manual_seed_all"),
-    (torch.cuda, "seed"),
-    (torch.cuda, "seed_all"),
-)
 _SEED_MSG = (
     "Why: a recording draws fresh random numbers on every replay from the generator's "
     "current state; seeding inside the function happens once, while tracing, so eager "
@@ -1071,34 +1065,44 @@ _SEED_MSG = (
     "Fix: seed outside the function (torch.manual_seed before the call), or use a "
     "torch.Generator passed as an argument (generator=g in the random ops)."
 )
+_SEEDING = threading.local()  # .desc: the description of the trace this thread runs under _no_seeding
+_SEEDED_ELSEWHERE = [0]  # seeding calls made, while a trace ran, by code that was not traced
+
+
+def seed_refusal(orig: Any, name: str) -> Any:
+    """What ``torch.<name>()`` (``manual_seed``, ``cuda.seed_all``...) does while a trace runs.
+
+    Installed by ``_patches`` (in every thread: see :class:`_no_seeding`): a GraphifyError
+    inside a :class:`_no_seeding` block of this thread, the original function elsewhere.
+    """
+    def seeding(*a: Any, **k: Any) -> Any:
+        if not tracing():
+            _SEEDED_ELSEWHERE[0] += 1
+            return orig(*a, **k)
+        desc = getattr(_SEEDING, "desc", None)
+        if desc is None:  # (a joint trace, autograd's thread: left to _no_seeding's check)
+            return orig(*a, **k)
+        fr = user_frame(traceback.extract_stack())
+        raise GraphifyError(
+            f"{desc}: torch.{name}() seeds a default random generator inside the function.\n"
+            f"  at {format_frame(fr)}\n{_SEED_MSG}"
+        )
+
+    return seeding
 
 
 class _no_seeding:
     """Seeding a default generator inside the traced function is a GraphifyError.
 
-    ``torch.manual_seed`` and its relatives are wrapped while this thread
-    traces (other threads pass through).
+    ``torch.manual_seed`` and its relatives refuse in this thread while it is
+    entered (see :func:`seed_refusal`); a generator reseeded directly (a C method) is
+    found on exit by its changed initial seed. Unless code that is not traced (another
+    thread) seeded meanwhile: its seed is then neither judged nor undone (a reseed through
+    the generator object in another thread cannot be told apart from the function's).
     """
 
     def __init__(self, desc: str):
         self.desc = desc
-        self.saved: List[Tuple[Any, str, Any]] = []
-        self.thread = threading.get_ident()
-
-    def _wrap(self, orig: Any, name: str) -> Any:
-        desc, thread = self.desc, self.thread
-
-        @functools.wraps(orig)
-        def seeding(*a: Any, **k: Any) -> Any:
-            if threading.get_ident() != thread:
-                return orig(*a, **k)
-            fr = user_frame(traceback.extract_stack())
-            raise GraphifyError(
-                f"{desc}: torch.{name}() seeds a default random generator inside the function.\n"
-                f"  at {format_frame(fr)}\n{_SEED_MSG}"
-            )
-
-        return seeding
 
     @staticmethod
     def _generators() -> List[Any]:
@@ -1112,19 +1116,17 @@ class _no_seeding:
         gens = self._generators()
         self.seeds = [g.initial_seed() for g in gens]
         self.states = [g.get_state() for g in gens]
-        for mod, name in _SEED_FNS:
-            orig = getattr(mod, name, None)
-            if orig is not None:
-                self.saved.append((mod, name, orig))
-                setattr(mod, name, self._wrap(orig, f"{mod.__name__[len('torch.'):] + '.' if mod is not torch else ''}{name}"))
+        self.outer = getattr(_SEEDING, "desc", None)
+        self.elsewhere = _SEEDED_ELSEWHERE[0]
+        _SEEDING.desc = self.desc
         return self
 
     def __exit__(self, typ: Any, exc: Any, tb: Any) -> None:
         # (the generators' state is not compared: other threads may draw meanwhile)
-        for mod, name, orig in reversed(self.saved):
-            setattr(mod, name, orig)
-        self.saved = []
+        _SEEDING.desc = self.outer
         gens = self._generators()
+        if _SEEDED_ELSEWHERE[0] != self.elsewhere:
+            return
         if len(gens) == len(self.seeds) and any(g.initial_seed() != s for g, s in zip(gens, self.seeds)):
             for g, st in zip(gens, self.states):
                 g.set_state(st)
@@ -1148,21 +1150,11 @@ class _no_seeding:
 # around deterministic code, checkpoint of a module without dropout), and otherwise the
 # next draw from that generator, or the end of the function, is a GraphifyError. (A state
 # set through the generator object itself, Generator.set_state, is a C method that cannot
-# be wrapped; _no_seeding sees it where it changes the generator's seed.)
+# be routed; _no_seeding sees it where it changes the generator's seed.) The functions
+# torch.get_rng_state / set_rng_state and torch.cuda's are routed to rng_getter and
+# rng_setter in the tracing thread (see _patches); their code, not their names, so that
+# set_rng_state_all and fork_rng, which reach them by module-level names, are covered too.
 
-_RNG_GETTERS = (
-    (torch, "get_rng_state", "cpu"),
-    (torch.random, "get_rng_state", "cpu"),
-    (torch.cuda, "get_rng_state", "cuda"),
-    (getattr(torch.cuda, "random", None), "get_rng_state", "cuda"),
-)
-_RNG_SETTERS = (
-    (torch, "set_rng_state", "cpu"),
-    (torch.random, "set_rng_state", "cpu"),
-    (torch.cuda, "set_rng_state", "cuda"),
-    # set_rng_state_all and fork_rng's devices reach this one by its module-level name
-    (getattr(torch.cuda, "random", None), "set_rng_state", "cuda"),
-)
 _LOCAL_SCALAR = torch.ops.aten._local_scalar_dense.default
 _RNG_FIX = (
     "Fix: pass preserve_rng_state=False to torch.utils.checkpoint (its recompute then draws "
@@ -1322,11 +1314,18 @@ def _watches() -> List[_RngLedger]:
 
 
 def _from_us() -> bool:
-    return sys._getframe(2).f_code.co_filename.startswith(_PKG_DIR + os.sep)
+    """Whether the state function routed to the replacement that asks was called by gtransform itself.
+
+    (Frames: this one, the replacement, the routed function (``_patches``), its caller.)
+    """
+    return sys._getframe(3).f_code.co_filename.startswith(_PKG_DIR + os.sep)
 
 
-def _rng_getter(orig: Any, kind: str) -> Any:
-    @functools.wraps(orig)
+def rng_getter(orig: Any, kind: str) -> Any:
+    """What ``torch.get_rng_state`` (``kind="cpu"``) or ``torch.cuda.get_rng_state`` does while tracing.
+
+    Installed by ``_patches`` (for tracing threads only); ``orig`` is the original function.
+    """
     def get_rng_state(*a: Any, **k: Any) -> Any:
         ledgers = _watches()
         if not ledgers or _from_us():
@@ -1343,8 +1342,8 @@ def _rng_getter(orig: Any, kind: str) -> Any:
     return get_rng_state
 
 
-def _rng_setter(orig: Any, kind: str, name: str) -> Any:
-    @functools.wraps(orig)
+def rng_setter(orig: Any, kind: str, name: str) -> Any:
+    """What ``torch.set_rng_state`` or ``torch.cuda.set_rng_state`` (``name``) does while tracing."""
     def set_rng_state(new_state: Any, *a: Any, **k: Any) -> Any:
         ledgers = _watches()
         if not ledgers or _from_us():
@@ -1359,133 +1358,6 @@ def _rng_setter(orig: Any, kind: str, name: str) -> Any:
         return None
 
     return set_rng_state
-
-
-class _Patches:
-    """Functions of torch replaced while any trace is entered (counted: traces nest, and run in threads).
-
-    Args:
-        make: returns ``(owner, name, replacement)`` for each function to replace; called by
-            the first trace entered, and the originals put back when the last one exits.
-    """
-
-    def __init__(self, make: Callable[[], List[Tuple[Any, str, Any]]]):
-        self.make = make
-        self.lock = threading.Lock()
-        self.depth = 0
-        self.saved: List[Tuple[Any, str, Any]] = []
-
-    def __call__(self, on: bool) -> None:
-        with self.lock:
-            if on:
-                self.depth += 1
-                if self.depth == 1:
-                    for owner, name, new in self.make():
-                        self.saved.append((owner, name, owner.__dict__[name]))
-                        setattr(owner, name, new)
-            else:
-                self.depth -= 1
-                if self.depth == 0:
-                    for owner, name, orig in reversed(self.saved):
-                        setattr(owner, name, orig)
-                    self.saved.clear()
-
-
-def _rng_patches() -> List[Tuple[Any, str, Any]]:
-    made: Dict[int, Any] = {}
-    out = []
-    for mod, name, kind in _RNG_GETTERS + _RNG_SETTERS:
-        orig = getattr(mod, name, None) if mod is not None else None
-        if orig is None:
-            continue
-        w = made.get(id(orig))
-        if w is None:
-            label = f"torch.{name}" if kind == "cpu" else f"torch.cuda.{name}"
-            w = made[id(orig)] = (_rng_getter(orig, kind) if name.startswith("get")
-                                  else _rng_setter(orig, kind, label))
-        out.append((mod, name, w))
-    return out
-
-
-_rng_hooks = _Patches(_rng_patches)
-"""Wrap the generators' state getters and setters while any trace is entered."""
-_jiterator_hooks = _Patches(_jiterator.patches)
-"""Record CUDA jiterator launches made on the trace's tensors (see ``_jiterator``)."""
-
-
-# -- zero_grad inside the function -----------------------------------------------------------
-# Optimizer.zero_grad() / Module.zero_grad() set .grad to None only where there is one: a
-# parameter whose .grad is None while tracing shows nothing. Eager leaves it None after every
-# call whatever the caller put there, so the trace notes every parameter they cover
-# (_FnWatch.grad_cleared; the `p.grad = None` they run is seen there too).
-
-_ZG = threading.local()  # .rec: the grad_cleared dict of this thread's trace, if any
-
-
-def _zero_grad_wrapper(orig: Any, params_of: Callable[[Any], Any]) -> Any:
-    @functools.wraps(orig)
-    def zero_grad(self: Any, set_to_none: bool = True) -> Any:
-        rec = getattr(_ZG, "rec", None)
-        if rec is not None and set_to_none:
-            for p in params_of(self):
-                if isinstance(p, torch.Tensor) and not isinstance(p, FakeTensor):
-                    rec[id(p)] = p
-        return orig(self, set_to_none)
-
-    return zero_grad
-
-
-_zero_grad_hooks = _Patches(lambda: [
-    (torch.optim.Optimizer, "zero_grad", _zero_grad_wrapper(
-        torch.optim.Optimizer.__dict__["zero_grad"], lambda o: [p for g in o.param_groups for p in g["params"]])),
-    (torch.nn.Module, "zero_grad", _zero_grad_wrapper(torch.nn.Module.__dict__["zero_grad"], lambda m: m.parameters())),
-])
-"""Wrap Optimizer.zero_grad and Module.zero_grad while any trace is entered."""
-
-
-class _compiling:
-    """``torch.compiler.is_compiling()`` is true while tracing, as under torch.export.
-
-    Library code then takes its traceable path: torch.optim keeps step counts and
-    tensor learning rates as tensors instead of reading them with ``.item()``.
-    """
-
-    def __enter__(self) -> None:
-        import torch.compiler as tc
-
-        self.old = getattr(tc, "_is_compiling_flag", None)
-        if self.old is not None:
-            tc._is_compiling_flag = True
-
-    def __exit__(self, *exc: Any) -> None:
-        import torch.compiler as tc
-
-        if self.old is not None:
-            tc._is_compiling_flag = self.old
-
-
-class _parametrize_cache:
-    """Keep ``torch.nn.utils.parametrize``'s cache as it was before the trace.
-
-    Under ``parametrize.cached()`` a parametrized weight computed while tracing is put in
-    torch's module-level cache: a placeholder that the eager first call (or any later
-    code in the block) would then read ("a tensor made while tracing it was used after
-    the trace").
-    """
-
-    def __enter__(self) -> None:
-        from torch.nn.utils import parametrize
-
-        cache = getattr(parametrize, "_cache", None)
-        self.saved = dict(cache) if isinstance(cache, dict) else None
-
-    def __exit__(self, *exc: Any) -> None:
-        from torch.nn.utils import parametrize
-
-        cache = getattr(parametrize, "_cache", None)
-        if self.saved is not None and isinstance(cache, dict):
-            cache.clear()
-            cache.update(self.saved)
 
 
 def drop_history(tensors: Sequence[torch.Tensor]) -> None:

@@ -266,7 +266,7 @@ def _gloo_threads() -> Any:
 def _worker(rank: int, port: int, cases: List[str], timeout_s: float) -> None:
     import torch.distributed as dist
 
-    import gtransform  # noqa: F401  (wraps destroy_process_group)
+    import gtransform  # noqa: F401  (routes destroy_process_group once collectives are traced)
 
     torch.set_num_threads(1)
     dist.init_process_group(

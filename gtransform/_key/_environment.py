@@ -15,17 +15,17 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from .._patches import TRACE_HOOKS as _TRACE_HOOKS
 from .._state import (
-    _HOOK_EPOCH,
     _MODULE_ATTRS,
-    _TRACE_HOOKS,
     AttrReads,
+    GradHooks,
     Root,
     _Module,
     _Optimizer,
     _plain_attr,
     _plain_object,
-    _watch_hooks,
+    _RemovableHandle,
     plain_object_roots,
     root_modules,
 )
@@ -176,12 +176,10 @@ def env_key_fn(roots: Sequence[Root], reads: Optional[AttrReads] = None) -> Opti
     # By identity: the cached value holds the old modules, so no new one can take their ids.
     sub_dicts = [m._modules for m in mods if m._modules]
     sub_names = [name for name, m in named if m._modules]
-    _watch_hooks([p for m in mods for p in m._parameters.values() if p is not None and p.requires_grad]
-                 + [p for g in groups for p in g["params"] if isinstance(p, torch.Tensor) and p.requires_grad])
 
     env = _compile_env(attr_dicts, hook_dicts, gdicts, groups, keys, opts, sub_dicts, mods,
                        None if no_extra else (id_d, id_k, ab_d, ab_k, cl_d, cl_k), conts,
-                       (b_dicts, b_keys, b_cells) if bound else None)
+                       (b_dicts, b_keys, b_cells) if bound else None, grad_hooks=GradHooks(mods, groups))
 
     env.keep = ([r.obj for r in bound] + [o.state for o in opts] + groups + [g["params"] for g in groups]  # type: ignore[attr-defined]
                 + [s for o in opts for s in o.state.values()]  # each parameter's state (opt.state[p] = {})
@@ -245,7 +243,7 @@ def env_key_fn(roots: Sequence[Root], reads: Optional[AttrReads] = None) -> Opti
 def _compile_env(attr_dicts: Sequence[Tuple[Dict[str, Any], Tuple[str, ...]]], hook_dicts: Sequence[Dict[Any, Any]],
                  gdicts: Sequence[Dict[Any, Any]], groups: Sequence[Dict[str, Any]], keys: Sequence[Tuple[str, ...]],
                  opts: Sequence[Any], sub_dicts: Sequence[Dict[str, Any]], mods: Sequence[Any], extra: Any,
-                 conts: Sequence[Any], bound: Any) -> Callable[[], Any]:
+                 conts: Sequence[Any], bound: Any, grad_hooks: Optional[GradHooks] = None) -> Callable[[], Any]:
     """The function :func:`env_key_fn` returns, written out as straight-line Python.
 
     It is on every call's path: each dict and attribute it reads is a name of its own and
@@ -254,10 +252,10 @@ def _compile_env(attr_dicts: Sequence[Tuple[Dict[str, Any], Tuple[str, ...]]], h
     ~1 us written out; three to four times that on the lent GPU hosts). The value is the
     tuple ``diff`` and ``lazy_part`` index: attributes, module hooks, global hooks,
     optimizer hyperparameters, optimizers' structure, their groups' parameter lists,
-    submodules, module classes, the gradient-hook epoch, identity slots / absent names /
-    class attributes, container lengths, name bindings.
+    submodules, module classes, the parameters' gradient hooks (:class:`GradHooks`), identity
+    slots / absent names / class attributes, container lengths, name bindings.
     """
-    ns: Dict[str, Any] = {"_TRACE_HOOKS": _TRACE_HOOKS, "EPOCH": _HOOK_EPOCH, "_id": id}
+    ns: Dict[str, Any] = {"_TRACE_HOOKS": _TRACE_HOOKS, "_id": id}
     n = [0]
 
     def name(value: Any, prefix: str) -> str:
@@ -317,9 +315,14 @@ def _compile_env(attr_dicts: Sequence[Tuple[Dict[str, Any], Tuple[str, ...]]], h
         lines += ["    try:", f"        binds = {tup(items)}", "    except ValueError:  # a cell was emptied (del)",
                   "        binds = None"]
         bind_expr = "binds"
+    grads_expr = "None"
+    if grad_hooks is not None:  # read again only when a hook may have been added or removed
+        ns.update(GRADS=grad_hooks, RH=_RemovableHandle, GL=grad_hooks.lens)
+        checks = ["RH.next_id == GRADS.seen"] + [f"len({name(d, 'GD')}) == GL[{i}]" for i, d in enumerate(grad_hooks.watched)]
+        grads_expr = f"GRADS.value if {' and '.join(checks)} else GRADS.refresh()"
     lines.append(
         f"    return (attrs, hooks, ghooks, {tup(hyper)}, {tup(struct)}, {tup(plists)}, {tup(subs)}, "
-        f"{tup(types_)}, EPOCH[0], extra, {conts_expr}, {bind_expr})")
+        f"{tup(types_)}, {grads_expr}, extra, {conts_expr}, {bind_expr})")
     src = "\n".join(lines) + "\n"
     exec(compile(src, "<gtransform environment key>", "exec"), ns)
     env = ns["env"]
