@@ -100,7 +100,6 @@ the same hooks run).
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 import types
@@ -111,7 +110,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 __all__ = ["tracing", "trace_scope", "track_reads", "untrack_reads", "READING", "watch_module_calls", "TRACE_HOOKS",
-           "muted_hooks", "route_always", "unroute"]
+           "muted_hooks", "route_always", "unroute", "Route", "add_shared"]
 
 _TLS = threading.local()  # .depth: the trace scopes this thread is inside
 _len_dispatch_stack: Callable[[], int] = getattr(torch._C, "_len_torch_dispatch_stack", lambda: 1)
@@ -146,7 +145,7 @@ def _copy(fn: types.FunctionType) -> types.FunctionType:
     return c
 
 
-class _Route:
+class Route:
     """One function of torch routed to a replacement where ``when()`` is true.
 
     Args:
@@ -203,7 +202,7 @@ class _Route:
         self.saved, self.fn, self.code = [], None, None
 
 
-_ALWAYS: Dict[int, _Route] = {}
+_ALWAYS: Dict[int, Route] = {}
 
 
 def route_always(fn: Any, make: Callable[[Any], Any], owners: Sequence[Tuple[Any, str]]) -> None:
@@ -213,7 +212,7 @@ def route_always(fn: Any, make: Callable[[Any], Any], owners: Sequence[Tuple[Any
     """
     with _LOCK:
         if id(fn) not in _ALWAYS:
-            r = _Route(owners, make, when=lambda: True)
+            r = Route(owners, make, when=lambda: True)
             r.install()
             _ALWAYS[id(fn)] = r
 
@@ -252,30 +251,27 @@ class _Filter:
         logging.getLogger(self.logger).removeFilter(self.filter)
 
 
+_SHARED: List[Callable[[], List[Any]]] = []
+
+
+def add_shared(factory: Callable[[], List[Any]]) -> None:
+    """Add routes (made by ``factory`` when the first trace starts) to those installed while any trace runs.
+
+    For the modules above this one that own a replacement (``_watch``'s RNG state and
+    seeding routes), so that this module imports none of them.
+    """
+    _SHARED.append(factory)
+
+
 def _shared() -> List[Any]:
     """The patches installed while any trace runs (see the module docstring)."""
-    import torch.cuda.random as cuda_random
+    from . import _jiterator
 
-    from . import _jiterator, _watch
-
-    out: List[Any] = [_Route([(torch.compiler, "is_compiling")], lambda orig: _true)]
-    for mod, name, kind, label in ((torch.random, "get_rng_state", "cpu", "torch.get_rng_state"),
-                                   (torch.random, "set_rng_state", "cpu", "torch.set_rng_state"),
-                                   (cuda_random, "get_rng_state", "cuda", "torch.cuda.get_rng_state"),
-                                   (cuda_random, "set_rng_state", "cuda", "torch.cuda.set_rng_state")):
-        top = torch if kind == "cpu" else torch.cuda
-        make = (functools.partial(_watch.rng_getter, kind=kind) if name.startswith("get")
-                else functools.partial(_watch.rng_setter, kind=kind, name=label))
-        out.append(_Route([(mod, name), (top, name)], make))
-    for mod, top, prefix, names in ((torch.random, torch, "", ("manual_seed", "seed")),
-                                    (cuda_random, torch.cuda, "cuda.", ("manual_seed", "manual_seed_all", "seed",
-                                                                        "seed_all"))):
-        for name in names:
-            # (in every thread: a seed set by another thread is not to be judged by the trace's check)
-            out.append(_Route([(mod, name), (top, name)], functools.partial(_watch.seed_refusal, name=prefix + name),
-                              when=_true))
+    out: List[Any] = [Route([(torch.compiler, "is_compiling")], lambda orig: _true)]
+    for factory in _SHARED:
+        out += factory()
     if _jiterator.available():
-        out.append(_Route([(torch._C, _jiterator.NAME)], _jiterator.launcher))
+        out.append(Route([(torch._C, _jiterator.NAME)], _jiterator.launcher))
     out.append(_Filter("torch._subclasses.fake_tensor"))
     return out
 

@@ -21,6 +21,7 @@ the tracing thread only; the replacements' bodies are here (:func:`rng_getter`,
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 import sys
@@ -38,7 +39,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 from . import _cudnn_rnn
 from ._errors import _PKG_DIR, GraphifyError, PrintWarning, format_frame, is_library_file, user_frame
-from ._patches import tracing
+from ._patches import Route, add_shared, tracing
 from ._state import StateIndex
 
 __all__ = ["FOR_GRAD", "TENSOR_ATTR"]
@@ -1369,3 +1370,29 @@ def drop_history(tensors: Sequence[torch.Tensor]) -> None:
     for t in tensors:
         if t.requires_grad and not t._is_view():
             t.detach_()
+
+
+def _rng_routes() -> List[Any]:
+    """The RNG state functions and the seeding functions, routed while any trace runs (see ``_patches``)."""
+    import torch.cuda.random as cuda_random
+
+    out: List[Any] = []
+    for mod, name, kind, label in ((torch.random, "get_rng_state", "cpu", "torch.get_rng_state"),
+                                   (torch.random, "set_rng_state", "cpu", "torch.set_rng_state"),
+                                   (cuda_random, "get_rng_state", "cuda", "torch.cuda.get_rng_state"),
+                                   (cuda_random, "set_rng_state", "cuda", "torch.cuda.set_rng_state")):
+        top = torch if kind == "cpu" else torch.cuda
+        make = (functools.partial(rng_getter, kind=kind) if name.startswith("get")
+                else functools.partial(rng_setter, kind=kind, name=label))
+        out.append(Route([(mod, name), (top, name)], make))
+    for mod, top, prefix, names in ((torch.random, torch, "", ("manual_seed", "seed")),
+                                    (cuda_random, torch.cuda, "cuda.", ("manual_seed", "manual_seed_all", "seed",
+                                                                        "seed_all"))):
+        for name in names:
+            # (in every thread: a seed set by another thread is not to be judged by the trace's check)
+            out.append(Route([(mod, name), (top, name)], functools.partial(seed_refusal, name=prefix + name),
+                             when=lambda: True))
+    return out
+
+
+add_shared(_rng_routes)
