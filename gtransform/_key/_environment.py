@@ -42,6 +42,58 @@ def env_key_fn(roots: Sequence[Root], reads: Optional[AttrReads] = None) -> Opti
     all of them where ``reads`` is None or could not track the module), and every root
     optimizer's Python-number hyperparameters, parameter groups and state dict as a whole.
     """
+    named = _named_modules(roots, reads)
+    mods = [m for _, m in named]
+    opts = [r.obj for r in roots if isinstance(r.obj, _Optimizer)]
+    opt_names = [r.name for r in roots if isinstance(r.obj, _Optimizer)]
+    conts, obj_slots = _tensor_containers(roots)
+    pobj_attrs = _plain_object_attrs(roots, reads)
+    # modules, optimizers, containers and plain objects found in a global or a closure cell:
+    # rebinding the name between calls (`opt = torch.optim.Adam(...)`, a notebook cell run
+    # again) gives the function other state; the recording is bound to the old objects
+    bound = [r for r in roots if r.binding is not None and not isinstance(r.obj, torch.Tensor)]
+    if not mods and not opts and not conts and not obj_slots and not bound:
+        return _plain_objects_env(pobj_attrs) if pobj_attrs else None
+    hook_dicts, gdicts = _hook_dicts(mods, opts)
+    groups = [g for o in opts for g in o.param_groups]
+    group_names = [f"{name}.param_groups[{gi}]" for name, o in zip(opt_names, opts)
+                   for gi in range(len(o.param_groups))]
+    # every Python hyperparameter: numbers (numpy's too: a schedule computed with numpy), tuples
+    # of them (Adam's betas, Rprop's etas and step_sizes), strings, None
+    keys = [tuple(k for k, v in g.items() if k != "params" and _plain_attr(v)) for g in groups]
+    slots = _Slots(named, reads, pobj_attrs, roots)
+    slots.id_slots += obj_slots
+    # the module tree itself: a submodule replaced (`model.fc = nn.Linear(...)`, `seq[2] = ...`),
+    # added (`seq.append(...)`) or removed, or a module's class changed (parametrizations
+    # registered or removed swap it) records again; the recording is bound to the old objects.
+    # By identity: the cached value holds the old modules, so no new one can take their ids.
+    sub_dicts = [m._modules for m in mods if m._modules]
+    sub_names = [name for name, m in named if m._modules]
+    b_items = [r.binding for r in bound if r.binding.kind == "item"]
+    b_attrs = [r.binding for r in bound if r.binding.kind == "attr"]
+    env = _compile_env(slots.attr_dicts, hook_dicts, gdicts, groups, keys, opts, sub_dicts, mods, slots.extra(), conts,
+                       ([b.obj for b in b_items], [b.key for b in b_items], [b.obj for b in b_attrs]) if bound else None,
+                       grad_hooks=GradHooks(mods, groups))
+    env.keep = ([r.obj for r in bound] + [o.state for o in opts] + groups + [g["params"] for g in groups]  # type: ignore[attr-defined]
+                + [s for o in opts for s in o.state.values()]  # each parameter's state (opt.state[p] = {})
+                + [d.get(k) for d, k, _ in slots.id_slots])
+    env.diff = _differ(env, slots, named, sub_names, group_names, keys,  # type: ignore[attr-defined]
+                       [b.path for b in b_items] + [b.path for b in b_attrs], len(pobj_attrs))
+    # the parts where lazily made state may have gone: the optimizers' state and groups, the
+    # module tree and classes (see Entry.env_keeps_lazy_state)
+    env.lazy_part = lambda v: (v[4], v[5], v[6], v[7], v[11])  # type: ignore[attr-defined]
+    env.watched = slots.watched()  # type: ignore[attr-defined]
+    env.describe = (  # type: ignore[attr-defined]
+        f"{len(mods)} module(s) (training flags, hooks, {slots.n_attrs()} Python attributes), {len(opts)} optimizer(s) "
+        f"({sum(len(k) for k in keys)} Python hyperparameters, their parameter groups and state)"
+        + (f", {len(pobj_attrs)} plain object(s) ({sum(len(ks) for _, _, ks in pobj_attrs)} Python attributes)"
+           if pobj_attrs else "")
+    )
+    return env
+
+
+def _named_modules(roots: Sequence[Root], reads: Optional[AttrReads]) -> List[Tuple[str, Any]]:
+    """The root modules and their submodules, with those the function called without a root leading to them."""
     named = root_modules(roots)
     if reads is not None and reads.called:
         known = {id(m) for _, m in named}
@@ -50,39 +102,41 @@ def env_key_fn(roots: Sequence[Root], reads: Optional[AttrReads] = None) -> Opti
                 if id(sub) not in known:
                     known.add(id(sub))
                     named.append((f"<{type(m).__name__} called by the function>{'.' + n if n else ''}", sub))
-    mods = [m for _, m in named]
-    opts = [r.obj for r in roots if isinstance(r.obj, _Optimizer)]
-    opt_names = [r.name for r in roots if isinstance(r.obj, _Optimizer)]
-    # closed-over lists and dicts of tensors (and a plain object's containers): a tensor added
-    # or removed changes what the function reads (`caches.append(t)`, `obj.ts = [new]`)
+    return named
+
+
+def _tensor_containers(roots: Sequence[Root]) -> Tuple[List[Any], List[Tuple[Dict[str, Any], str, str]]]:
+    """Closed-over lists and dicts of tensors, and a plain object's containers of tensors (by slot).
+
+    A tensor added or removed changes what the function reads (`caches.append(t)`,
+    `obj.ts = [new]`).
+    """
     conts = [r.obj for r in roots if type(r.obj) in (list, dict) and any(
         isinstance(v, torch.Tensor) for v in (r.obj.values() if isinstance(r.obj, dict) else r.obj))]
     obj_slots = [(vars(r.obj), k, f"{r.name}.{k}") for r in roots
                  if _plain_object(r.obj) and not isinstance(r.obj, (_Module, _Optimizer))
                  for k, v in vars(r.obj).items() if type(v) in (list, dict, tuple) and any(
                      isinstance(x, torch.Tensor) for x in (v.values() if isinstance(v, dict) else v))]
-    # plain objects (a config, `self` of a user's class): the plain attributes the trace read
-    # on them (all of them where it could not track the object), like a module's
-    pobj_attrs: List[Tuple[str, Dict[str, Any], Tuple[str, ...]]] = []
+    return conts, obj_slots
+
+
+def _plain_object_attrs(roots: Sequence[Root], reads: Optional[AttrReads]) -> List[Tuple[str, Dict[str, Any], Tuple[str, ...]]]:
+    """Plain objects (a config, `self` of a user's class): the plain attributes the trace read on them.
+
+    All of them where it could not track the object, like a module's.
+    """
+    out: List[Tuple[str, Dict[str, Any], Tuple[str, ...]]] = []
     for name, o in plain_object_roots(roots):
         read = reads.read(o) if reads is not None else None
         d = vars(o)
         ks = tuple(k for k, v in d.items() if _plain_attr(v) and (read is None or k in read))
         if ks:
-            pobj_attrs.append((name, d, ks))
-    # modules, optimizers, containers and plain objects found in a global or a closure cell:
-    # rebinding the name between calls (`opt = torch.optim.Adam(...)`, a notebook cell run
-    # again) gives the function other state; the recording is bound to the old objects
-    bound = [r for r in roots if r.binding is not None and not isinstance(r.obj, torch.Tensor)]
-    b_dicts = [r.binding.obj for r in bound if r.binding.kind == "item"]
-    b_keys = [r.binding.key for r in bound if r.binding.kind == "item"]
-    b_cells = [r.binding.obj for r in bound if r.binding.kind == "attr"]
-    b_names = ([r.binding.path for r in bound if r.binding.kind == "item"]
-               + [r.binding.path for r in bound if r.binding.kind == "attr"])
-    if not mods and not opts and not conts and not obj_slots and not bound:
-        if not pobj_attrs:
-            return None
-        return _plain_objects_env(pobj_attrs)
+            out.append((name, d, ks))
+    return out
+
+
+def _hook_dicts(mods: Sequence[Any], opts: Sequence[Any]) -> Tuple[List[Dict[Any, Any]], List[Dict[Any, Any]]]:
+    """The modules' and optimizers' hook dicts, and torch's global ones."""
     from torch.nn.modules import module as _mm
 
     gdicts = [getattr(_mm, n) for n in ("_global_forward_hooks", "_global_forward_pre_hooks",
@@ -99,100 +153,106 @@ def env_key_fn(roots: Sequence[Root], reads: Optional[AttrReads] = None) -> Opti
     if opts:
         gdicts += [getattr(_om, n) for n in ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks")
                    if isinstance(getattr(_om, n, None), dict)]
-    groups = [g for o in opts for g in o.param_groups]
-    group_names = [f"{name}.param_groups[{gi}]" for name, o in zip(opt_names, opts)
-                   for gi in range(len(o.param_groups))]
-    # every Python hyperparameter: numbers (numpy's too: a schedule computed with numpy), tuples
-    # of them (Adam's betas, Rprop's etas and step_sizes), strings, None
-    keys = [tuple(k for k, v in g.items() if k != "params" and _plain_attr(v)) for g in groups]
-    # the plain Python attributes the trace read (BatchNorm's momentum and eps, Dropout's
-    # p, LeakyReLU's negative_slope, GELU's approximate, a user's self.scale...) are
-    # constants in the recording, so a new value is a new signature, not the old numbers;
-    # attributes it did not read (`model.step = i` set by the loop) may change freely
-    attr_dicts = []
-    attr_names: List[Tuple[str, Tuple[str, ...]]] = []
-    # compared by identity (the objects kept alive by env.keep, so no new one takes an id):
-    # containers and other objects among the attributes the trace read (`self.c = [a, b]`
-    # rebound), a parameter or buffer slot that is None (`register_buffer("mask", None)`,
-    # set later) or that holds a tensor found in another slot too (tied weights, untied later)
-    id_slots: List[Tuple[Dict[str, Any], str, str]] = []  # (dict, key, path)
-    # names the trace looked up that no dict held (getattr(self, "extra", 1.0), hasattr):
-    # their appearance records again; class attributes read through the instance: by value
-    absent: List[Tuple[Any, str, str]] = []  # (module, name, path)
-    cls_slots: List[Tuple[Dict[str, Any], str, str]] = []  # (class __dict__, name, path)
-    seen_t: Dict[int, Tuple[Dict[str, Any], str, str]] = {}
-    for name, d, ks in pobj_attrs:
-        attr_dicts.append((d, ks))
-        attr_names.append((name, ks))
-    for name, m in named:
+    return hook_dicts, gdicts
+
+
+class _Slots:
+    """The attributes the environment reads on modules and plain objects, by kind.
+
+    The plain Python attributes the trace read (BatchNorm's momentum and eps, Dropout's
+    p, LeakyReLU's negative_slope, GELU's approximate, a user's self.scale...) are
+    constants in the recording, so a new value is a new signature, not the old numbers;
+    attributes it did not read (`model.step = i` set by the loop) may change freely.
+    """
+
+    def __init__(self, named: Sequence[Tuple[str, Any]], reads: Optional[AttrReads],
+                 pobj_attrs: Sequence[Tuple[str, Dict[str, Any], Tuple[str, ...]]], roots: Sequence[Root]):
+        self.attr_dicts: List[Tuple[Dict[str, Any], Tuple[str, ...]]] = []
+        self.attr_names: List[Tuple[str, Tuple[str, ...]]] = []
+        # compared by identity (the objects kept alive by env.keep, so no new one takes an id):
+        # containers and other objects among the attributes the trace read (`self.c = [a, b]`
+        # rebound), a parameter or buffer slot that is None (`register_buffer("mask", None)`,
+        # set later) or that holds a tensor found in another slot too (tied weights, untied later)
+        self.id_slots: List[Tuple[Dict[str, Any], str, str]] = []  # (dict, key, path)
+        # names the trace looked up that no dict held (getattr(self, "extra", 1.0), hasattr):
+        # their appearance records again; class attributes read through the instance: by value
+        self.absent: List[Tuple[Any, str, str]] = []  # (module, name, path)
+        cls_slots: List[Tuple[Dict[str, Any], str, str]] = []  # (class __dict__, name, path)
+        self.seen_t: Dict[int, Tuple[Dict[str, Any], str, str]] = {}
+        for name, d, ks in pobj_attrs:
+            self.attr_dicts.append((d, ks))
+            self.attr_names.append((name, ks))
+        for name, m in named:
+            self._module(name, m, reads.read(m) if reads is not None else None, cls_slots)
+        # a root module's forward replaced on the instance (`m.forward = types.MethodType(f, m)`,
+        # as patching libraries do); a submodule's is not watched (a check per module per call)
+        for r in roots:
+            if isinstance(r.obj, _Module) and "forward" not in r.obj.__dict__:
+                self.absent.append((r.obj, "forward", f"{r.name}.forward"))
+        self.cls_slots = list({(id(d), k): (d, k, p) for d, k, p in cls_slots}.values())
+
+    def _module(self, name: str, m: Any, read: Optional[Any], cls_slots: List[Tuple[Dict[str, Any], str, str]]) -> None:
         d = m.__dict__
         # `training` among them: one C-level getter per module reads everything
-        read = reads.read(m) if reads is not None else None
         ks = ("training",) + tuple(k for k, v in d.items() if k != "training" and _plain_attr(v)
                                    and (read is None or k in read))
-        attr_dicts.append((d, ks))
-        attr_names.append((name, ks))
-        if read is not None:
-            for k in read:
-                if k in d:
-                    v = d[k]
-                    if k not in _MODULE_ATTRS and not _plain_attr(v) and not isinstance(v, (torch.Tensor, _Module)):
-                        id_slots.append((d, k, f"{name}.{k}"))
-                elif k not in m._parameters and k not in m._buffers and k not in m._modules:
-                    owner = next((c for c in type(m).__mro__ if k in c.__dict__), None)
-                    if owner is None:
-                        if not k.startswith("__"):
-                            absent.append((m, k, f"{name}.{k}"))
-                    elif (_plain_attr(owner.__dict__[k]) and not callable(owner.__dict__[k])
-                          and owner.__module__.split(".")[0] != "torch"):
-                        cls_slots.append((owner.__dict__, k, f"{type(m).__name__}.{k}"))  # type: ignore[arg-type]
-                        absent.append((m, k, f"{name}.{k}"))  # set on the instance later
+        self.attr_dicts.append((d, ks))
+        self.attr_names.append((name, ks))
+        for k in read if read is not None else ():
+            if k in d:
+                v = d[k]
+                if k not in _MODULE_ATTRS and not _plain_attr(v) and not isinstance(v, (torch.Tensor, _Module)):
+                    self.id_slots.append((d, k, f"{name}.{k}"))
+            elif k not in m._parameters and k not in m._buffers and k not in m._modules:
+                owner = next((c for c in type(m).__mro__ if k in c.__dict__), None)
+                if owner is None:
+                    if not k.startswith("__"):
+                        self.absent.append((m, k, f"{name}.{k}"))
+                elif (_plain_attr(owner.__dict__[k]) and not callable(owner.__dict__[k])
+                      and owner.__module__.split(".")[0] != "torch"):
+                    cls_slots.append((owner.__dict__, k, f"{type(m).__name__}.{k}"))  # type: ignore[arg-type]
+                    self.absent.append((m, k, f"{name}.{k}"))  # set on the instance later
         for dd in (m._parameters, m._buffers):
             for k, v in dd.items():
                 if v is None:
-                    id_slots.append((dd, k, f"{name}.{k}"))
-                elif id(v) in seen_t:
-                    id_slots.append((dd, k, f"{name}.{k}"))
-                    id_slots.append(seen_t[id(v)])
+                    self.id_slots.append((dd, k, f"{name}.{k}"))
+                elif id(v) in self.seen_t:
+                    self.id_slots.append((dd, k, f"{name}.{k}"))
+                    self.id_slots.append(self.seen_t[id(v)])
                 else:
-                    seen_t[id(v)] = (dd, k, f"{name}.{k}")
-    # a root module's forward replaced on the instance (`m.forward = types.MethodType(f, m)`,
-    # as patching libraries do); a submodule's is not watched (a check per module per call)
-    for r in roots:
-        if isinstance(r.obj, _Module) and "forward" not in r.obj.__dict__:
-            absent.append((r.obj, "forward", f"{r.name}.forward"))
-    cls_slots = list({(id(d), k): (d, k, p) for d, k, p in cls_slots}.values())
-    id_slots += obj_slots
-    n_attrs = sum(len(ks) - 1 for _, ks in attr_names) + len(id_slots) + len(absent) + len(cls_slots)
-    # per call, C-level maps only: the dicts and keys side by side
-    id_d, id_k = [d for d, _, _ in id_slots], [k for _, k, _ in id_slots]
-    ab_d = [dd for m, _, _ in absent for dd in (m.__dict__, m._parameters, m._buffers, m._modules)]
-    ab_k = [k for _, k, _ in absent for _ in range(4)]
-    cl_d, cl_k = [d for d, _, _ in cls_slots], [k for _, k, _ in cls_slots]
-    no_extra = not (id_slots or absent or cls_slots)
-    # the module tree itself: a submodule replaced (`model.fc = nn.Linear(...)`, `seq[2] = ...`),
-    # added (`seq.append(...)`) or removed, or a module's class changed (parametrizations
-    # registered or removed swap it) records again; the recording is bound to the old objects.
-    # By identity: the cached value holds the old modules, so no new one can take their ids.
-    sub_dicts = [m._modules for m in mods if m._modules]
-    sub_names = [name for name, m in named if m._modules]
+                    self.seen_t[id(v)] = (dd, k, f"{name}.{k}")
 
-    env = _compile_env(attr_dicts, hook_dicts, gdicts, groups, keys, opts, sub_dicts, mods,
-                       None if no_extra else (id_d, id_k, ab_d, ab_k, cl_d, cl_k), conts,
-                       (b_dicts, b_keys, b_cells) if bound else None, grad_hooks=GradHooks(mods, groups))
+    def extra(self) -> Any:
+        """Per call, C-level maps only: the dicts and keys side by side (None: nothing to read)."""
+        if not (self.id_slots or self.absent or self.cls_slots):
+            return None
+        id_d, id_k = [d for d, _, _ in self.id_slots], [k for _, k, _ in self.id_slots]
+        ab_d = [dd for m, _, _ in self.absent for dd in (m.__dict__, m._parameters, m._buffers, m._modules)]
+        ab_k = [k for _, k, _ in self.absent for _ in range(4)]
+        cl_d, cl_k = [d for d, _, _ in self.cls_slots], [k for _, k, _ in self.cls_slots]
+        return (id_d, id_k, ab_d, ab_k, cl_d, cl_k)
 
-    env.keep = ([r.obj for r in bound] + [o.state for o in opts] + groups + [g["params"] for g in groups]  # type: ignore[attr-defined]
-                + [s for o in opts for s in o.state.values()]  # each parameter's state (opt.state[p] = {})
-                + [d.get(k) for d, k, _ in id_slots])
+    def n_attrs(self) -> int:
+        return (sum(len(ks) - 1 for _, ks in self.attr_names) + len(self.id_slots) + len(self.absent)
+                + len(self.cls_slots))
+
+    def watched(self) -> List[str]:
+        return [p for _, _, p in self.id_slots] + [p for _, _, p in self.absent] + [p for _, _, p in self.cls_slots]
+
+
+def _differ(env: Callable[[], Any], slots: _Slots, named: Sequence[Tuple[str, Any]], sub_names: Sequence[str],
+            group_names: Sequence[str], keys: Sequence[Tuple[str, ...]], b_names: Sequence[str],
+            n_pobj: int) -> Callable[[Any], List[str]]:
+    """The ``diff`` of ``env``: what changed since an earlier value, for the retrace explanation."""
 
     def diff(old: Any) -> List[str]:
         """What changed since ``old`` (an earlier value of env()), for the retrace explanation."""
         new = env()
         out: List[str] = []
         if old[0] is not None and new[0] is not None:
-            for i, ((name, ks), a, b) in enumerate(zip(attr_names, old[0], new[0])):
+            for i, ((name, ks), a, b) in enumerate(zip(slots.attr_names, old[0], new[0])):
                 a, b = (a, b) if len(ks) > 1 else ((a,), (b,))
-                what = "attribute" if i < len(pobj_attrs) else "module attribute"
+                what = "attribute" if i < n_pobj else "module attribute"
                 out += [f"{name}.training: {x} -> {y}" if k == "training" else
                         f"{what} {name}.{k}: {x!r} -> {y!r}" for k, x, y in zip(ks, a, b) if x != y]
         elif old[0] != new[0]:
@@ -218,26 +278,13 @@ def env_key_fn(roots: Sequence[Root], reads: Optional[AttrReads] = None) -> Opti
                     for n, x, y in zip(b_names, old[11], new[11]) if x != y]
         if old[9] != new[9]:
             a, b = old[9], new[9]
-            out += [f"{p} is another object (rebound, set or tied)" for (_, _, p), x, y in zip(id_slots, a[0], b[0]) if x != y]
+            out += [f"{p} is another object (rebound, set or tied)" for (_, _, p), x, y in zip(slots.id_slots, a[0], b[0]) if x != y]
             out += [f"{p} {'appeared' if any(b[1][4 * i:4 * i + 4]) else 'was deleted'}"
-                    for i, (_, _, p) in enumerate(absent) if a[1][4 * i:4 * i + 4] != b[1][4 * i:4 * i + 4]]
-            out += [f"class attribute {p}: {x!r} -> {y!r}" for (_, _, p), x, y in zip(cls_slots, a[2], b[2]) if x != y]
+                    for i, (_, _, p) in enumerate(slots.absent) if a[1][4 * i:4 * i + 4] != b[1][4 * i:4 * i + 4]]
+            out += [f"class attribute {p}: {x!r} -> {y!r}" for (_, _, p), x, y in zip(slots.cls_slots, a[2], b[2]) if x != y]
         return out
 
-    env.diff = diff  # type: ignore[attr-defined]
-    # the parts where lazily made state may have gone: the optimizers' state and groups, the
-    # module tree and classes (see Entry.env_keeps_lazy_state)
-    env.lazy_part = lambda v: (v[4], v[5], v[6], v[7], v[11])  # type: ignore[attr-defined]
-    env.watched = ([p for _, _, p in id_slots] + [p for _, _, p in absent]  # type: ignore[attr-defined]
-                   + [p for _, _, p in cls_slots])
-
-    env.describe = (  # type: ignore[attr-defined]
-        f"{len(mods)} module(s) (training flags, hooks, {n_attrs} Python attributes), {len(opts)} optimizer(s) "
-        f"({sum(len(k) for k in keys)} Python hyperparameters, their parameter groups and state)"
-        + (f", {len(pobj_attrs)} plain object(s) ({sum(len(ks) for _, _, ks in pobj_attrs)} Python attributes)"
-           if pobj_attrs else "")
-    )
-    return env
+    return diff
 
 
 def _compile_env(attr_dicts: Sequence[Tuple[Dict[str, Any], Tuple[str, ...]]], hook_dicts: Sequence[Dict[Any, Any]],
