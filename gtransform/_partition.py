@@ -165,44 +165,56 @@ def build_partition(plan: Any, metas: Sequence[Any], need: Sequence[bool], owner
         that alias inputs, inputs updated in place): the caller then recomputes
         the forward inside the backward recording instead.
     """
-    from torch._functorch.partitioners import default_partition
-    from torch.fx.experimental.proxy_tensor import make_fx
+    if not _partitionable(plan, need):
+        return None
+    joint = _joint_trace(plan, metas, need, owner)
+    if joint is None:
+        return None
+    gm, box = joint
+    gm = _functional_joint(gm, plan, metas)
+    return _split_joint(gm, plan, owner, box)
 
-    from ._objects import flatten_output
-    from ._patches import muted_hooks, trace_scope
-    from ._rewrite import _drop_profiler_nodes, _lift_state
-    from ._state import StateIndex
-    from ._trace import TRACE_LOCK, _TraceMode
-    from ._watch import _RnnScope, _Watch
 
+def _partitionable(plan: Any, need: Sequence[bool]) -> bool:
+    """Whether the joint graph can be partitioned; where not, ``plan.no_partition`` says why (for messages)."""
     # (why not, for the messages of what the recompute path refuses: see _recompute_refusal)
     if plan.fn is None or plan.mutated:
-        return None
+        return False
+    why = ""
     if plan.escape_slots:
-        plan.no_partition = f"it stores a tensor in Python state ({plan.escape_slots[0].path})"
-        return None
-    if any(t.grad_fn is not None for t in plan.state):
+        why = f"it stores a tensor in Python state ({plan.escape_slots[0].path})"
+    elif any(t.grad_fn is not None for t in plan.state):
         # state with autograd history (a hidden state carried from an earlier call): the
         # joint trace's backward would run on into that history, which is not the function's;
         # the recompute path differentiates from the state as a leaf, and autograd goes on
-        plan.no_partition = "state it reads carries autograd history from an earlier call"
-        return None
-    if any(plan.leaf_idx.values()):
+        why = "state it reads carries autograd history from an earlier call"
+    elif any(plan.leaf_idx.values()):
         # the joint trace's inputs are leaves: it would take the other branch of `if x.is_leaf`
-        plan.no_partition = "it reads whether an input with autograd history is a leaf (is_leaf, grad_fn)"
-        return None
-    if any(e.kind == "input" for e in plan.out_entries):
-        plan.no_partition = "an output is an input or a view of one"
-        return None  # outputs that alias inputs: the partitioner cannot split them (recompute instead)
-    n_user = plan.n_user_in
-    n_state = len(plan.state)
-    if any(need[n_user + k] and not t.requires_grad for k, t in enumerate(plan.state)):
+        why = "it reads whether an input with autograd history is a leaf (is_leaf, grad_fn)"
+    elif any(e.kind == "input" for e in plan.out_entries):
+        # outputs that alias inputs: the partitioner cannot split them (recompute instead)
+        why = "an output is an input or a view of one"
+    elif any(need[plan.n_user_in + k] and not t.requires_grad for k, t in enumerate(plan.state)):
         # differentiated under torch.func.grad through a wrapper its slot holds (functional_call
         # of detached parameters): the joint trace differentiates the state tensors themselves,
         # which here do not require grad; the recompute path differentiates copies of them
-        plan.no_partition = "state it differentiates does not require grad itself (torch.func's wrapper of it does)"
-        return None
-    n_out = len(plan.tensor_entries)
+        why = "state it differentiates does not require grad itself (torch.func's wrapper of it does)"
+    if why:
+        plan.no_partition = why
+        return False
+    return True
+
+
+def _joint_trace(plan: Any, metas: Sequence[Any], need: Sequence[bool], owner: Any) -> Optional[Tuple[Any, dict]]:
+    """The function's forward and backward traced as one graph (primals, then tangents), and what it found."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from ._patches import trace_scope
+    from ._state import StateIndex
+    from ._trace import TRACE_LOCK, _TraceMode
+    from ._watch import _Watch
+
+    n_user, n_state, n_out = plan.n_user_in, len(plan.state), len(plan.tensor_entries)
     mode = _TraceMode(allow_non_fake_inputs=True)
     with mode:
         fakes = [
@@ -216,41 +228,7 @@ def build_partition(plan: Any, metas: Sequence[Any], need: Sequence[bool], owner
     for t in plan.state:  # state keeps the forward plan's order: inputs line up with the recording's
         watch._fake(t)
     box: dict = {}
-
-    def joint(*ins: torch.Tensor) -> tuple:
-        user, tans = list(ins[:n_user]), ins[n_user:]
-        storages.clear()
-        for i, t in enumerate(user):
-            storages.setdefault(StorageWeakRef(t.untyped_storage()), i)
-        for k, f in enumerate(watch.state_fakes):
-            storages.setdefault(StorageWeakRef(f.untyped_storage()), n_user + k)
-        args, kwargs = plan.rebuild(user)
-        with torch.enable_grad():
-            with watch, _RnnScope(watch):
-                out = plan.fn(*args, **kwargs)
-            leaves, _ = flatten_output(out, owner._desc)
-            outs = [x for x in leaves if isinstance(x, torch.Tensor)]
-            # forward outputs before any backward op (the partitioner goes by placement)
-            detached = [o.detach() for o in outs]
-            diff = [bool(o.requires_grad and (o.is_floating_point() or o.is_complex())) for o in outs]
-            wrt = [user[i] for i in range(n_user) if need[i]] + [plan.state[k] for k in range(n_state) if need[n_user + k]]
-            pairs = [(o, t) for o, t, d in zip(outs, tans, diff) if d]
-            box["reach"] = _reach(outs, diff, wrt)
-            grads: Sequence[Any] = [None] * len(wrt)
-            if pairs and wrt:
-                # hooks the caller registered on state (p.register_hook(...)) run where eager
-                # runs them, when the recording's gradient reaches the parameter: not in here,
-                # or the recorded backward would apply them a second time
-                # (muted for this thread only: another thread's backward still runs them)
-                drawn = sum(watch.rng.draws.values())
-                with muted_hooks(plan.state), watch:
-                    grads = torch.autograd.grad([o for o, _ in pairs], wrt, [t for _, t in pairs], allow_unused=True)
-                if sum(watch.rng.draws.values()) > drawn:
-                    box["draws_in_backward"] = True
-        box["diff"] = diff
-        box["none"] = [g is None for g in grads]
-        return tuple(detached) + tuple(g for g in grads if g is not None)
-
+    joint = functools.partial(_joint, plan, need, owner, watch, storages, box)
     if len(tangents) != n_out:
         return None
     try:
@@ -264,6 +242,8 @@ def build_partition(plan: Any, metas: Sequence[Any], need: Sequence[bool], owner
         raise _backward_draws(owner._desc)
     if len(watch.state) != n_state or len(box["diff"]) != n_out:
         return None  # the backward reached state the forward did not: keep the recompute path
+    from ._rewrite import _drop_profiler_nodes, _lift_state
+
     _lift_state(gm, watch.state_fakes)
     _drop_profiler_nodes(gm)
     # placeholders as the partitioner expects them: primals (the caller's, then state), then tangents
@@ -274,13 +254,67 @@ def build_partition(plan: Any, metas: Sequence[Any], need: Sequence[bool], owner
         body.prepend(n)
     gm.graph.lint()
     gm.recompile()
-    # the partitioner wants a functional graph (dropout's bernoulli_ and div_ are in place):
-    # functionalize it, as AOTAutograd does. Views stay views (as in AOTAutograd): a view
-    # turned into a copy loses eager's strides, which random fills follow (see
-    # _random_ops_in_place)
+    return gm, box
+
+
+def _joint(plan: Any, need: Sequence[bool], owner: Any, watch: Any, storages: dict, box: dict,
+           *ins: torch.Tensor) -> tuple:
+    """The joint function ``make_fx`` traces: the forward, then ``autograd.grad`` of its outputs."""
+    from ._objects import flatten_output
+    from ._patches import muted_hooks
+    from ._watch import _RnnScope
+
+    n_user, n_state = plan.n_user_in, len(plan.state)
+    user, tans = list(ins[:n_user]), ins[n_user:]
+    storages.clear()
+    for i, t in enumerate(user):
+        storages.setdefault(StorageWeakRef(t.untyped_storage()), i)
+    for k, f in enumerate(watch.state_fakes):
+        storages.setdefault(StorageWeakRef(f.untyped_storage()), n_user + k)
+    args, kwargs = plan.rebuild(user)
+    with torch.enable_grad():
+        with watch, _RnnScope(watch):
+            out = plan.fn(*args, **kwargs)
+        leaves, _ = flatten_output(out, owner._desc)
+        outs = [x for x in leaves if isinstance(x, torch.Tensor)]
+        # forward outputs before any backward op (the partitioner goes by placement)
+        detached = [o.detach() for o in outs]
+        diff = [bool(o.requires_grad and (o.is_floating_point() or o.is_complex())) for o in outs]
+        wrt = [user[i] for i in range(n_user) if need[i]] + [plan.state[k] for k in range(n_state) if need[n_user + k]]
+        pairs = [(o, t) for o, t, d in zip(outs, tans, diff) if d]
+        box["reach"] = _reach(outs, diff, wrt)
+        grads: Sequence[Any] = [None] * len(wrt)
+        if pairs and wrt:
+            # hooks the caller registered on state (p.register_hook(...)) run where eager
+            # runs them, when the recording's gradient reaches the parameter: not in here,
+            # or the recorded backward would apply them a second time
+            # (muted for this thread only: another thread's backward still runs them)
+            drawn = sum(watch.rng.draws.values())
+            with muted_hooks(plan.state), watch:
+                grads = torch.autograd.grad([o for o, _ in pairs], wrt, [t for _, t in pairs], allow_unused=True)
+            if sum(watch.rng.draws.values()) > drawn:
+                box["draws_in_backward"] = True
+    box["diff"] = diff
+    box["none"] = [g is None for g in grads]
+    return tuple(detached) + tuple(g for g in grads if g is not None)
+
+
+def _functional_joint(gm: Any, plan: Any, metas: Sequence[Any]) -> Any:
+    """The joint graph functionalized and tagged as the partitioner wants it.
+
+    The partitioner wants a functional graph (dropout's bernoulli_ and div_ are in place):
+    functionalize it, as AOTAutograd does. Views stay views (as in AOTAutograd): a view
+    turned into a copy loses eager's strides, which random fills follow (see
+    _random_ops_in_place).
+    """
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.func import functionalize
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
+    from ._trace import TRACE_LOCK
+
+    n_user, n_state, n_out = plan.n_user_in, len(plan.state), len(plan.tensor_entries)
     specs = [(m[1], m[2], m[3], m[4]) for m in metas] + [
         (tuple(v.shape), v.stride(), v.dtype, v.device) for v in _output_metas(plan)]
     fmode = FakeTensorMode()
@@ -293,8 +327,6 @@ def build_partition(plan: Any, metas: Sequence[Any], need: Sequence[bool], owner
         n.target = n.name = f"primals_{k + 1}" if k < n_user + n_state else f"tangents_{k - n_user - n_state + 1}"
     # the partitioner saves forward values that carry tensor metadata (and recomputes the
     # rest in the backward: a random op would draw again)
-    from torch.fx.passes.shape_prop import _extract_tensor_metadata
-
     for n in gm.graph.nodes:
         v = n.meta.get("val")
         if isinstance(v, torch.Tensor) and "tensor_meta" not in n.meta:
@@ -313,6 +345,14 @@ def build_partition(plan: Any, metas: Sequence[Any], need: Sequence[bool], owner
         todo.extend(n.all_input_nodes)
     gm.graph.lint()
     gm.recompile()
+    return gm
+
+
+def _split_joint(gm: Any, plan: Any, owner: Any, box: dict) -> Partition:
+    """The functional joint graph split into a forward and a backward, each a graphified function."""
+    from torch._functorch.partitioners import default_partition
+
+    n_out = len(plan.tensor_entries)
     fw_gm, bw_gm = default_partition(gm, None, num_fwd_outputs=n_out)
     _random_ops_in_place(fw_gm)
     # a random op the backward does not use (the forward saved its result) must not draw
