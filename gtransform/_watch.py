@@ -273,24 +273,10 @@ class _Watch(TorchDispatchMode):
         kwargs = kwargs or {}
         self.ops += 1
         if func not in _LIFTS:
-            host_read = func is _LOCAL_SCALAR and bool(args) and isinstance(args[0], torch.Tensor) \
-                and type(args[0]) is not FakeTensor
-            real_args, real_kwargs = args, kwargs
-            args = [self._swap(a) for a in args]
-            if kwargs:
-                kwargs = {k: self._swap(v) for k, v in kwargs.items()}
-            if func._schema.is_mutable and torch.is_grad_enabled():
-                self._no_history_on_views(func, real_args, real_kwargs, args, kwargs)
-            if host_read:
-                # a host read of state (float(self.num_batches_tracked)), its stand-in made (the
-                # state is touched: a first call then runs eagerly): refused here, not left to
-                # the stand-in, which may carry the value as a constant (torch 2.15 returns it,
-                # and the value would be frozen into the recording)
-                raise DataDependentOutputException(func)
+            args, kwargs = self._stand_ins(func, args, kwargs)
         if func in _SETS and len(args) > 1 and isinstance(args[1], (torch.UntypedStorage, torch.TypedStorage)):
             return self._set_storage(func, args)
-        schema = func._schema
-        if schema.name.startswith(_QUANTIZE):
+        if func._schema.name.startswith(_QUANTIZE):
             self._fail(
                 f"{func} makes a quantized tensor.",
                 "graphify records dense tensors of ordinary dtypes; torch's fake kernels give "
@@ -305,54 +291,7 @@ class _Watch(TorchDispatchMode):
                     idx = self.inputs.get(StorageWeakRef(t.untyped_storage()))
                     if idx is not None:
                         self._mark_written(t, idx)
-        written: List[Tuple[torch.Tensor, int, Any]] = []
-        if schema.is_mutable:
-            for i, a in enumerate(schema.arguments):
-                ai = a.alias_info
-                if ai is None or not ai.is_write:
-                    continue
-                v = args[i] if (i < len(args) and not a.kwarg_only) else kwargs.get(a.name)
-                for t in _tensors_in(v):
-                    idx = self.inputs.get(StorageWeakRef(t.untyped_storage()))
-                    if idx is None:
-                        continue
-                    if func in _SETS or (func in _RESIZES and not _same_size(func, t, args)):
-                        self._fail(
-                            f"{func} changes the size or storage of input {self.paths[idx]} in place.",
-                            "a recording replays fixed memory; an input's storage cannot be resized "
-                            "or replaced inside it.",
-                            "return the new tensor instead of resizing the input, or do the resize "
-                            "outside the graphified function.",
-                        )
-                    if idx in self.overlapping:
-                        self._fail(
-                            f"{func} updates input {self.paths[idx]} in place, and that input overlaps "
-                            "itself (its elements share memory).",
-                            "an update through memory shared by several elements (an expand()ed "
-                            "tensor) has no single answer: eager refuses most such ops (\"more than one "
-                            "element of the written-to tensor refers to a single memory location\") and "
-                            "the recording would update a copy and write it back.",
-                            f"pass {self.paths[idx]}.contiguous() or .clone() (or update a copy and "
-                            "return it).",
-                        )
-                    hist = self.state[idx - self.n_in].grad_fn if idx >= self.n_in else None
-                    if hist is not None and torch.is_grad_enabled():
-                        self._fail(
-                            f"{func} updates {self.paths[idx]} in place, a tensor in state the function "
-                            f"reaches (not an argument) that carries autograd history "
-                            f"(grad_fn={type(hist).__name__}): an earlier call in grad mode wrote a tensor "
-                            "that requires grad into it (a KV cache updated by a decode step run outside "
-                            "torch.no_grad(), for instance).",
-                            "gtransform keeps state as plain memory between calls; it cannot grow the "
-                            "autograd graph that eager extends through that tensor on every call.",
-                            "call the function under torch.no_grad() or torch.inference_mode() (decoding, "
-                            "rollouts), or write detached values into the state "
-                            "(cache.index_copy_(2, pos, k.detach())).",
-                        )
-                    written.append((t, idx, (t.shape, t.stride(), t.storage_offset())))
-                    if idx not in self.mutated_at:  # for messages: the op and the user's line
-                        self.mutated_at[idx] = (str(func), format_frame(user_frame(traceback.extract_stack())))
-                    self._mark_written(t, idx)
+        written = self._input_writes(func, args, kwargs) if func._schema.is_mutable else []
         seeded = _SEEDED is not None and _SEEDED in func.tags and not _no_dropout(func, args, kwargs)
         if seeded:
             self.random = True
@@ -373,6 +312,84 @@ class _Watch(TorchDispatchMode):
             _tag_site(last)  # the user's line on the op's nodes: named if its capture fails
         if seeded:
             self.rng.drew(func, gen, out)
+        self._after(func, args, kwargs, out, written)
+        return out
+
+    def _stand_ins(self, func: Any, args: Sequence[Any], kwargs: Dict[str, Any]) -> Tuple[Any, Dict[str, Any]]:
+        """The op's arguments with the real tensors it reaches (state) replaced by their stand-ins."""
+        host_read = func is _LOCAL_SCALAR and bool(args) and isinstance(args[0], torch.Tensor) \
+            and type(args[0]) is not FakeTensor
+        real_args, real_kwargs = args, kwargs
+        args = [self._swap(a) for a in args]
+        if kwargs:
+            kwargs = {k: self._swap(v) for k, v in kwargs.items()}
+        if func._schema.is_mutable and torch.is_grad_enabled():
+            self._no_history_on_views(func, real_args, real_kwargs, args, kwargs)
+        if host_read:
+            # a host read of state (float(self.num_batches_tracked)), its stand-in made (the
+            # state is touched: a first call then runs eagerly): refused here, not left to
+            # the stand-in, which may carry the value as a constant (torch 2.15 returns it,
+            # and the value would be frozen into the recording)
+            raise DataDependentOutputException(func)
+        return args, kwargs
+
+    def _input_writes(self, func: Any, args: Sequence[Any], kwargs: Dict[str, Any]) -> List[Tuple[torch.Tensor, int, Any]]:
+        """The inputs and state an in-place op writes (marked written), refusing what a replay cannot do."""
+        written: List[Tuple[torch.Tensor, int, Any]] = []
+        for i, a in enumerate(func._schema.arguments):
+            ai = a.alias_info
+            if ai is None or not ai.is_write:
+                continue
+            v = args[i] if (i < len(args) and not a.kwarg_only) else kwargs.get(a.name)
+            for t in _tensors_in(v):
+                idx = self.inputs.get(StorageWeakRef(t.untyped_storage()))
+                if idx is None:
+                    continue
+                self._check_write(func, t, idx, args)
+                written.append((t, idx, (t.shape, t.stride(), t.storage_offset())))
+                if idx not in self.mutated_at:  # for messages: the op and the user's line
+                    self.mutated_at[idx] = (str(func), format_frame(user_frame(traceback.extract_stack())))
+                self._mark_written(t, idx)
+        return written
+
+    def _check_write(self, func: Any, t: torch.Tensor, idx: int, args: Sequence[Any]) -> None:
+        if func in _SETS or (func in _RESIZES and not _same_size(func, t, args)):
+            self._fail(
+                f"{func} changes the size or storage of input {self.paths[idx]} in place.",
+                "a recording replays fixed memory; an input's storage cannot be resized "
+                "or replaced inside it.",
+                "return the new tensor instead of resizing the input, or do the resize "
+                "outside the graphified function.",
+            )
+        if idx in self.overlapping:
+            self._fail(
+                f"{func} updates input {self.paths[idx]} in place, and that input overlaps "
+                "itself (its elements share memory).",
+                "an update through memory shared by several elements (an expand()ed "
+                "tensor) has no single answer: eager refuses most such ops (\"more than one "
+                "element of the written-to tensor refers to a single memory location\") and "
+                "the recording would update a copy and write it back.",
+                f"pass {self.paths[idx]}.contiguous() or .clone() (or update a copy and "
+                "return it).",
+            )
+        hist = self.state[idx - self.n_in].grad_fn if idx >= self.n_in else None
+        if hist is not None and torch.is_grad_enabled():
+            self._fail(
+                f"{func} updates {self.paths[idx]} in place, a tensor in state the function "
+                f"reaches (not an argument) that carries autograd history "
+                f"(grad_fn={type(hist).__name__}): an earlier call in grad mode wrote a tensor "
+                "that requires grad into it (a KV cache updated by a decode step run outside "
+                "torch.no_grad(), for instance).",
+                "gtransform keeps state as plain memory between calls; it cannot grow the "
+                "autograd graph that eager extends through that tensor on every call.",
+                "call the function under torch.no_grad() or torch.inference_mode() (decoding, "
+                "rollouts), or write detached values into the state "
+                "(cache.index_copy_(2, pos, k.detach())).",
+            )
+
+    def _after(self, func: Any, args: Sequence[Any], kwargs: Dict[str, Any], out: Any,
+               written: List[Tuple[torch.Tensor, int, Any]]) -> None:
+        """What the op did, noted: inputs it reshaped, constants it lifted, where its outputs were made, devices."""
         for t, idx, meta in written:
             if (t.shape, t.stride(), t.storage_offset()) != meta and idx not in self.reshaped:
                 self.reshaped[idx] = (str(func), format_frame(user_frame(traceback.extract_stack())), meta)
@@ -390,7 +407,6 @@ class _Watch(TorchDispatchMode):
             for t in _tensors_in(out):
                 if t.device.type == "cuda":
                     self.uses_cuda = True
-        return out
 
     def check_layouts(self, tensors: Sequence[torch.Tensor]) -> None:
         """Refuse an input (``tensors``: the trace's inputs, then state) left with another shape or strides.
@@ -622,6 +638,8 @@ _RANDOM_ = torch.Tensor.random_
 _SPARSE_READS = frozenset(getattr(torch.Tensor, n) for n in (
     "_nnz", "_values", "values", "_indices", "indices", "coalesce", "crow_indices", "col_indices",
     "ccol_indices", "row_indices") if hasattr(torch.Tensor, n))
+# what a stand-in cannot show: its address, a sparse tensor's nonzeros, its values printed
+_HOST_LOOKS = frozenset([_DATA_PTR, _REPR, _FORMAT]) | _SPARSE_READS
 _BACKWARDS = (torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad)
 # calls whose result leaves the autograd graph: make_fx may record them as plain aliases
 # (torch 2.14 records x.detach() as aten.alias), which a graph run under autograd would
@@ -743,14 +761,8 @@ class _FnWatch(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if func is _DATA_PTR and args and isinstance(args[0], FakeTensor):
-            self.watch._fail(
-                "the function reads a tensor's memory address (data_ptr()).",
-                "graphify traces with fake tensors, which have no memory (their address reads 0); a "
-                "comparison or a value built from it would be frozen into the recording.",
-                "compare tensors by identity (a is b) or with torch ops, or move this part out of the "
-                "graphified function.",
-            )
+        if args and isinstance(args[0], FakeTensor) and func in _HOST_LOOKS:
+            self._host_look(func, args)
         if func is _RANDOM_ and isinstance(args[0] if args else None, FakeTensor):
             lo_hi = list(args[1:]) + [kwargs[k] for k in ("from", "to") if k in kwargs]
             if len(lo_hi) == 2 and lo_hi[1] is not None:
@@ -761,39 +773,6 @@ class _FnWatch(TorchFunctionMode):
                 r = torch.randint(int(lo_hi[0]), int(lo_hi[1]), tuple(t.shape), dtype=t.dtype,
                                   device=t.device, generator=kwargs.get("generator"))
                 return t.copy_(r)
-        if func in _SPARSE_READS and args and isinstance(args[0], FakeTensor) and args[0].layout != torch.strided:
-            name = getattr(func, "__name__", str(func))
-            self.watch._fail(
-                f"the function reads the nonzeros of a sparse tensor ({name}()), whose number depends "
-                "on the data.",
-                "graphify traces with fake tensors, whose sparse stand-ins have no data: they report "
-                "0 nonzeros, which would be frozen into the recording (SparseAdam then skips its "
-                "update; values().numel() reads 0).",
-                "keep sparse tensors out of the graphified function: compute densely (a dense mask "
-                "and torch.where), or, for nn.Embedding(sparse=True) with SparseAdam, use "
-                "sparse=False with a dense optimizer (Adam(fused=True)), or keep opt.step() outside.",
-            )
-        if func is _REPR and args and isinstance(args[0], FakeTensor) and not self.printed:
-            # print(t) inside: eager prints the values on every call; the trace prints a
-            # placeholder once and a replay nothing (as jax.jit prints its tracers)
-            self.printed = True
-            fr = user_frame(traceback.extract_stack())
-            warnings.warn_explicit(
-                f"{self.watch.desc}: the function prints a tensor (print / repr / str): it shows a "
-                "placeholder while tracing, and nothing on later calls (a replay runs no Python). "
-                "Return the value and print it outside the graphified function.",
-                PrintWarning,
-                getattr(fr, "filename", "<unknown>") or "<unknown>",
-                getattr(fr, "lineno", 0) or 0,
-            )
-        if func is _FORMAT and len(args) > 1 and args[1] and isinstance(args[0], FakeTensor):
-            self.watch._fail(
-                f"formatting a tensor with a format spec (f\"{{t:{args[1]}}}\") reads its value on the host.",
-                "a recording is traced once without real data and replayed without Python; a value "
-                "read on the host would be the same (or nothing) on every call.",
-                "return the tensor and format it outside the graphified function (printing a value "
-                "needs it on the host, a sync eager pays too).",
-            )
         if func in _BACKWARDS:
             self.backward_calls += 1
             self.backward_at = format_frame(user_frame(traceback.extract_stack()))
@@ -811,22 +790,7 @@ class _FnWatch(TorchFunctionMode):
         if args and getattr(func, "__name__", "") == "__get__" and getattr(func, "__self__", None) in _AUTOGRAD_FACTS:
             return self._autograd_fact(func.__self__, args[0], func)
         if args and getattr(func, "__self__", None) is _GRAD_ATTR and getattr(func, "__name__", "") == "__get__":
-            caller = _caller()
-            if caller.f_code in _ZERO_GRADS:
-                self._zero_grad_reads(args[0], caller)
-            idx = self._input(args[0])
-            if idx is not None and args[0] is self.inputs[idx]:
-                if idx < len(self.grads) and self.grads[idx]:
-                    path = self.watch.paths[idx]
-                    self.watch._fail(
-                        f"the function reads {path}.grad, the gradient attached to input {path}.",
-                        "a recording takes tensors, not their attributes: the gradient is not an "
-                        "input of the recording, so its values (and whether there is one) would "
-                        "be frozen at the first call.",
-                        "pass the gradient as an argument of its own (e.g. f(p, p.grad)), or "
-                        "close over the tensor instead of passing it (state's .grad is read every call).",
-                    )
-                self.grad_read.add(idx)  # read as None: keyed on staying None
+            self._grad_read(args[0])
         if (len(args) > 1 and args[1] is None and getattr(func, "__self__", None) is _GRAD_ATTR
                 and getattr(func, "__name__", "") == "__set__" and isinstance(args[0], torch.Tensor)
                 and not isinstance(args[0], FakeTensor)):
@@ -834,21 +798,7 @@ class _FnWatch(TorchFunctionMode):
         if args and getattr(func, "__self__", None) is _DATA_SET and getattr(func, "__name__", "") == "__set__":
             self._data_set(args[0])
         if args and func in _LAYOUT_READS:
-            idx = self._input(args[0])
-            if idx is not None:
-                w = self.watch
-                path = w.paths[idx]
-                name = getattr(func, "__name__", str(func))
-                if not self.plain[idx]:
-                    w._fail(
-                        f"{name}() reads the memory layout of input {path}, which is a view into "
-                        "a larger storage, or not dense.",
-                        "an input copied into a static buffer gets a dense buffer of its own, "
-                        "so its storage offset and the memory around it differ from the caller's.",
-                        f"pass {path}.contiguous() (or .clone()), or call {name} outside the "
-                        "graphified function.",
-                    )
-                self.layout_used.add(idx)
+            self._layout_read(func, args[0])
         if _is_cuda_get(func) and _caller().f_code is _FLATTEN:
             return False  # (see _FLATTEN)
         if func in _cudnn_rnn.FUNCS and not kwargs and _cudnn_rnn.applies(func, args):
@@ -858,6 +808,87 @@ class _FnWatch(TorchFunctionMode):
         if out is not None:
             return self._call_out(func, args, kwargs, out)
         return self._call(func, args, kwargs)
+
+    def _host_look(self, func: Any, args: Sequence[Any]) -> None:
+        """A read of what a stand-in cannot show (its address, a sparse tensor's nonzeros, its printed values)."""
+        if func is _DATA_PTR:
+            self.watch._fail(
+                "the function reads a tensor's memory address (data_ptr()).",
+                "graphify traces with fake tensors, which have no memory (their address reads 0); a "
+                "comparison or a value built from it would be frozen into the recording.",
+                "compare tensors by identity (a is b) or with torch ops, or move this part out of the "
+                "graphified function.",
+            )
+        if func in _SPARSE_READS and args[0].layout != torch.strided:
+            name = getattr(func, "__name__", str(func))
+            self.watch._fail(
+                f"the function reads the nonzeros of a sparse tensor ({name}()), whose number depends "
+                "on the data.",
+                "graphify traces with fake tensors, whose sparse stand-ins have no data: they report "
+                "0 nonzeros, which would be frozen into the recording (SparseAdam then skips its "
+                "update; values().numel() reads 0).",
+                "keep sparse tensors out of the graphified function: compute densely (a dense mask "
+                "and torch.where), or, for nn.Embedding(sparse=True) with SparseAdam, use "
+                "sparse=False with a dense optimizer (Adam(fused=True)), or keep opt.step() outside.",
+            )
+        if func is _REPR and not self.printed:
+            # print(t) inside: eager prints the values on every call; the trace prints a
+            # placeholder once and a replay nothing (as jax.jit prints its tracers)
+            self.printed = True
+            fr = user_frame(traceback.extract_stack())
+            warnings.warn_explicit(
+                f"{self.watch.desc}: the function prints a tensor (print / repr / str): it shows a "
+                "placeholder while tracing, and nothing on later calls (a replay runs no Python). "
+                "Return the value and print it outside the graphified function.",
+                PrintWarning,
+                getattr(fr, "filename", "<unknown>") or "<unknown>",
+                getattr(fr, "lineno", 0) or 0,
+            )
+        if func is _FORMAT and len(args) > 1 and args[1]:
+            self.watch._fail(
+                f"formatting a tensor with a format spec (f\"{{t:{args[1]}}}\") reads its value on the host.",
+                "a recording is traced once without real data and replayed without Python; a value "
+                "read on the host would be the same (or nothing) on every call.",
+                "return the tensor and format it outside the graphified function (printing a value "
+                "needs it on the host, a sync eager pays too).",
+            )
+
+    def _grad_read(self, t: Any) -> None:
+        """``t.grad`` read: zero_grad's reads noted; an input's refused where it has one, else keyed on staying None."""
+        caller = _caller()
+        if caller.f_code in _ZERO_GRADS:
+            self._zero_grad_reads(t, caller)
+        idx = self._input(t)
+        if idx is not None and t is self.inputs[idx]:
+            if idx < len(self.grads) and self.grads[idx]:
+                path = self.watch.paths[idx]
+                self.watch._fail(
+                    f"the function reads {path}.grad, the gradient attached to input {path}.",
+                    "a recording takes tensors, not their attributes: the gradient is not an "
+                    "input of the recording, so its values (and whether there is one) would "
+                    "be frozen at the first call.",
+                    "pass the gradient as an argument of its own (e.g. f(p, p.grad)), or "
+                    "close over the tensor instead of passing it (state's .grad is read every call).",
+                )
+            self.grad_read.add(idx)  # read as None: keyed on staying None
+
+    def _layout_read(self, func: Any, t: Any) -> None:
+        """An input's memory layout read (storage_offset, data_ptr of a view...): refused unless it is plain, else keyed."""
+        idx = self._input(t)
+        if idx is not None:
+            w = self.watch
+            path = w.paths[idx]
+            name = getattr(func, "__name__", str(func))
+            if not self.plain[idx]:
+                w._fail(
+                    f"{name}() reads the memory layout of input {path}, which is a view into "
+                    "a larger storage, or not dense.",
+                    "an input copied into a static buffer gets a dense buffer of its own, "
+                    "so its storage offset and the memory around it differ from the caller's.",
+                    f"pass {path}.contiguous() (or .clone()), or call {name} outside the "
+                    "graphified function.",
+                )
+            self.layout_used.add(idx)
 
     def _call_out(self, func: Any, args: Sequence[Any], kwargs: Dict[str, Any], out: Any) -> Any:
         """A call with ``out=`` tensors made in the trace, which must be written.
