@@ -69,6 +69,10 @@ import sys
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 sys.path.insert(0, os.path.dirname(_HERE))
+# an A/B run measures another tree's gtransform with this harness: GT_BENCH_GTRANSFORM=DIR, the
+# folder holding that gtransform/ (e.g. a `git worktree` of the commit before a change)
+if os.environ.get("GT_BENCH_GTRANSFORM"):
+    sys.path.insert(0, os.path.abspath(os.environ["GT_BENCH_GTRANSFORM"]))
 
 from benchmarks.cli import main  # noqa: E402
 
