@@ -22,6 +22,7 @@ import torch
 from . import _calls, _describe
 from ._bind import options
 from ._cache import CacheInfo, ThreadState, cache_clear, cache_info, new_thread_state
+from ._compat import peek_interpreter_stack as _peek_functorch  # (None: no torch.func transform active)
 from ._errors import describe_fn, not_a_module_error
 from ._fastpath import MISS
 from ._key import StormDetector
@@ -34,8 +35,6 @@ __all__ = ["graphify", "Graphified", "CacheInfo", "RerecordWarning"]
 
 P = ParamSpec("P")
 R = TypeVar("R")
-
-_peek_functorch = torch._C._functorch.peek_interpreter_stack  # (None: no torch.func transform active)
 
 
 class Graphified(Generic[P, R]):

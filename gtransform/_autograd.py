@@ -27,27 +27,19 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from ._compat import TRANSFORM_VMAP as _VMAP
+from ._compat import DisableTorchFunctionSubclass, retrieve_all_functorch_interpreters
+from ._compat import get_unwrapped as _get_unwrapped
+from ._compat import is_batchedtensor as _is_batched
+from ._compat import is_functorch_wrapped_tensor as _is_wrapped
+from ._compat import peek_interpreter_stack as _peek
+from ._compat import temporarily_clear_interpreter_stack as _clear_stack
 from ._errors import GraphifyError
 from ._log import log
 from ._partition import build_partition
 from ._replay import call_plain, run_flat
 
 __all__ = ["call_with_autograd", "GraphFn", "partition_for", "backward_for", "unwrap", "no_functorch"]
-
-try:
-    _peek = torch._C._functorch.peek_interpreter_stack
-except AttributeError:  # pragma: no cover
-    def _peek() -> Any:
-        return None
-
-
-_is_wrapped: Any = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
-_is_batched: Any = getattr(torch._C._functorch, "is_batchedtensor", None)
-_get_unwrapped: Any = getattr(torch._C._functorch, "get_unwrapped", None)
-try:
-    from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack as _clear_stack
-except ImportError:  # pragma: no cover
-    _clear_stack = None  # type: ignore[assignment]
 
 
 class no_functorch:
@@ -163,17 +155,9 @@ def _differentiated_again() -> bool:
     ``jacrev(jacrev(g))``: the inner jacrev's backward runs under vmap, inside the outer
     grad level, which would see the recording's saved values as constants (a zero Hessian).
     """
-    try:
-        from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
-    except ImportError:  # pragma: no cover
+    if retrieve_all_functorch_interpreters is None:  # pragma: no cover
         return False
     return any(i.key() != _VMAP for i in retrieve_all_functorch_interpreters())
-
-
-try:
-    _VMAP: Any = torch._C._functorch.TransformType.Vmap
-except AttributeError:  # pragma: no cover
-    _VMAP = None
 
 
 class _Box:
@@ -280,7 +264,7 @@ class GraphFn(torch.autograd.Function):
             # poisoned as this call began, while its memory stays pinned by the
             # aliases the last forward keeps for its backward; the alias is made
             # past the poison.)
-            with torch._C.DisableTorchFunctionSubclass():
+            with DisableTorchFunctionSubclass():
                 saved = [t.detach() for t in res[n:]]
                 # a saved activation that is an output's memory (exp, sigmoid, tanh save
                 # their result) is that output's alias, sharing its version counter: an
@@ -406,7 +390,7 @@ def _unpoisoned(saved: Sequence[torch.Tensor]) -> List[torch.Tensor]:
     if not any(type(t) is StaleOutput for t in saved):
         return list(saved)
     unseal()  # the aliases made here may outlive the backward
-    with torch._C.DisableTorchFunctionSubclass():
+    with DisableTorchFunctionSubclass():
         return [t.detach() if type(t) is StaleOutput else t for t in saved]
 
 

@@ -17,20 +17,27 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
-import torch.utils._pytree as pytree
+
+from ._compat import add_batch_dim as _add_batch_dim
+from ._compat import (
+    coerce_cinterpreter,
+    is_batchedtensor,
+    maybe_get_level,
+    retrieve_all_functorch_interpreters,
+    temporarily_pop_interpreter_stack,
+)
+from ._compat import torch_pytree as pytree
+from ._compat import unwrap_batched as _unwrap_batched
 
 __all__ = ["call_vmapped", "NOT_HANDLED"]
 
 NOT_HANDLED = object()
 
-_F = torch._C._functorch
 _SIMPLE = (int, float, bool, str, complex, type(None), torch.dtype, torch.device)
 
 
 def _only_vmaps() -> bool:
     try:
-        from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
-
         return all(i.key().name == "Vmap" for i in retrieve_all_functorch_interpreters())
     except Exception:  # pragma: no cover
         return False
@@ -38,8 +45,8 @@ def _only_vmaps() -> bool:
 
 def _take_apart(x: Any, level: int) -> Tuple[Any, Optional[int]]:
     """A leaf's plain value and its batch dimension at ``level`` (None: not batched there)."""
-    if isinstance(x, torch.Tensor) and _F.is_batchedtensor(x) and _F.maybe_get_level(x) == level:
-        v, bd = _F._unwrap_batched(x, level)
+    if isinstance(x, torch.Tensor) and is_batchedtensor(x) and maybe_get_level(x) == level:
+        v, bd = _unwrap_batched(x, level)
         return v, bd
     return x, None
 
@@ -60,8 +67,6 @@ def call_vmapped(owner: Any, cinterp: Any, args: Tuple[Any, ...], kwargs: Dict[s
     """
     if owner._has_static or not _only_vmaps():
         return NOT_HANDLED
-    from torch._functorch.pyfunctorch import coerce_cinterpreter, temporarily_pop_interpreter_stack
-
     interp: Any = coerce_cinterpreter(cinterp)
     level = interp.level()
     leaves, spec = pytree.tree_flatten(args)
@@ -88,4 +93,4 @@ def call_vmapped(owner: Any, cinterp: Any, args: Tuple[Any, ...], kwargs: Dict[s
     plain = pytree.tree_unflatten([v for v, _ in parts], spec)
     with temporarily_pop_interpreter_stack():
         out = helper(*plain, **kwargs)
-    return pytree.tree_map(lambda t: _F._add_batch_dim(t, 0, level) if isinstance(t, torch.Tensor) else t, out)
+    return pytree.tree_map(lambda t: _add_batch_dim(t, 0, level) if isinstance(t, torch.Tensor) else t, out)

@@ -17,23 +17,16 @@ from __future__ import annotations
 import functools
 from typing import Any, Tuple
 
-import torch
-
 from ._batching import NOT_HANDLED, call_vmapped
 from ._bind import bind
+from ._compat import TRANSFORM_GRAD as _GRAD
+from ._compat import TRANSFORM_VMAP as _VMAP
+from ._compat import load_dynamo_skip, retrieve_all_functorch_interpreters
 from ._eager import note
 from ._run import run
 from ._trace import tracing
 
 __all__ = ["call", "opaque_to_dynamo"]
-
-_GRAD: Any
-_VMAP: Any
-try:
-    _GRAD = torch._C._functorch.TransformType.Grad
-    _VMAP = torch._C._functorch.TransformType.Vmap
-except AttributeError:  # pragma: no cover
-    _GRAD = _VMAP = None
 
 
 def call(g: Any, interp: Any, args: Any, kwargs: Any) -> Any:
@@ -56,8 +49,6 @@ def call(g: Any, interp: Any, args: Any, kwargs: Any) -> Any:
 def _only_grad_transforms() -> bool:
     """Whether every active torch.func transform is grad/vjp (no vmap, jvp)."""
     try:
-        from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
-
         return all(i.key() == _GRAD for i in retrieve_all_functorch_interpreters())
     except Exception:  # pragma: no cover
         return False
@@ -66,8 +57,6 @@ def _only_grad_transforms() -> bool:
 def _transforms_reason() -> Tuple[str, str]:
     """What the active torch.func transforms are, and how to record them instead (see ``_eager.note``)."""
     try:
-        from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
-
         names = [i.key().name.lower() for i in retrieve_all_functorch_interpreters()]
     except Exception:  # pragma: no cover
         names = []
@@ -97,11 +86,8 @@ def opaque_to_dynamo(call_code: Any) -> None:
     cost). Tracing imports dynamo anyway.
     """
     try:
-        from torch._dynamo import trace_rules
-        from torch._dynamo.eval_frame import set_code_exec_strategy
-        from torch._dynamo.types import FrameAction, FrameExecStrategy
-
-        trace_rules.add(__name__.rsplit(".", 1)[0])
+        add_rule, set_code_exec_strategy, FrameAction, FrameExecStrategy = load_dynamo_skip()
+        add_rule(__name__.rsplit(".", 1)[0])
         set_code_exec_strategy(call_code, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
     except Exception:  # pragma: no cover - a torch without these
         pass

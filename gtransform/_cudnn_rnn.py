@@ -26,14 +26,16 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
+from ._compat import VariableFunctions, aten_cudnn_rnn, aten_cudnn_rnn_backward
+
 __all__: List[str] = []
 
 # torch._VF function -> cuDNN's cudnnRNNMode_t
 _MODES = {
-    torch._C._VariableFunctions.rnn_relu: 0,
-    torch._C._VariableFunctions.rnn_tanh: 1,
-    torch._C._VariableFunctions.lstm: 2,
-    torch._C._VariableFunctions.gru: 3,
+    VariableFunctions.rnn_relu: 0,
+    VariableFunctions.rnn_tanh: 1,
+    VariableFunctions.lstm: 2,
+    VariableFunctions.gru: 3,
 }
 FUNCS = frozenset(_MODES)
 
@@ -50,7 +52,7 @@ def applies(func: Any, args: Sequence[Any]) -> bool:
 def call(func: Any, args: Sequence[Any], fail: Callable[[str, str, str], None]) -> Any:
     """``func(*args)`` (a ``torch._VF`` recurrent layer on cuDNN) as ``gtransform::cudnn_rnn``."""
     x, hidden, params, has_biases, num_layers, dropout, train, bidirectional, batch_first = args
-    lstm = func is torch._C._VariableFunctions.lstm
+    lstm = func is VariableFunctions.lstm
     hx, cx = (hidden[0], hidden[1]) if lstm else (hidden, None)
     hidden_size, proj_size = hx.size(2), 0
     if cx is not None and cx.size(2) != hx.size(2):
@@ -74,7 +76,7 @@ def call(func: Any, args: Sequence[Any], fail: Callable[[str, str, str], None]) 
 
 @functools.cache
 def _op() -> Any:
-    aten_fwd = torch.ops.aten._cudnn_rnn.default
+    aten_fwd = aten_cudnn_rnn()
 
     @torch.library.custom_op("gtransform::cudnn_rnn", mutates_args=())
     def cudnn_rnn(input: torch.Tensor, weight: List[torch.Tensor], weight_stride0: int, hx: torch.Tensor,
@@ -125,7 +127,7 @@ def _op() -> Any:
 @functools.cache
 def _backward_op() -> Any:
     """``aten._cudnn_rnn_backward`` as an op with a fake version (aten's has none)."""
-    aten_bwd = torch.ops.aten._cudnn_rnn_backward.default
+    aten_bwd = aten_cudnn_rnn_backward()
 
     @torch.library.custom_op("gtransform::cudnn_rnn_backward", mutates_args=())
     def cudnn_rnn_backward(input: torch.Tensor, weight: List[torch.Tensor], weight_stride0: int, buf: torch.Tensor,

@@ -68,6 +68,15 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 
 import torch
 
+from ._compat import (
+    FakeTensorMode,
+    c10d_allgather_base,
+    c10d_functional,
+    c10d_reduce_scatter_base,
+    load_get_default_group,
+    load_get_default_store,
+    load_resolve_process_group,
+)
 from ._errors import GraphifyError
 from ._patches import route_always, unroute
 
@@ -130,9 +139,7 @@ def _attr_value(gm: torch.fx.GraphModule, v: Any) -> Any:
 def _unbox_group(obj: Any) -> Any:
     """A ``ProcessGroup`` from a traced argument (torchbind object or group name)."""
     if isinstance(obj, str):
-        from torch.distributed.distributed_c10d import _resolve_process_group
-
-        return _resolve_process_group(obj)  # type: ignore[arg-type]
+        return load_resolve_process_group()(obj)
     if _dist is not None and isinstance(obj, _dist.ProcessGroup):
         return obj
     return _dist.ProcessGroup.unbox(obj)  # type: ignore[union-attr]
@@ -180,7 +187,7 @@ class _Info:
 
 
 def _analyse(gm: torch.fx.GraphModule) -> Optional[_Info]:
-    nodes = [n for n in collective_ops(gm) if n.target is not torch.ops._c10d_functional.wait_tensor.default]
+    nodes = [n for n in collective_ops(gm) if n.target is not c10d_functional().wait_tensor.default]
     if not nodes:
         return None
     groups: Dict[str, Any] = {}
@@ -251,7 +258,7 @@ def _rewrite_c10d(gm: torch.fx.GraphModule) -> bool:
     """
     g = gm.graph
     c10d = torch.ops.c10d
-    fc = torch.ops._c10d_functional
+    fc = c10d_functional()
     wait = fc.wait_tensor.default
     copy = torch.ops.aten.copy_.default
     changed = False
@@ -291,13 +298,13 @@ def _rewrite_c10d(gm: torch.fx.GraphModule) -> bool:
                 last = functional(last, fc.broadcast.default, (t, src, gname), t)
                 repl.append((_tensor_users(n, i), last))
             done = True
-        elif gname is not None and target is c10d._allgather_base_.default:
+        elif gname is not None and target is c10d_allgather_base():
             out, inp = n.args[0], n.args[1]
             size = _unbox_group(gname).size()
             c = functional(n, fc.all_gather_into_tensor.default, (inp, size, gname), out)
             repl.append((_tensor_users(n, None), c))
             done = True
-        elif gname is not None and target is c10d._reduce_scatter_base_.default:
+        elif gname is not None and target is c10d_reduce_scatter_base():
             op = _reduce_name(_attr_value(gm, _schema_arg(n, "reduce_op")))
             if op is not None:
                 out, inp = n.args[0], n.args[1]
@@ -336,9 +343,7 @@ class _World:
         self.pg_ref = weakref.ref(pg)
         self.index = index
         self.rank = _dist.get_rank()  # type: ignore[union-attr]
-        from torch.distributed.distributed_c10d import _get_default_store
-
-        self.store = _get_default_store()
+        self.store = load_get_default_store()()
         self.seq: Dict[Tuple[int, ...], int] = {}
         self.aborted: Optional[str] = None
         self.monitor: Optional[threading.Thread] = None
@@ -373,9 +378,7 @@ def _world() -> Optional[_World]:
     global _WORLD, _INCARNATIONS
     if not _AVAILABLE or not _dist.is_initialized():  # type: ignore[union-attr]
         return None
-    from torch.distributed.distributed_c10d import _get_default_group
-
-    pg = _get_default_group()
+    pg = load_get_default_group()()
     w = _WORLD
     if w is None or w.pg_ref() is not pg:
         with _LOCK:
@@ -915,8 +918,6 @@ def _forget_groups() -> None:
     group (a closure over ``dist.group.WORLD``) are collected.
     """
     try:
-        from torch._subclasses.fake_tensor import FakeTensorMode
-
         cache = FakeTensorMode.cache
         script = getattr(torch, "ScriptObject", ())
         for k in [k for k in cache if any(isinstance(v, script) or "ProcessGroup" in type(v).__name__

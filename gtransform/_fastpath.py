@@ -28,6 +28,8 @@ import torch
 
 from . import _record
 from ._bind import split
+from ._compat import cuda_graph_replay as _GRAPH_REPLAY  # (None: CPU builds)
+from ._compat import neg_view
 from ._key._checks import Names, check_lines, namespace
 from ._key._codegen import FAIL, Gen, gen_flatten
 from ._liveness import StaleOutput
@@ -75,9 +77,6 @@ def _gen_build(g: Gen, node: Any, spec: Any) -> Optional[str]:
             return None
         return f"{g.const(spec.type)}(" + ", ".join(parts) + ")"  # type: ignore[arg-type]
     return None
-
-
-_GRAPH_REPLAY = getattr(getattr(torch._C, "_CUDAGraph", None), "replay", None)
 
 
 def build_fast_path(owner: Any, entry: Any, rec: Any, pool: Any) -> Any:
@@ -241,7 +240,7 @@ def _names(owner: Any, entry: Any, rec: Any, pool: Any) -> Dict[str, Any]:
         "OUTSPEC": entry.plan.out_spec,
         "_copy": rec.copier,
         "_cbcopy": rec.cb_copier,
-        "_neg_view": torch._neg_view,
+        "_neg_view": neg_view,
         "_flatten": flatten,
         "_unflatten": optree.tree_unflatten,
         "ESC": rec.escapes,

@@ -18,11 +18,12 @@ import threading
 from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
+
+from ._compat import JITERATOR_NAME, FakeTensor, jiterator_launch, load_elementwise_dtypes
 
 __all__ = ["NAME", "available", "launcher"]
 
-NAME = "_cuda_jiterator_compile_and_launch_kernel"  # (a function of torch._C)
+NAME = JITERATOR_NAME  # (a function of torch._C)
 # what each recorded launch compiles: handle -> (code, kernel name, return_by_ref, outputs, scalars)
 _KERNELS: Dict[int, Tuple[str, str, bool, int, Dict[str, Any]]] = {}
 _HANDLES: Dict[Any, int] = {}
@@ -52,8 +53,7 @@ def _op() -> Any:
 
     @jiterator.register_fake
     def _(handle: int, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
-        from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
-
+        elementwise_dtypes, ELEMENTWISE_TYPE_PROMOTION_KIND = load_elementwise_dtypes()
         n_out = _KERNELS[handle][3]
         shape = torch.broadcast_shapes(*[t.shape for t in tensors])
         _, dtype = elementwise_dtypes(*tensors, type_promotion_kind=ELEMENTWISE_TYPE_PROMOTION_KIND.DEFAULT)
@@ -78,4 +78,4 @@ def available() -> bool:
     return _LAUNCH is not None
 
 
-_LAUNCH: Any = torch._C.__dict__.get(NAME)  # torch's own function (the recorded op calls it, never a routed one)
+_LAUNCH: Any = jiterator_launch  # torch's own function (the recorded op calls it, never a routed one)

@@ -31,16 +31,18 @@ from typing import Any, List, Optional, Sequence, Tuple
 import torch
 import torch.utils.dlpack as _dlpack
 
+from ._compat import DisableTorchFunctionSubclass
+from ._compat import increment_version as _increment_version
+from ._compat import storage_use_count as _use_count
+from ._compat import tensor_version as _version
 from ._errors import OverwrittenOutputError
 from ._log import log
 
 __all__ = ["Handout", "OutputGroup", "StaleOutput", "PoolState", "Pin", "poison_tensor", "live_pins", "stale_message", "unseal"]
 
 _getrefcount = sys.getrefcount
-_version = torch.Tensor._version.__get__  # type: ignore[attr-defined]
 _requires_grad = torch.Tensor.requires_grad.__get__  # type: ignore[attr-defined]
 _is_leaf = torch.Tensor.is_leaf.__get__  # type: ignore[attr-defined]
-_use_count = torch._C._storage_Use_Count
 
 # Reads that stay legal on a stale output: metadata, no data.
 _PROPS = ("shape", "dtype", "device", "ndim", "is_cuda", "layout", "requires_grad", "is_leaf", "grad_fn")
@@ -49,9 +51,6 @@ _ALLOWED = frozenset(
     [getattr(torch.Tensor, n).__get__ for n in _PROPS if hasattr(torch.Tensor, n)]
     + [getattr(torch.Tensor, n) for n in _METHODS if hasattr(torch.Tensor, n)]
 )
-
-
-_increment_version = getattr(torch._C, "_increment_version", None) or torch.autograd.graph.increment_version
 
 
 def _autograd_changed(objs: Sequence[torch.Tensor]) -> bool:
@@ -85,7 +84,7 @@ class StaleOutput(torch.Tensor):
     def __torch_function__(cls, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
         name = getattr(func, "__name__", "")
         if func in _ALLOWED:
-            with torch._C.DisableTorchFunctionSubclass():
+            with DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))
         msg = None
         for a in list(args) + list((kwargs or {}).values()):

@@ -22,8 +22,8 @@ import weakref
 from typing import Any, Dict, List, Optional, Set, Tuple
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
 
+from ._compat import FakeTensor
 from ._errors import GraphifyError
 from ._tree import NAMESPACE, flatten, leaf_paths, register_containers_in, unflatten
 

@@ -34,6 +34,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from ._compat import FakeTensorMode, load_default_partition, load_extract_tensor_metadata
 from ._errors import GraphifyError
 
 __all__ = ["Partition", "build_partition"]
@@ -307,13 +308,12 @@ def _functional_joint(gm: Any, plan: Any, metas: Sequence[Any]) -> Any:
     turned into a copy loses eager's strides, which random fills follow (see
     _random_ops_in_place).
     """
-    from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.func import functionalize
     from torch.fx.experimental.proxy_tensor import make_fx
-    from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
     from ._trace import TRACE_LOCK
 
+    _extract_tensor_metadata = load_extract_tensor_metadata()
     n_user, n_state, n_out = plan.n_user_in, len(plan.state), len(plan.tensor_entries)
     specs = [(m[1], m[2], m[3], m[4]) for m in metas] + [
         (tuple(v.shape), v.stride(), v.dtype, v.device) for v in _output_metas(plan)]
@@ -350,8 +350,7 @@ def _functional_joint(gm: Any, plan: Any, metas: Sequence[Any]) -> Any:
 
 def _split_joint(gm: Any, plan: Any, owner: Any, box: dict) -> Partition:
     """The functional joint graph split into a forward and a backward, each a graphified function."""
-    from torch._functorch.partitioners import default_partition
-
+    default_partition = load_default_partition()
     n_out = len(plan.tensor_entries)
     fw_gm, bw_gm = default_partition(gm, None, num_fwd_outputs=n_out)
     _random_ops_in_place(fw_gm)

@@ -106,14 +106,17 @@ import types
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
-from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+from ._compat import JITERATOR_OWNER, FakeTensor, get_current_dispatch_mode_stack
+from ._compat import get_unwrapped as _get_unwrapped
+from ._compat import is_functorch_wrapped_tensor as _is_wrapped
+from ._compat import len_torch_dispatch_stack as _len_dispatch_stack
+from ._compat import parametrize_cache as _cache
 
 __all__ = ["tracing", "trace_scope", "track_reads", "untrack_reads", "READING", "watch_module_calls", "TRACE_HOOKS",
            "muted_hooks", "route_always", "unroute", "Route", "add_shared"]
 
 _TLS = threading.local()  # .depth: the trace scopes this thread is inside
-_len_dispatch_stack: Callable[[], int] = getattr(torch._C, "_len_torch_dispatch_stack", lambda: 1)
 
 
 def tracing() -> bool:
@@ -122,7 +125,7 @@ def tracing() -> bool:
         return True
     if not _len_dispatch_stack():
         return False
-    return any(getattr(m, "_gt_trace", False) for m in _get_current_dispatch_mode_stack())
+    return any(getattr(m, "_gt_trace", False) for m in get_current_dispatch_mode_stack())
 
 
 # -- routing a function's code -----------------------------------------------------------------
@@ -271,7 +274,7 @@ def _shared() -> List[Any]:
     for factory in _SHARED:
         out += factory()
     if _jiterator.available():
-        out.append(Route([(torch._C, _jiterator.NAME)], _jiterator.launcher))
+        out.append(Route([(JITERATOR_OWNER, _jiterator.NAME)], _jiterator.launcher))
     out.append(_Filter("torch._subclasses.fake_tensor"))
     return out
 
@@ -331,13 +334,6 @@ class trace_scope:
 # -- torch.nn.utils.parametrize's cache ----------------------------------------------------------
 
 
-def _cache() -> Optional[Dict[Any, Any]]:
-    from torch.nn.utils import parametrize
-
-    cache = getattr(parametrize, "_cache", None)
-    return cache if isinstance(cache, dict) else None
-
-
 def parametrize_entries() -> Set[Any]:
     """The keys of torch's parametrize cache (``parametrize.cached()``) before a trace."""
     cache = _cache()
@@ -346,10 +342,9 @@ def parametrize_entries() -> Set[Any]:
 
 def _traced(v: Any) -> bool:
     """Whether ``v`` is a tensor made while tracing (a fake, or torch.func's wrapper of one)."""
-    unwrap = getattr(torch._C, "_functorch", None)
-    while isinstance(v, torch.Tensor) and not isinstance(v, FakeTensor) and unwrap is not None \
-            and unwrap.is_functorch_wrapped_tensor(v):
-        v = unwrap.get_unwrapped(v)
+    while isinstance(v, torch.Tensor) and not isinstance(v, FakeTensor) and _is_wrapped is not None \
+            and _is_wrapped(v):
+        v = _get_unwrapped(v)
     return isinstance(v, FakeTensor)
 
 

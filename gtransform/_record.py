@@ -22,8 +22,11 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from . import _distributed
+from ._compat import foreach_copy_, neg_view
+from ._compat import storage_use_count as _use_count
+from ._compat import unsafe_set_version_counter as _set_versions
 from ._errors import GraphifyError, RerecordWarning
-from ._liveness import Handout, OutputGroup, Pin, PoolState, StaleOutput, _use_count, live_pins, unseal
+from ._liveness import Handout, OutputGroup, Pin, PoolState, StaleOutput, live_pins, unseal
 from ._state import EscapeWriter
 from ._trace import Plan
 
@@ -43,7 +46,7 @@ def _copy_each(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> No
 
 def _copier(tensors: Sequence[torch.Tensor]) -> Any:
     """The batched copy for these destinations (``torch._foreach_copy_`` where it has a kernel)."""
-    return torch._foreach_copy_ if all(t.dtype in _FOREACH_DTYPES for t in tensors) else _copy_each
+    return foreach_copy_ if all(t.dtype in _FOREACH_DTYPES for t in tensors) else _copy_each
 
 
 def _toggle_bits(v: torch.Tensor, e: Any) -> torch.Tensor:
@@ -55,7 +58,7 @@ def _toggle_bits(v: torch.Tensor, e: Any) -> torch.Tensor:
     if e.conj:
         v = v.conj()
     if e.neg:
-        v = torch._neg_view(v)
+        v = neg_view(v)
     return v
 
 
@@ -480,9 +483,6 @@ class Recording:
         self.groups = []
         self.handout = Handout([])
         self.fast = None
-
-
-_set_versions: Any = getattr(torch._C._autograd, "_unsafe_set_version_counter", None)
 
 
 def _keep_version(t: torch.Tensor, v: int) -> None:

@@ -16,8 +16,9 @@ import functools
 from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
 from torch.multiprocessing.reductions import StorageWeakRef
+
+from ._compat import FakeTensor, aten_efficientzerotensor
 
 
 def _constants_to_device(gm: torch.fx.GraphModule, device: Optional[torch.device]) -> None:
@@ -130,7 +131,7 @@ def _materialize_zero_tensors(gm: torch.fx.GraphModule) -> None:
     what being a ZeroTensor means to every op that takes one (``zt * y`` is traced as a
     new zero tensor), so a zero tensor with memory gives the same numbers everywhere.
     """
-    zero = torch.ops.aten._efficientzerotensor.default
+    zero = aten_efficientzerotensor()
     changed = False
     for n in gm.graph.nodes:
         if n.op == "call_function" and n.target is zero:

@@ -44,6 +44,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
+from ._compat import LR_SCHEDULER_LEGACY_BASE
+from ._compat import get_unwrapped as _get_unwrapped
+from ._compat import is_functorch_wrapped_tensor as _is_wrapped
 from ._errors import GraphifyError, is_library_file
 from ._patches import READING as _READING
 from ._patches import track_reads, untrack_reads, watch_module_calls
@@ -55,7 +58,7 @@ _Optimizer = torch.optim.Optimizer
 # torch objects that are plain Python state the function may step: an LR scheduler's
 # last_epoch and _last_lr (a scheduler stepped inside the function is seen, not frozen)
 _SCHEDULERS = tuple(c for c in (getattr(torch.optim.lr_scheduler, "LRScheduler", None),
-                                getattr(torch.optim.lr_scheduler, "_LRScheduler", None),
+                                LR_SCHEDULER_LEGACY_BASE,
                                 getattr(torch.optim.lr_scheduler, "ReduceLROnPlateau", None))
                     if isinstance(c, type))
 # ... and a GradScaler, which makes its scale tensor lazily (on its first scale()): the
@@ -205,10 +208,6 @@ def _plain_object(v: Any) -> bool:
         return True
     mod = type(v).__module__ or ""
     return not (mod.startswith("torch") or mod.startswith("gtransform") or mod == "builtins")
-
-
-_is_wrapped: Any = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
-_get_unwrapped: Any = getattr(torch._C._functorch, "get_unwrapped", None)
 
 
 def functorch_base(t: torch.Tensor) -> torch.Tensor:

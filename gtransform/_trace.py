@@ -22,16 +22,17 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
-from torch._subclasses.fake_tensor import (
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from ._compat import (
     DataDependentOutputException,
     DynamicOutputShapeException,
     FakeTensor,
     FakeTensorMode,
     UnsupportedOperatorException,
+    module_global_backward_hooks,
 )
-from torch.fx.experimental.proxy_tensor import make_fx
-from torch.multiprocessing.reductions import StorageWeakRef
-
 from ._errors import _PKG_DIR, GraphifyError, format_frame, innermost_frame, user_frame, user_frame_from_exc
 from ._objects import flatten_output
 from ._patches import trace_scope
@@ -616,8 +617,7 @@ def _no_dynamic_cache(desc: str, roots: Sequence[Root], scan: ScanResult) -> Non
 
 def _backward_hooked_modules(roots: Sequence[Root]) -> List[str]:
     """Names of the modules the function reaches that have backward hooks ("(global)" for global ones)."""
-    mm = torch.nn.modules.module
-    if getattr(mm, "_global_backward_hooks", None) or getattr(mm, "_global_backward_pre_hooks", None):
+    if module_global_backward_hooks():
         return ["(global: register_module_full_backward_hook)"]
     out: List[str] = []
     for r in roots:

@@ -20,6 +20,8 @@ from typing import Any, Hashable, List, Sequence, Tuple
 import optree
 import torch
 
+from ._compat import torch_pytree as tpytree
+
 __all__ = [
     "NAMESPACE",
     "flatten",
@@ -189,7 +191,6 @@ def _register_container(cls: type) -> bool:
     import dataclasses
 
     import optree
-    import torch.utils._pytree as tpytree
 
     node = tpytree.SUPPORTED_NODES.get(cls)
     try:
@@ -231,8 +232,6 @@ def register_containers_in(leaves: Sequence[Any]) -> bool:
     outputs take such containers apart alike, whichever the process met first.
     """
     import dataclasses
-
-    import torch.utils._pytree as tpytree
 
     new = False
     for x in leaves:

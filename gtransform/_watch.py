@@ -31,13 +31,25 @@ import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
-from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensor, FakeTensorMode
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes, _get_current_dispatch_mode_stack
 
 from . import _cudnn_rnn
+from ._compat import (
+    TENSOR_PRIVATE_SPARSE_READS,
+    TENSOR_VERSION_ATTR,
+    DataDependentOutputException,
+    FakeTensor,
+    FakeTensorMode,
+    TensorBase,
+    TorchDispatchMode,
+    aten_to_copy,
+)
+from ._compat import aten_linalg_check_errors as _CHECK_ERRORS
+from ._compat import aten_local_scalar_dense as _LOCAL_SCALAR
+from ._compat import disable_current_modes as _disable_current_modes
+from ._compat import get_current_dispatch_mode_stack as _get_current_dispatch_mode_stack
 from ._errors import _PKG_DIR, GraphifyError, PrintWarning, format_frame, is_library_file, user_frame
 from ._patches import Route, add_shared, tracing
 from ._state import StateIndex
@@ -52,7 +64,7 @@ FOR_GRAD = threading.local()
 _aten = torch.ops.aten
 _RESIZES = {_aten.resize_.default, _aten.resize_as_.default}
 _SETS = {getattr(_aten.set_, o) for o in _aten.set_.overloads()}
-_COPIES = {_aten._to_copy.default, _aten.copy_.default, _aten.copy.default}
+_COPIES = {aten_to_copy, _aten.copy_.default, _aten.copy.default}
 # fresh constants made from Python data inside the function (torch.tensor(3.0), x[0] = 5.)
 _LIFTS = {_aten.lift_fresh.default, _aten.lift_fresh_copy.default}
 # ops that update arguments in place without saying so in their schema:
@@ -491,8 +503,7 @@ def _same_size(func: Any, t: torch.Tensor, args: Sequence[Any]) -> bool:
 
 
 # -- CUDA ops whose kernels read values on the host (a synchronisation: no CUDA graph can hold it)
-_CHECK_ERRORS = getattr(_aten, "_linalg_check_errors", None)
-_CHECK_ERRORS = getattr(_CHECK_ERRORS, "default", None)
+# (_CHECK_ERRORS: aten._linalg_check_errors, None where missing; see _compat)
 
 
 def _check_errors_refusal(args: Sequence[Any]) -> Tuple[str, str, str]:
@@ -597,15 +608,15 @@ def _tag_site(last: Any) -> None:
         n = n._next
 
 
-_DATA_SET = torch._C.TensorBase.__dict__["data"]
+_DATA_SET = TensorBase.__dict__["data"]
 _FORMAT = torch.Tensor.__format__
 _REPR = torch.Tensor.__repr__
-_GRAD_ATTR = torch._C.TensorBase.__dict__["grad"]
+_GRAD_ATTR = TensorBase.__dict__["grad"]
 # autograd facts of an input that its stand-in does not share: whether it is a leaf and its
 # grad_fn (an input with history is traced as a leaf), and its version counter
-_IS_LEAF_ATTR = torch._C.TensorBase.__dict__["is_leaf"]
-_GRAD_FN_ATTR = torch._C.TensorBase.__dict__["grad_fn"]
-_VERSION_ATTR = torch._C.TensorBase.__dict__["_version"]
+_IS_LEAF_ATTR = TensorBase.__dict__["is_leaf"]
+_GRAD_FN_ATTR = TensorBase.__dict__["grad_fn"]
+_VERSION_ATTR = TENSOR_VERSION_ATTR
 _REGISTER_HOOK = torch.Tensor.register_hook
 
 
@@ -635,9 +646,9 @@ def _no_dropout(func: Any, args: Sequence[Any], kwargs: Dict[str, Any]) -> bool:
 _DATA_PTR = torch.Tensor.data_ptr
 _RANDOM_ = torch.Tensor.random_
 # reads of a sparse tensor's nonzeros: a fake sparse tensor reports 0 of them
-_SPARSE_READS = frozenset(getattr(torch.Tensor, n) for n in (
-    "_nnz", "_values", "values", "_indices", "indices", "coalesce", "crow_indices", "col_indices",
-    "ccol_indices", "row_indices") if hasattr(torch.Tensor, n))
+_SPARSE_READS = frozenset(TENSOR_PRIVATE_SPARSE_READS + tuple(getattr(torch.Tensor, n) for n in (
+    "values", "indices", "coalesce", "crow_indices", "col_indices", "ccol_indices", "row_indices")
+    if hasattr(torch.Tensor, n)))
 # what a stand-in cannot show: its address, a sparse tensor's nonzeros, its values printed
 _HOST_LOOKS = frozenset([_DATA_PTR, _REPR, _FORMAT]) | _SPARSE_READS
 _BACKWARDS = (torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad)
@@ -668,7 +679,7 @@ class _NoHandle:
     def remove(self) -> None:
         return None
 _AUTOGRAD_FACTS = (_IS_LEAF_ATTR, _GRAD_FN_ATTR, _VERSION_ATTR)
-_BIT_READS = {torch._C.TensorBase.is_conj: 0, torch._C.TensorBase.is_neg: 1, torch._C.TensorBase.is_inference: 2}
+_BIT_READS = {TensorBase.is_conj: 0, TensorBase.is_neg: 1, TensorBase.is_inference: 2}
 # the code of Optimizer.zero_grad and Module.zero_grad (under torch's decorators): a .grad
 # read made from there is zero_grad's (see _FnWatch._zero_grad_reads)
 _ZERO_GRADS = frozenset(inspect.unwrap(f).__code__ for f in (torch.optim.Optimizer.zero_grad, torch.nn.Module.zero_grad))
@@ -681,7 +692,7 @@ _ZERO_GRADS = frozenset(inspect.unwrap(f).__code__ for f in (torch.optim.Optimiz
 # into its buffer inside the recorded op (see _cudnn_rnn). The modes are the tracing
 # thread's only: another thread's eager LSTM packs its weights as ever.
 _FLATTEN = torch.nn.modules.rnn.RNNBase.flatten_parameters.__code__
-_IS_CUDA_ATTR = torch._C.TensorBase.__dict__["is_cuda"]
+_IS_CUDA_ATTR = TensorBase.__dict__["is_cuda"]
 
 
 def _is_cuda_get(func: Any) -> bool:
@@ -713,8 +724,8 @@ def _called_from_library(frame: Any) -> bool:
 
 
 _LAYOUT_READS = frozenset(
-    [getattr(torch._C.TensorBase, n) for n in ("storage_offset", "as_strided", "as_strided_", "as_strided_scatter")
-     if hasattr(torch._C.TensorBase, n)]
+    [getattr(TensorBase, n) for n in ("storage_offset", "as_strided", "as_strided_", "as_strided_scatter")
+     if hasattr(TensorBase, n)]
     + [getattr(torch, n) for n in ("as_strided", "as_strided_", "as_strided_copy", "as_strided_scatter")
        if hasattr(torch, n)]
 )
@@ -1187,7 +1198,6 @@ class _no_seeding:
 # rng_setter in the tracing thread (see _patches); their code, not their names, so that
 # set_rng_state_all and fork_rng, which reach them by module-level names, are covered too.
 
-_LOCAL_SCALAR = torch.ops.aten._local_scalar_dense.default
 _RNG_FIX = (
     "Fix: pass preserve_rng_state=False to torch.utils.checkpoint (its recompute then draws "
     "new numbers, as the recording does), or draw the random numbers outside the graphified "

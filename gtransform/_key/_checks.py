@@ -30,6 +30,7 @@ from typing import Any, Callable, List, Optional, Sequence
 
 import torch
 
+from .._compat import get_deterministic_algorithms, is_any_autocast_enabled
 from .._trace import plain_layout
 from .._tree import leaf_paths, static_leaf_key, tensor_meta
 from .._watch import FOR_GRAD
@@ -398,8 +399,8 @@ _NAMESPACE = dict(
     # the global settings' getters (the fast path reads them itself: see _glob_code)
     _grad_enabled=torch.is_grad_enabled, FWAD=torch.autograd.forward_ad,
     _inference_mode=torch.is_inference_mode_enabled, _default_dtype=torch.get_default_dtype,
-    _deterministic=getattr(torch._C, "_get_deterministic_algorithms", torch.are_deterministic_algorithms_enabled),
-    _any_autocast=getattr(torch._C, "_is_any_autocast_enabled", lambda: True),
+    _deterministic=get_deterministic_algorithms,
+    _any_autocast=is_any_autocast_enabled if is_any_autocast_enabled is not None else (lambda: True),
 )
 
 

@@ -15,6 +15,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from .._compat import module_global_hooks, optimizer_global_hooks
 from .._patches import TRACE_HOOKS as _TRACE_HOOKS
 from .._state import (
     _MODULE_ATTRS,
@@ -137,22 +138,15 @@ def _plain_object_attrs(roots: Sequence[Root], reads: Optional[AttrReads]) -> Li
 
 def _hook_dicts(mods: Sequence[Any], opts: Sequence[Any]) -> Tuple[List[Dict[Any, Any]], List[Dict[Any, Any]]]:
     """The modules' and optimizers' hook dicts, and torch's global ones."""
-    from torch.nn.modules import module as _mm
-
-    gdicts = [getattr(_mm, n) for n in ("_global_forward_hooks", "_global_forward_pre_hooks",
-                                        "_global_backward_hooks", "_global_backward_pre_hooks")
-              if isinstance(getattr(_mm, n, None), dict)]
+    gdicts = module_global_hooks()
     hook_attrs = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
     hook_dicts = [getattr(m, a) for m in mods for a in hook_attrs if isinstance(getattr(m, a, None), dict)]
     # optimizer step hooks (register_step_pre_hook / register_step_post_hook, and torch's
     # global ones) run inside opt.step(): traced with it, so adding or removing one records again
-    from torch.optim import optimizer as _om
-
     hook_dicts += [getattr(o, a) for o in opts for a in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks")
                    if isinstance(getattr(o, a, None), dict)]
     if opts:
-        gdicts += [getattr(_om, n) for n in ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks")
-                   if isinstance(getattr(_om, n, None), dict)]
+        gdicts += optimizer_global_hooks()
     return hook_dicts, gdicts
 
 

@@ -13,15 +13,10 @@ from typing import Any, Sequence
 
 import torch
 
+from .._compat import TensorGuards as _TensorGuards
 from .._tree import tensor_meta
 
 __all__ = ["Guard"]
-
-_TensorGuards: Any
-try:
-    from torch._C._dynamo.guards import TensorGuards as _TensorGuards
-except Exception:  # pragma: no cover
-    _TensorGuards = None
 
 
 class Guard:

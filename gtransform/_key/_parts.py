@@ -12,6 +12,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from .._compat import get_deterministic_algorithms as _deterministic
+from .._compat import is_any_autocast_enabled as _any_autocast
 from .._tree import has_grad, static_leaf_key
 from .._watch import FOR_GRAD
 
@@ -19,9 +21,7 @@ __all__ = ["global_key", "dict_orders", "alias_pattern", "same_objects", "tensor
 
 _is_grad_enabled = torch.is_grad_enabled
 _get_default_dtype = torch.get_default_dtype
-_deterministic = getattr(torch._C, "_get_deterministic_algorithms", torch.are_deterministic_algorithms_enabled)
 _inference_mode = torch.is_inference_mode_enabled
-_any_autocast: Any = getattr(torch._C, "_is_any_autocast_enabled", None)
 
 
 def global_key(grad_mode: Optional[bool] = None) -> Tuple[Any, ...]:

@@ -32,6 +32,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from .._compat import aten_unsafe_view
 from . import _triton
 from ._operands import enabled, f32_on, product_operands, reach, val
 
@@ -215,7 +216,7 @@ def gemv(a: torch.Tensor, ws: Sequence[torch.Tensor], biases: Optional[Sequence[
 # The graph pass
 # --------------------------------------------------------------------------
 
-_VIEWS = (_aten.view.default, _aten._unsafe_view.default, _aten.reshape.default)
+_VIEWS = (_aten.view.default, aten_unsafe_view(), _aten.reshape.default)
 
 
 def _source(a: Any) -> Tuple[Any, Tuple[int, ...]]:

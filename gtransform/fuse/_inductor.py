@@ -15,8 +15,15 @@ import functools
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
 
+from .._compat import (
+    FakeTensorMode,
+    aten_to_copy,
+    load_compile_fx,
+    load_inductor_config,
+    load_maybe_warm_pool,
+    load_tracing_context,
+)
 from .._log import log
 from . import _gemm, _gemv, _triton
 
@@ -40,7 +47,7 @@ _CONFIG = {
 
 def config() -> dict:
     """The part of :data:`_CONFIG` the installed inductor knows."""
-    import torch._inductor.config as c
+    c = load_inductor_config()
 
     def known(key: str) -> bool:
         try:
@@ -62,9 +69,7 @@ def warm_pool() -> None:
     """
     _triton.use_inductors_ptxas()
     try:
-        from torch._inductor.async_compile import maybe_warm_pool
-
-        maybe_warm_pool()
+        load_maybe_warm_pool()()
     except Exception:  # pragma: no cover - older or newer torch; the compile then starts them
         pass
 
@@ -92,9 +97,10 @@ class _Inductor:
     def __call__(self, *args: Any) -> Any:
         fn = self.fn
         if fn is None:
-            from torch._guards import TracingContext, tracing
-            from torch._inductor.compile_fx import compile_fx
             from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+            TracingContext, tracing = load_tracing_context()
+            compile_fx = load_compile_fx()
 
             gm = torch.fx.GraphModule(self.gm, copy.deepcopy(self.gm.graph))
             _keep_narrowing_casts(gm)
@@ -111,7 +117,7 @@ class _Inductor:
                 building += _gemm.precompile(launches)
             fake = FakeTensorMode(shape_env=ShapeEnv(), static_shapes=True, allow_non_fake_inputs=True)
             examples = [fake.from_tensor(a, static_shapes=True) if isinstance(a, torch.Tensor) else a for a in args]
-            with tracing(TracingContext(fake)), torch._inductor.config.patch(config()):
+            with tracing(TracingContext(fake)), load_inductor_config().patch(config()):
                 fn = self.fn = compile_fx(gm, examples)
             for job in building:
                 if job.exception() is not None:  # waits; the launch will compile it and report
@@ -133,12 +139,12 @@ def _keep_narrowing_casts(gm: torch.fx.GraphModule) -> None:
     """
     changed = False
     for n in list(gm.graph.nodes):
-        if n.op != "call_function" or n.target is not torch.ops.aten._to_copy.default:
+        if n.op != "call_function" or n.target is not aten_to_copy:
             continue
         src, dst = _float_of(n.args[0] if n.args else None), n.kwargs.get("dtype")
         if src is None or dst not in _FLOATS or dst.itemsize >= src.itemsize:
             continue
-        widened = [u for u in n.users if u.op == "call_function" and u.target is torch.ops.aten._to_copy.default
+        widened = [u for u in n.users if u.op == "call_function" and u.target is aten_to_copy
                    and u.kwargs.get("dtype") in _FLOATS and u.kwargs["dtype"].itemsize > dst.itemsize]
         if not widened:
             continue

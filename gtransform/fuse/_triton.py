@@ -30,6 +30,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from .._compat import load_set_triton_ptxas_path
 from . import _cubin, _static
 
 __all__ = ["LAUNCHERS", "launch", "launcher", "precompile", "specialization", "use_inductors_ptxas"]
@@ -51,10 +52,10 @@ def use_inductors_ptxas() -> None:
     every process that runs the same program. A path the user set is kept.
     """
     try:
-        from torch._inductor.runtime.compile_tasks import _set_triton_ptxas_path
+        set_triton_ptxas_path = load_set_triton_ptxas_path()
     except ImportError:  # pragma: no cover - another torch: Triton's own choice
         return
-    _set_triton_ptxas_path()
+    set_triton_ptxas_path()
 
 
 def launcher(compiled: Any, device: int) -> Optional[Any]:
