@@ -73,6 +73,7 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
+import torch.cuda.jiterator
 import torch.utils._pytree as torch_pytree
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
@@ -105,7 +106,7 @@ __all__ = [
     # containers
     "torch_pytree",
     # CUDA graphs and the jiterator
-    "cuda_graph_replay", "JITERATOR_OWNER", "JITERATOR_NAME", "jiterator_launch",
+    "cuda_graph_replay", "JittedFunction", "JITERATOR_NAME", "jiterator_launch",
     # aten ops
     "aten_to_copy", "aten_local_scalar_dense", "aten_linalg_check_errors", "aten_cudnn_rnn",
     "aten_cudnn_rnn_backward", "aten_efficientzerotensor", "aten_unsafe_view", "load_elementwise_dtypes",
@@ -127,6 +128,7 @@ __all__ = [
 OPTIONAL: Dict[str, str] = {
     "cuda_graph_replay": "None on CPU builds (2.13.0+cpu): the fast path calls the recording's own replay",
     "jiterator_launch": "None on CPU builds (2.13.0+cpu): no jiterator to route",
+    "JittedFunction": "None where torch lacks torch.cuda.jiterator: nothing to route",
     "TensorGuards": "None where torch lacks it: signatures compare tensor metadata in Python",
     "aten_linalg_check_errors": "None where the op is missing: nothing to refuse",
     "LR_SCHEDULER_LEGACY_BASE": "None where torch dropped the alias: LRScheduler covers it",
@@ -273,11 +275,14 @@ len_torch_dispatch_stack: Callable[[], int] = getattr(torch._C, "_len_torch_disp
 # 2.14.1 (CUDA build); 2.13.0+cpu: None.
 cuda_graph_replay: Any = getattr(getattr(torch._C, "_CUDAGraph", None), "replay", None)
 # torch.cuda.jiterator's launch function, a C function of torch._C (_jiterator: the recorded op
-# calls it; _patches routes it by name on its module while tracing); None on CPU builds.
-# Checked: 2.11 (GPU image; run by the GPU suite), 2.14.1 (CUDA build); 2.13.0+cpu: None.
-JITERATOR_OWNER: Any = torch._C
+# calls it); None on CPU builds. Checked: 2.11 (GPU image; run by the GPU suite), 2.14.1 (CUDA
+# build); 2.13.0+cpu: None.
 JITERATOR_NAME = "_cuda_jiterator_compile_and_launch_kernel"
 jiterator_launch: Any = torch._C.__dict__.get(JITERATOR_NAME)
+# the class of the functions torch.cuda.jiterator._create_jit_fn makes: _patches routes the code
+# of its __call__ (Python) while tracing, so torch._C's launch function is never replaced.
+# Checked: 2.11 (GPU image; run by the GPU suite), 2.13.0 (present on CPU builds too), 2.14.1.
+JittedFunction: Any = getattr(torch.cuda.jiterator, "_JittedFunction", None)
 
 
 # -- aten ops --------------------------------------------------------------------------------------------------

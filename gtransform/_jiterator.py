@@ -3,8 +3,10 @@
 A jitted function launches its kernel through a C function of torch, not through the
 dispatcher: a trace calling it on fake tensors launched the kernel on placeholders
 without memory (an illegal memory access: the process's CUDA context was lost). While
-a trace runs, ``_patches`` routes that C function, in the tracing thread, to
-:func:`launcher`: called on the trace's tensors, it records the op
+a trace runs, ``_patches`` routes the code of the jitted functions' ``__call__``
+(``torch.cuda.jiterator._JittedFunction``), in the tracing thread, to :func:`caller`
+(torch._C's launch function itself is left alone: other threads see it unchanged):
+called on the trace's tensors, it records the op
 ``gtransform::jiterator`` instead, whose kernel is the same launch on the recording's
 tensors (compiled by NVRTC at the warm-up, before the capture) and whose fake computes
 the broadcast shape and promoted dtype, as the jiterator's TensorIterator does. Calls
@@ -15,15 +17,15 @@ from __future__ import annotations
 
 import functools
 import threading
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Tuple
 
 import torch
 
-from ._compat import JITERATOR_NAME, FakeTensor, jiterator_launch, load_elementwise_dtypes
+from ._compat import FakeTensor, JittedFunction, jiterator_launch, load_elementwise_dtypes
 
-__all__ = ["NAME", "available", "launcher"]
+__all__ = ["OWNER", "available", "caller"]
 
-NAME = JITERATOR_NAME  # (a function of torch._C)
+OWNER = JittedFunction  # (its __call__ is routed)
 # what each recorded launch compiles: handle -> (code, kernel name, return_by_ref, outputs, scalars)
 _KERNELS: Dict[int, Tuple[str, str, bool, int, Dict[str, Any]]] = {}
 _HANDLES: Dict[Any, int] = {}
@@ -62,20 +64,25 @@ def _op() -> Any:
     return torch.ops.gtransform.jiterator.default
 
 
-def launcher(orig: Any) -> Any:
-    """What torch's launch function (``orig``) does in a tracing thread."""
-    def launch(code: str, name: str, by_ref: bool, n_out: int, tensors: Sequence[Any], kwargs: Dict[str, Any]) -> Any:
+def caller(orig: Any) -> Any:
+    """What a jitted function's ``__call__`` (``orig``) does in a tracing thread."""
+    def call(self: Any, *tensors: Any, **kwargs: Any) -> Any:
         if not any(isinstance(t, FakeTensor) for t in tensors):
-            return orig(code, name, by_ref, n_out, tensors, kwargs)
-        outs = _op()(_handle(code, name, by_ref, n_out, kwargs), list(tensors))
+            return orig(self, *tensors, **kwargs)
+        unknown = [k for k in kwargs if k not in self.kwargs_dict]
+        if unknown:
+            raise KeyError(f"{unknown[0]} is not declared in function definition")  # (torch's text)
+        scalars = {**self.kwargs_dict, **kwargs}
+        n_out = self.num_outputs
+        outs = _op()(_handle(self.code_string, self.kernel_name, self.return_by_ref, n_out, scalars), list(tensors))
         return outs[0] if n_out == 1 else tuple(outs)
 
-    return launch
+    return call
 
 
 def available() -> bool:
-    """Whether this build of torch has the jiterator (CUDA builds)."""
-    return _LAUNCH is not None
+    """Whether this build of torch has the jiterator (CUDA builds) and its jitted functions' class."""
+    return _LAUNCH is not None and OWNER is not None
 
 
 _LAUNCH: Any = jiterator_launch  # torch's own function (the recorded op calls it, never a routed one)

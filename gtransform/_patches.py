@@ -39,9 +39,10 @@ Installed by the first :class:`trace_scope` entered, put back by the last one to
   generator object, a C method, is found afterwards by its changed initial seed). These
   are routed in every thread: outside a trace the replacement counts the call and runs
   the original, so that the trace's check neither refuses nor undoes another thread's seed.
-* ``torch._C._cuda_jiterator_compile_and_launch_kernel`` (CUDA builds; a C function,
-  replaced by name on ``torch._C``): a jitted kernel called on the trace's tensors
-  records ``gtransform::jiterator`` instead of launching on placeholders (``_jiterator``).
+* ``torch.cuda.jiterator._JittedFunction.__call__`` (CUDA builds; its code is routed,
+  torch._C's launch function is left alone): a jitted kernel called on the trace's
+  tensors records ``gtransform::jiterator`` instead of launching on placeholders
+  (``_jiterator``).
 * a filter on the logger ``torch._subclasses.fake_tensor`` that drops the records of a
   tracing thread: torch logs every error a fake kernel raises, with a traceback, at
   ERROR level, and the error itself reaches the caller.
@@ -92,8 +93,7 @@ filters are process-wide before 3.14) and ``torch._inductor.config.patch`` aroun
 What another thread can still observe while a trace runs (its behaviour is stock):
 ``type(m)`` of a root module or plain object the trace reads (a subclass of its own
 class, same name, same behaviour; ``m.__class__`` still answers the original class),
-the ``__code__`` of the routed functions, ``torch._C._cuda_jiterator_compile_and_launch_kernel``
-by identity, one more entry in torch's global forward pre-hooks and in the fake-tensor
+the ``__code__`` of the routed functions, one more entry in torch's global forward pre-hooks and in the fake-tensor
 logger's filters, and the gradient hooks of a state tensor in a joint trace (wrapped:
 the same hooks run).
 """
@@ -107,7 +107,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
-from ._compat import JITERATOR_OWNER, FakeTensor, get_current_dispatch_mode_stack
+from ._compat import FakeTensor, get_current_dispatch_mode_stack
 from ._compat import get_unwrapped as _get_unwrapped
 from ._compat import is_functorch_wrapped_tensor as _is_wrapped
 from ._compat import len_torch_dispatch_stack as _len_dispatch_stack
@@ -274,7 +274,7 @@ def _shared() -> List[Any]:
     for factory in _SHARED:
         out += factory()
     if _jiterator.available():
-        out.append(Route([(JITERATOR_OWNER, _jiterator.NAME)], _jiterator.launcher))
+        out.append(Route([(_jiterator.OWNER, "__call__")], _jiterator.caller))
     out.append(_Filter("torch._subclasses.fake_tensor"))
     return out
 

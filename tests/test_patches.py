@@ -412,11 +412,6 @@ _JIT = "_cuda_jiterator_compile_and_launch_kernel"
 
 
 @pytest.mark.skipif(not hasattr(torch._C, _JIT), reason="a CPU build of torch has no jiterator")
-@pytest.mark.xfail(strict=True, reason=(
-    "known gap (issue 34): on CUDA builds the trace replaces torch._C's jiterator launch function by "
-    "name (a C function has no code to route); its replacement sends other threads to torch's own "
-    "function, but another thread sees another object. Fix: route torch.cuda.jiterator's "
-    "_JittedFunction.__call__ (Python code) instead, checked on a GPU"))
 def test_jiterator_launch_keeps_its_identity_in_other_threads():
     from gtransform._patches import trace_scope
 
