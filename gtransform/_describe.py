@@ -63,6 +63,10 @@ def _signature_lines(n: int, e: Entry) -> List[str]:
             lines.append(f"  out {k}: {'the' if oe.identical else 'a view of the'} caller's input {e.plan.in_paths[oe.index]}")
         else:
             lines.append(f"  out {k}: pool tensor")
+    for r in e.plan.frozen:
+        on = ", ".join(e.plan.in_paths[i] for i in r.deps) or "constants"
+        lines.append(f"  frozen host read: {r.op} at {r.site}, hangs on {on} (identity and version "
+                     f"checked on every call): {r.value}")
     for slot in e.plan.escape_slots:
         lines.append(f"  written back after each call: {slot.path}")
     for c in e.plan.py_changes:
