@@ -199,7 +199,9 @@ def _reads_new_arguments(g: Any, st: ThreadState, key: Any, err: GraphifyError, 
                          tensors: List[torch.Tensor], record: bool) -> bool:
     """Whether a call whose trace read arguments on the host runs eagerly, to freeze them on the next call.
 
-    Its arguments read (all else it read unchanged) are remembered: passed again as the very
+    Only index-like arguments (integer or bool: ``edge_index``, a mask of a graph's structure);
+    a floating-point argument is the call's data, and its read stays the trace's error. Its
+    arguments read (all else it read unchanged) are remembered: passed again as the very
     same tensors (``edge_index``, a time grid), the next trace freezes the read (see
     ``_frozen``). Where the call before ran eagerly for the same argument and this one passes
     another tensor, the read is of the call's own data: the trace's error stands.
@@ -207,6 +209,8 @@ def _reads_new_arguments(g: Any, st: ThreadState, key: Any, err: GraphifyError, 
     new = getattr(err, "gt_frozen_args", None)
     if not record or not new:
         return False
+    if any(tensors[k].is_floating_point() or tensors[k].is_complex() for k in new):
+        return False  # (values are the call's data; index-like arguments, integer or bool, its structure)
     seen = st.frozen_args
     if any(in_paths[k] in seen for k in new):
         seen.clear()  # (passed anew on the call after its eager one: the call's own data)
