@@ -62,6 +62,8 @@ _OP_NAMES = {
     "aten.equal.default": "torch.equal",
     "aten.bincount.default": "torch.bincount",
     "aten.repeat_interleave.Tensor": "repeat_interleave",
+    "aten.alias.default": "a boolean mask's indices (x[mask])",
+    "aten.expand.default": "a boolean mask's indices (masked_select)",
 }
 
 
@@ -188,6 +190,41 @@ class Frozen:
         if not lift:
             return value
         return _map_tensors(value, lambda r: self._lift(r, deps))
+
+    def by_index(self, func: Any, args: Sequence[Any]) -> Any:
+        """``x[mask]`` / ``masked_select(x, mask)`` with an unchanged mask and the call's ``x``.
+
+        The mask's nonzero indices are frozen (constants of the graph); the op becomes
+        an index by them, traced as usual. :data:`NO_VALUE` where the mask is not frozen.
+        """
+        aten = torch.ops.aten
+        if func is aten.masked_select.default and len(args) == 2:
+            x, mask = args
+            shape = torch.broadcast_shapes(x.shape, mask.shape)
+            real = self.read(aten.expand.default, [mask, list(shape)], {}, lift=False)
+            if real is NO_VALUE:
+                return NO_VALUE
+            idx = self._indices(real, mask)
+            return aten.index.Tensor(aten.expand.default(x, list(shape)), idx)
+        if func is aten.index.Tensor and len(args) == 2:
+            x, indices = args
+            new: List[Any] = []
+            for b in indices:
+                if isinstance(b, torch.Tensor) and b.dtype in (torch.bool, torch.uint8):
+                    real = self.read(aten.alias.default, [b], {}, lift=False)
+                    if real is NO_VALUE:
+                        return NO_VALUE
+                    new += self._indices(real, b)
+                else:
+                    new.append(b)
+            return aten.index.Tensor(x, new)
+        return NO_VALUE
+
+    def _indices(self, real_mask: torch.Tensor, mask: torch.Tensor) -> List[torch.Tensor]:
+        deps = self._deps([mask], {}) or frozenset()
+        with _disable_current_modes():
+            cols = real_mask.nonzero().unbind(1)
+        return [self._lift(c.contiguous(), deps) for c in cols]
 
     def _lift(self, real: torch.Tensor, deps: FrozenSet[int]) -> torch.Tensor:
         fake = _LIFT(real)

@@ -335,6 +335,8 @@ class _Watch(TorchDispatchMode):
         except (DataDependentOutputException, DynamicOutputShapeException):
             # an output shape that depends on unchanged tensors: their real result, a constant
             out = NO_VALUE if self.frozen is None else self.frozen.read(func, args, kwargs, lift=True)
+            if out is NO_VALUE and self.frozen is not None and not kwargs:
+                out = self.frozen.by_index(func, args)  # (an unchanged mask over the call's data)
             if out is NO_VALUE:
                 raise
             self.lifted.update(id(t) for t in _tensors_in(out))
