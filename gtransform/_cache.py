@@ -119,7 +119,7 @@ class ThreadState:
     """One thread's signature cache of one graphified function."""
 
     __slots__ = ("cache", "last", "pool", "fast", "fast_rec", "warmed", "eager_only", "pending",
-                 "clear_requested", "alts", "pending_limit", "raised", "raised_what", "eager_now",
+                 "clear_requested", "alts", "pending_limit", "raised", "raised_what", "eager_now", "frozen_args",
                  "__weakref__")
 
     ALTS = 3  # alternates kept per key (see alts)
@@ -148,6 +148,9 @@ class ThreadState:
         # model in eval() mode while the cached one is train(); see Entry.env_only_mismatch),
         # most recent first: a switch back replays them instead of recording again
         self.alts: Dict[Hashable, List[Entry]] = {}
+        # arguments read on the host by a call that ran eagerly for it (path -> weak reference):
+        # passed again as the very same tensor, their reads are frozen (see _frozen)
+        self.frozen_args: Dict[str, Any] = {}
 
     def clear(self) -> None:
         self.clear_requested = False

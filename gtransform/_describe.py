@@ -8,7 +8,7 @@ Nothing here records, replays or changes the cache.
 
 from __future__ import annotations
 
-from typing import Any, List
+from typing import Any, Dict, List
 
 import torch
 
@@ -63,6 +63,14 @@ def _signature_lines(n: int, e: Entry) -> List[str]:
             lines.append(f"  out {k}: {'the' if oe.identical else 'a view of the'} caller's input {e.plan.in_paths[oe.index]}")
         else:
             lines.append(f"  out {k}: pool tensor")
+    reads: Dict[Any, List[str]] = {}
+    for r in e.plan.frozen:
+        reads.setdefault((r.op, r.site, r.deps), []).append(r.value)
+    for (op, site, deps), values in reads.items():
+        on = ", ".join(e.plan.in_paths[i] for i in deps) or "constants"
+        seen = values[0] if len(values) == 1 else f"{len(values)} reads, first {values[0]}"
+        lines.append(f"  frozen host read: {op} at {site}, hangs on {on} (identity and version "
+                     f"checked on every call): {seen}")
     for slot in e.plan.escape_slots:
         lines.append(f"  written back after each call: {slot.path}")
     for c in e.plan.py_changes:

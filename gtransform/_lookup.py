@@ -17,6 +17,7 @@ It never records or replays.
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -168,9 +169,14 @@ def _new_signature(g: Any, st: ThreadState, ck: CallKey, call: Call,
         from .fuse import warm_pool  # the fused backend: loaded for fuse=True alone
 
         warm_pool()  # inductor's compile workers start while the function is traced
+    in_paths = [paths[i] for i in ck.tpos]
+    seen = st.frozen_args
+    stable = [k for k, (p, t) in enumerate(zip(in_paths, tensors)) if p in seen and seen[p]() is t]
     try:
-        plan = trace(g._fn, rebuild, tensors, [paths[i] for i in ck.tpos], g._desc, cuda, roots, extra)
+        plan = trace(g._fn, rebuild, tensors, in_paths, g._desc, cuda, roots, extra, stable)
     except GraphifyError as err:
+        if _reads_new_arguments(g, st, ck.key, err, in_paths, tensors, record):
+            return None
         if record and ck.key not in st.warmed and getattr(err, "gt_touched_state", False):
             # state may be created lazily by the first call (a cache allocated on first
             # use): run it eagerly, and trace again on the next call
@@ -182,9 +188,39 @@ def _new_signature(g: Any, st: ThreadState, ck: CallKey, call: Call,
     except Exception as err:
         trace_failed(g, st, ck.key, err, [paths[i] for i in ck.tpos], tensors, record)
         return None
+    for k in stable:
+        seen.pop(in_paths[k], None)
     if ck.device is None and plan.uses_cuda and torch.cuda.is_available():
         cuda = True
     return _settle(g, st, ck, call, plan, cuda, record)
+
+
+def _reads_new_arguments(g: Any, st: ThreadState, key: Any, err: GraphifyError, in_paths: List[str],
+                         tensors: List[torch.Tensor], record: bool) -> bool:
+    """Whether a call whose trace read arguments on the host runs eagerly, to freeze them on the next call.
+
+    Only index-like arguments (integer or bool: ``edge_index``, a mask of a graph's structure);
+    a floating-point argument is the call's data, and its read stays the trace's error. Its
+    arguments read (all else it read unchanged) are remembered: passed again as the very
+    same tensors (``edge_index``, a time grid), the next trace freezes the read (see
+    ``_frozen``). Where the call before ran eagerly for the same argument and this one passes
+    another tensor, the read is of the call's own data: the trace's error stands.
+    """
+    new = getattr(err, "gt_frozen_args", None)
+    if not record or not new:
+        return False
+    if any(tensors[k].is_floating_point() or tensors[k].is_complex() for k in new):
+        return False  # (values are the call's data; index-like arguments, integer or bool, its structure)
+    seen = st.frozen_args
+    if any(in_paths[k] in seen for k in new):
+        seen.clear()  # (passed anew on the call after its eager one: the call's own data)
+        return False
+    for k in new:
+        seen[in_paths[k]] = weakref.ref(tensors[k])
+    st.warmed.add(key)  # (lazily made state exists after this eager call: see _settle)
+    log.info("%s: the trace read %s on the host; this call runs eagerly, and the read is frozen where "
+             "the next call passes the very same tensors", g._desc, ", ".join(in_paths[k] for k in sorted(new)))
+    return True
 
 
 def _rebuilder(call: Call, ck: CallKey) -> Callable[[Sequence[torch.Tensor]], Tuple[Tuple[Any, ...], Dict[str, Any]]]:

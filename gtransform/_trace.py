@@ -19,7 +19,7 @@ import sys
 import threading
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, FrozenSet, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -34,6 +34,7 @@ from ._compat import (
     module_global_backward_hooks,
 )
 from ._errors import _PKG_DIR, GraphifyError, format_frame, innermost_frame, user_frame, user_frame_from_exc
+from ._frozen import Frozen, Refreeze, guard_refs
 from ._objects import flatten_output
 from ._patches import trace_scope
 from ._rewrite import (
@@ -272,6 +273,10 @@ class Plan:
     joint_error: Optional[str] = None
     # why the forward and backward are not partitioned (set by _partition.build_partition)
     no_partition: str = ""
+    # host reads of unchanged tensors frozen into the trace (see _frozen), and what they hang
+    # on: input index -> (reference to the tensor, its version counter when read)
+    frozen: List[Any] = field(default_factory=list)
+    frozen_guard: Dict[int, Tuple[Any, int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.tensor_entries = [e for e in self.out_entries if e.kind != "const"]
@@ -745,6 +750,7 @@ def trace(
     cuda: bool,
     roots: Sequence[Root] = (),
     extra: Sequence[Tuple[str, Any]] = (),
+    stable: Sequence[int] = (),
 ) -> Plan:
     """Trace ``fn`` for one signature.
 
@@ -761,6 +767,8 @@ def trace(
             back as it was after the trace, and searched for escapes.
         extra: the call's other arguments, ``(path, value)``: the caller's generators
             passed in are watched like those the function closes over.
+        stable: indices of the tensor inputs passed as the very same tensor as in the call
+            before: host reads of them (and of unwritten state) are frozen (see ``_frozen``).
 
     Returns:
         The :class:`Plan` of the signature.
@@ -771,8 +779,18 @@ def trace(
     inputs = _Inputs.of(tensors)
     gens = GeneratorGuard(fn, extra, roots)
     snap = Snapshot(roots)
+    real = {i: tensors[i] for i in stable}
+    no_freeze: FrozenSet[int] = frozenset()
     try:
-        plan = _Tracing(fn, rebuild, inputs, list(in_paths), desc, cuda, roots, snap).plan()
+        while True:
+            try:
+                plan = _Tracing(fn, rebuild, inputs, list(in_paths), desc, cuda, roots, snap, real, no_freeze).plan()
+                break
+            except Refreeze as again:
+                # a frozen read of a tensor the function writes: not unchanged; traced again
+                # without freezing it, where the read fails as any host read does
+                snap.restore(full=True)
+                no_freeze = frozenset(again.leaves)
     except BaseException:
         # a failed trace leaves no half-state (DESIGN semantics 9): the roots go back whole,
         # Python values included (which a trace that succeeds leaves as it made them, as in
@@ -788,7 +806,8 @@ class _Tracing:
     """One trace: the stand-ins of the inputs, the watchers, ``make_fx``, the checks after it, the plan."""
 
     def __init__(self, fn: Callable[..., Any], rebuild: Callable[..., Any], inputs: _Inputs, paths: List[str],
-                 desc: str, cuda: bool, roots: Sequence[Root], snap: Snapshot):
+                 desc: str, cuda: bool, roots: Sequence[Root], snap: Snapshot,
+                 stable: Optional[Dict[int, torch.Tensor]] = None, no_freeze: FrozenSet[int] = frozenset()):
         self.fn, self.rebuild, self.inputs, self.paths = fn, rebuild, inputs, paths
         self.desc, self.cuda, self.roots, self.snap = desc, cuda, roots, snap
         self.mode = mode = _TraceMode(allow_non_fake_inputs=True)
@@ -801,6 +820,7 @@ class _Tracing:
         self.reads = AttrReads(roots)
         self.watch = watch = _Watch(self.storages, paths, desc, cuda, mode, self.index, len(self.fakes))
         watch.overlapping = {i for i, sp in enumerate(inputs.specs) if _overlaps(sp[0], sp[1])}
+        watch.frozen = Frozen(len(self.fakes), dict(stable or {}), no_freeze)
         self.fnwatch = _FnWatch(watch, self.storages, len(self.fakes), inputs.plain, inputs.grads,
                                 inputs.histories, inputs.bits)
         for i, (t, a) in enumerate(zip(self.fakes, inputs.attrs)):
@@ -819,6 +839,10 @@ class _Tracing:
             self.storages.setdefault(StorageWeakRef(t.untyped_storage()), i)
         box["inputs"] = tensors
         self.fnwatch.inputs = tensors
+        frozen = watch.frozen
+        if frozen is not None:
+            for i, t in enumerate(tensors):
+                frozen.leaf(t, i, frozen.stable.get(i))
         args, kwargs = self.rebuild(tensors)
         with watch, self.fnwatch, self.reads:
             out = self.fn(*args, **kwargs)
@@ -882,6 +906,10 @@ class _Tracing:
             # the first call of a signature that touches state may fail to trace before
             # lazily created state exists: the caller may run that call eagerly instead
             err.gt_touched_state = bool(self.watch.state)  # type: ignore[attr-defined]
+            # a host read of arguments passed for the first time: frozen if the next call
+            # passes the very same tensors (see _lookup)
+            frozen = self.watch.frozen
+            err.gt_frozen_args = set(frozen.candidates) if frozen is not None else set()  # type: ignore[attr-defined]
             raise
         return gm, host_drew
 
@@ -974,6 +1002,9 @@ class _Tracing:
     def plan(self) -> Plan:
         """Trace, check, rewrite: the :class:`Plan` of the signature."""
         gm, host_drew = self.make_fx()
+        frozen = self.watch.frozen
+        if frozen is not None and frozen.written_leaves():
+            raise Refreeze(frozen.written_leaves() | set(frozen.no_freeze))
         self.check(host_drew)
         self.graph(gm)
         entries, esc_entries = self.outputs()
@@ -1011,6 +1042,8 @@ class _Tracing:
             fn=self.fn,
             rebuild=self.rebuild,
             cuda=self.cuda,
+            frozen=list(frozen.reads) if frozen is not None else [],
+            frozen_guard=guard_refs(frozen) if frozen is not None else {},
         )
 
 

@@ -40,6 +40,7 @@ from ._compat import (
     TENSOR_PRIVATE_SPARSE_READS,
     TENSOR_VERSION_ATTR,
     DataDependentOutputException,
+    DynamicOutputShapeException,
     FakeTensor,
     FakeTensorMode,
     TensorBase,
@@ -51,6 +52,7 @@ from ._compat import aten_local_scalar_dense as _LOCAL_SCALAR
 from ._compat import disable_current_modes as _disable_current_modes
 from ._compat import get_current_dispatch_mode_stack as _get_current_dispatch_mode_stack
 from ._errors import _PKG_DIR, GraphifyError, PrintWarning, format_frame, is_library_file, user_frame
+from ._frozen import NO_VALUE, Frozen
 from ._patches import Route, add_shared, tracing
 from ._state import StateIndex
 
@@ -169,6 +171,8 @@ class _Watch(TorchDispatchMode):
         # line, layout before). Refused unless the function changes them back before it ends
         # (matmul(v, m, out=o) unsqueezes a 1-d `o` around its product): see check_layouts
         self.reshaped: Dict[int, Tuple[str, str, Any]] = {}
+        # host reads of unchanged tensors, frozen (see _frozen); None: none is (the joint trace)
+        self.frozen: Optional[Frozen] = None
 
     def __exit__(self, typ: Any, exc: Any, tb: Any) -> None:
         super().__exit__(typ, exc, tb)
@@ -220,6 +224,8 @@ class _Watch(TorchDispatchMode):
             if not t.requires_grad:
                 self.no_history.append(t)
             self.state_fakes.append(f)
+            if self.frozen is not None:
+                self.frozen.leaf(f, self.n_in + k, t)
             key = StorageWeakRef(f.untyped_storage())
             self.inputs.setdefault(key, self.n_in + k)
             self.sharing.setdefault(key, []).append(self.n_in + k)
@@ -284,6 +290,11 @@ class _Watch(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         self.ops += 1
+        if func is _LOCAL_SCALAR and self.frozen is not None:
+            # a host read of unchanged tensors: its real value, a constant of the trace
+            value = self.frozen.read(func, [self._swap(a) for a in args], {}, lift=False)
+            if value is not NO_VALUE:
+                return value
         if func not in _LIFTS:
             args, kwargs = self._stand_ins(func, args, kwargs)
         if func in _SETS and len(args) > 1 and isinstance(args[1], (torch.UntypedStorage, torch.TypedStorage)):
@@ -319,12 +330,23 @@ class _Watch(TorchDispatchMode):
                 self._fail(*_check_errors_refusal(args))
             graph = _proxy_graph()
             last = graph._root._prev if graph is not None else None
-        out = func(*args, **kwargs)
+        try:
+            out = func(*args, **kwargs)
+        except (DataDependentOutputException, DynamicOutputShapeException):
+            # an output shape that depends on unchanged tensors: their real result, a constant
+            out = NO_VALUE if self.frozen is None else self.frozen.read(func, args, kwargs, lift=True)
+            if out is NO_VALUE and self.frozen is not None and not kwargs:
+                out = self.frozen.by_index(func, args)  # (an unchanged mask over the call's data)
+            if out is NO_VALUE:
+                raise
+            self.lifted.update(id(t) for t in _tensors_in(out))
         if last is not None:
             _tag_site(last)  # the user's line on the op's nodes: named if its capture fails
         if seeded:
             self.rng.drew(func, gen, out)
         self._after(func, args, kwargs, out, written)
+        if self.frozen is not None:
+            self.frozen.note(func, args, kwargs, out, seeded)
         return out
 
     def _stand_ins(self, func: Any, args: Sequence[Any], kwargs: Dict[str, Any]) -> Tuple[Any, Dict[str, Any]]:

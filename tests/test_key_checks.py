@@ -105,6 +105,21 @@ def _state(graphify, device):
     return out
 
 
+def _frozen_reads(graphify, device):
+    # host reads of a closed-over tensor and of an argument passed as the same object: frozen
+    # into the recording; written in place, or another object passed, they are read again
+    t = torch.linspace(0, 1, 5, device=device)
+    f = graphify(lambda x, idx: x * t.sum().item() + x[idx[idx > 0]].sum())
+    x = torch.ones(4, device=device)
+    idx = torch.tensor([0, 1, 2, 3], device=device)
+    out = [f(x, idx) for _ in range(3)]
+    t.mul_(2)
+    out += [f(x, idx) for _ in range(3)]
+    idx = torch.tensor([0, 0, 3, 0], device=device)
+    out += [f(x, idx) for _ in range(3)]
+    return out
+
+
 def _absent_grads(graphify, device):
     torch.manual_seed(0)
     m = nn.Linear(3, 2).to(device)
@@ -206,6 +221,7 @@ SCENARIOS = {
     "global settings": _global_settings,
     "static values": _static_values,
     "state": _state,
+    "frozen reads": _frozen_reads,
     "absent grads": _absent_grads,
     "same objects": _same_objects,
     "aliasing": _aliasing,

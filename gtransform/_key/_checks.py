@@ -30,7 +30,7 @@ from typing import Any, Callable, List, Optional, Sequence
 
 import torch
 
-from .._compat import get_deterministic_algorithms, is_any_autocast_enabled
+from .._compat import get_deterministic_algorithms, is_any_autocast_enabled, tensor_version
 from .._trace import plain_layout
 from .._tree import leaf_paths, static_leaf_key, tensor_meta
 from .._watch import FOR_GRAD
@@ -225,6 +225,33 @@ def _state_explain(e: Any, call: Call) -> List[str]:
     return gone or ["a state tensor the function reads is gone or was replaced"]
 
 
+def _frozen_code(e: Any, n: Names) -> List[str]:
+    """Each tensor a frozen host read hangs on: the very object read, at the version counter read.
+
+    (A weak reference's call and an integer compare per tensor: nothing reaches the device.)
+    """
+    lines = []
+    for idx, (ref, version) in sorted(e.plan.frozen_guard.items()):
+        t = n.tens[idx]
+        lines.append(f"if {t} is not {n.gen.const(ref, 'F')}() or _version({t}) != {version!r}: {FAIL}")
+    return lines
+
+
+def _frozen_explain(e: Any, call: Call) -> List[str]:
+    ts = [call.leaves[i] if i < len(call.leaves) else None for i in e.tpos] + list(e.resolve_state() or [])
+    out = []
+    for idx, (ref, version) in sorted(e.plan.frozen_guard.items()):
+        t = ts[idx] if idx < len(ts) else None
+        name = e.plan.in_paths[idx]
+        site = next((r.site for r in e.plan.frozen if idx in r.deps), "?")
+        if t is not ref():
+            out.append(f"{name} is another tensor now (a value read on the host at {site} was frozen from it)")
+        elif isinstance(t, torch.Tensor) and tensor_version(t) != version:
+            out.append(f"{name} was written in place since the recording (version {version} -> "
+                       f"{tensor_version(t)}; a value read on the host at {site} was frozen from it)")
+    return out
+
+
 def _grad_none_code(e: Any, n: Names) -> List[str]:
     return [f"if {n.gen.const(t, 'G')}.grad is not None: {FAIL}" for t in e.grad_none]
 
@@ -368,6 +395,8 @@ CHECKS: List[Check] = [
           lambda e: bool(e.consts), _consts_code, _consts_explain),
     Check("state", "the state tensors, read where the function reaches them, each the very object traced "
           "where the recording binds it", lambda e: bool(e.state_src), _state_code, _state_explain),
+    Check("frozen reads", "the tensors a host read frozen into the trace hangs on: the very objects, unwritten "
+          "(their version counters)", lambda e: bool(e.plan.frozen_guard), _frozen_code, _frozen_explain),
     Check("absent grads", "the .grad the recording makes is not there before the call",
           lambda e: bool(e.grad_none), _grad_none_code, _grad_none_explain),
     Check("same objects", "which tensor arguments are the very same object (a function may branch on a is b)",
@@ -395,7 +424,7 @@ CHECKS: List[Check] = [
 
 _NAMESPACE = dict(
     NAMESPACE, _Tensor=torch.Tensor, _orders=dict_orders, _alias=alias_pattern, _same=same_objects,
-    _attrs_key=attrs_key, _has_grad=has_grad, _plain=plain_layout, FOR_GRAD=FOR_GRAD,
+    _attrs_key=attrs_key, _has_grad=has_grad, _plain=plain_layout, FOR_GRAD=FOR_GRAD, _version=tensor_version,
     # the global settings' getters (the fast path reads them itself: see _glob_code)
     _grad_enabled=torch.is_grad_enabled, FWAD=torch.autograd.forward_ad,
     _inference_mode=torch.is_inference_mode_enabled, _default_dtype=torch.get_default_dtype,

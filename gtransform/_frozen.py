@@ -1,0 +1,310 @@
+"""Host reads of unchanged tensors, frozen into the trace as guarded constants (DESIGN semantics 12).
+
+A value read on the host while tracing (``.item()``, ``bool(t)``, an ``assert`` on a tensor)
+or an output whose shape depends on the data (``nonzero``, ``x[mask]``, ``torch.unique``)
+cannot be traced with fake tensors. Where it depends only on tensors that are the same
+objects on every call and unwritten since the recording, its real value is the same on
+every call: it is computed once and recorded with, and each later call checks that those
+tensors are still the very objects, at the same version counter (the ``frozen reads`` check
+of ``_key._checks``: no device sync), else the call traces again.
+
+The model, per trace (:class:`Frozen`, owned by ``_watch._Watch``):
+
+* every fake tensor the trace makes carries its *source* in ``__dict__["_gt_src"]``: a leaf
+  (an input or a state tensor: its real tensor, or None where it may not be frozen) or the
+  operation that made it from other sourced tensors (random ops and ops on unsourced tensors
+  make unsourced ones). The sources hold fakes, never real memory;
+* every storage an operation writes is *written*: a read that reaches a written fake is not
+  frozen (its value while tracing is not its value at call time);
+* at a host read, the source graph of its arguments is evaluated on the real tensors (memoized
+  per trace, under no_grad, outside every mode): a scalar becomes a Python constant of the
+  trace, a tensor a constant of the graph (``lift_fresh_copy``);
+* a leaf read that is an argument passed for the first time is a *candidate*: the trace fails
+  as before, and ``_lookup`` runs that call eagerly; where the next call passes the very same
+  tensor it is frozen (an argument passed anew on that call is the call's own data: the
+  read is a GraphifyError, as before);
+* a leaf the function writes anywhere in the trace, after the read too, is not unchanged:
+  the trace is made again without freezing it (:class:`Refreeze`), where the read fails.
+
+It never changes a real tensor, and a read it cannot freeze goes on to the error path of
+``_trace._data_dependent`` unchanged.
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+from dataclasses import dataclass
+from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Set, Tuple
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from ._compat import FakeTensor, tensor_version
+from ._compat import disable_current_modes as _disable_current_modes
+from ._errors import is_library_file
+
+__all__ = ["Frozen", "FrozenRead", "Held", "Refreeze", "NO_VALUE", "guard_refs"]
+
+NO_VALUE = object()
+"""What :meth:`Frozen.read` returns where the read is not frozen."""
+
+_SRC = "_gt_src"
+_LIFT = torch.ops.aten.lift_fresh_copy.default
+_OP_NAMES = {
+    "aten._local_scalar_dense.default": ".item() (a value read on the host)",
+    "aten.nonzero.default": "nonzero",
+    "aten.masked_select.default": "masked_select",
+    "aten._unique2.default": "torch.unique",
+    "aten.unique_dim.default": "torch.unique",
+    "aten.unique_consecutive.default": "torch.unique_consecutive",
+    "aten.index.Tensor": "indexing with a boolean mask",
+    "aten.equal.default": "torch.equal",
+    "aten.bincount.default": "torch.bincount",
+    "aten.repeat_interleave.Tensor": "repeat_interleave",
+    "aten.alias.default": "a boolean mask's indices (x[mask])",
+    "aten.expand.default": "a boolean mask's indices (masked_select)",
+}
+
+
+class Refreeze(Exception):
+    """The trace froze a read of tensors the function writes: trace again without freezing them."""
+
+    def __init__(self, leaves: Set[int]):
+        super().__init__(sorted(leaves))
+        self.leaves = leaves
+
+
+@dataclass(frozen=True)
+class FrozenRead:
+    """One host read frozen into a trace: the op, the user's line, the inputs it hangs on, the value."""
+
+    op: str
+    site: str
+    deps: Tuple[int, ...]  # the recording's input indices (the caller's tensors, then the state)
+    value: str
+
+
+def _user_site() -> str:
+    f: Any = sys._getframe(2)
+    while f is not None:
+        fn = f.f_code.co_filename
+        if not is_library_file(fn) and not fn.startswith("<"):
+            return f"{fn}:{f.f_lineno}"
+        f = f.f_back
+    return "?"
+
+
+def _short(v: Any) -> str:
+    if isinstance(v, torch.Tensor):
+        return f"tensor {v.dtype} {list(v.shape)}"
+    r = repr(v)
+    return r if len(r) < 40 else r[:37] + "..."
+
+
+class Frozen:
+    """The sources of a trace's fakes, the storages it writes, and the reads it froze."""
+
+    def __init__(self, n_in: int, stable: Dict[int, torch.Tensor], no_freeze: FrozenSet[int]):
+        self.n_in = n_in
+        self.stable = stable  # argument index -> the caller's tensor, where it may be frozen
+        self.no_freeze = no_freeze  # input indices whose reads stay errors (written by the function)
+        self.written: Set[Any] = set()  # storages of fakes written in place
+        self.reads: List[FrozenRead] = []
+        self.versions: Dict[int, int] = {}  # input index -> version counter of the frozen leaf
+        self.leaf_storage: Dict[int, Any] = {}  # input index -> its fake's storage
+        self.candidates: Set[int] = set()  # arguments whose reads would freeze if passed again
+        self.leaf_reals: Dict[int, torch.Tensor] = {}  # input index -> its real tensor
+        self._memo: Dict[int, Tuple[Any, Any]] = {}  # id(fake) -> (fake, real)
+
+    # -- sources ------------------------------------------------------------------------------
+    def leaf(self, fake: torch.Tensor, idx: int, real: Optional[torch.Tensor]) -> None:
+        """Mark ``fake`` as input ``idx`` of the trace (``real``: the caller's or the state's tensor)."""
+        if idx in self.no_freeze or (idx < self.n_in and idx not in self.stable):
+            real = None
+        fake.__dict__[_SRC] = ("leaf", real, frozenset((idx,)))
+        self.leaf_storage[idx] = StorageWeakRef(fake.untyped_storage())
+        if real is not None:
+            self.leaf_reals[idx] = real
+
+    def note(self, func: Any, args: Sequence[Any], kwargs: Dict[str, Any], out: Any, seeded: bool) -> None:
+        """After an op: the storages it wrote, and the source of each new output."""
+        if func._schema.is_mutable:
+            for i, a in enumerate(func._schema.arguments):
+                if a.alias_info is None or not a.alias_info.is_write:
+                    continue
+                v = args[i] if (i < len(args) and not a.kwarg_only) else kwargs.get(a.name)
+                for t in _tensors(v):
+                    self.written.add(StorageWeakRef(t.untyped_storage()))
+        outs = _tensors(out)
+        if not outs or seeded or kwargs.get("generator") is not None:
+            return
+        deps = self._deps(args, kwargs)
+        if deps is None:
+            return
+        single = isinstance(out, torch.Tensor)
+        for k, o in enumerate(outs):
+            if isinstance(o, FakeTensor) and _SRC not in o.__dict__:
+                o.__dict__[_SRC] = ("op", func, args, kwargs, None if single else k, deps)
+
+    # -- reads ----------------------------------------------------------------------------------
+    def _deps(self, args: Sequence[Any], kwargs: Dict[str, Any]) -> Optional[FrozenSet[int]]:
+        deps: FrozenSet[int] = frozenset()
+        for t in _tensors(list(args) + list(kwargs.values())):
+            if not isinstance(t, FakeTensor):
+                continue  # (a constant made from Python data: torch.tensor([...]))
+            src = t.__dict__.get(_SRC)
+            if src is None:
+                return None
+            deps = deps | src[-1]
+        return deps
+
+    def read(self, func: Any, args: Sequence[Any], kwargs: Dict[str, Any], lift: bool) -> Any:
+        """The real result of ``func`` on the real tensors behind its arguments, or :data:`NO_VALUE`.
+
+        ``lift``: tensors of the result become constants of the graph (fakes the trace holds).
+        """
+        deps = self._deps(args, kwargs)
+        if deps is None:
+            return NO_VALUE
+        if any(d in self.no_freeze for d in deps):
+            return NO_VALUE
+        new = {d for d in deps if d < self.n_in and d not in self.stable}
+        if new:
+            self.candidates |= new
+            return NO_VALUE
+        try:
+            real_args = [self._real(a) for a in args]
+            real_kwargs = {k: self._real(v) for k, v in kwargs.items()}
+        except _NotFrozen:
+            return NO_VALUE
+        with _disable_current_modes(), torch.no_grad():
+            value = func(*real_args, **real_kwargs)
+        if any(t.layout != torch.strided for t in _tensors(value)):
+            return NO_VALUE  # (a sparse tensor made from a dense one: not a constant a graph holds)
+        for d in deps:
+            if d not in self.versions:
+                self.versions[d] = tensor_version(self.leaf_reals[d])
+        self.reads.append(FrozenRead(_OP_NAMES.get(str(func), str(func)), _user_site(), tuple(sorted(deps)),
+                                     _short(value)))
+        if not lift:
+            return value
+        return _map_tensors(value, lambda r: self._lift(r, deps))
+
+    def by_index(self, func: Any, args: Sequence[Any]) -> Any:
+        """``x[mask]`` / ``masked_select(x, mask)`` with an unchanged mask and the call's ``x``.
+
+        The mask's nonzero indices are frozen (constants of the graph); the op becomes
+        an index by them, traced as usual. :data:`NO_VALUE` where the mask is not frozen.
+        """
+        aten = torch.ops.aten
+        if func is aten.masked_select.default and len(args) == 2:
+            x, mask = args
+            shape = torch.broadcast_shapes(x.shape, mask.shape)
+            real = self.read(aten.expand.default, [mask, list(shape)], {}, lift=False)
+            if real is NO_VALUE:
+                return NO_VALUE
+            idx = self._indices(real, mask)
+            return aten.index.Tensor(aten.expand.default(x, list(shape)), idx)
+        if func is aten.index.Tensor and len(args) == 2:
+            x, indices = args
+            new: List[Any] = []
+            for b in indices:
+                if isinstance(b, torch.Tensor) and b.dtype in (torch.bool, torch.uint8):
+                    real = self.read(aten.alias.default, [b], {}, lift=False)
+                    if real is NO_VALUE:
+                        return NO_VALUE
+                    new += self._indices(real, b)
+                else:
+                    new.append(b)
+            return aten.index.Tensor(x, new)
+        return NO_VALUE
+
+    def _indices(self, real_mask: torch.Tensor, mask: torch.Tensor) -> List[torch.Tensor]:
+        deps = self._deps([mask], {}) or frozenset()
+        with _disable_current_modes():
+            cols = real_mask.nonzero().unbind(1)
+        return [self._lift(c.contiguous(), deps) for c in cols]
+
+    def _lift(self, real: torch.Tensor, deps: FrozenSet[int]) -> torch.Tensor:
+        fake = _LIFT(real)
+        fake.__dict__[_SRC] = ("leaf", real, deps)
+        return fake  # type: ignore[no-any-return]
+
+    def _real(self, v: Any) -> Any:
+        """``v`` with each fake replaced by its real value (raises :class:`_NotFrozen` where it has none)."""
+        if isinstance(v, (list, tuple)):
+            return type(v)(self._real(x) for x in v)
+        if not isinstance(v, FakeTensor):
+            return v
+        hit = self._memo.get(id(v))
+        if hit is not None:
+            return hit[1]
+        if StorageWeakRef(v.untyped_storage()) in self.written:
+            raise _NotFrozen
+        src = v.__dict__.get(_SRC)
+        if src is None:
+            raise _NotFrozen
+        if src[0] == "leaf":
+            real = src[1]
+            if real is None:
+                raise _NotFrozen
+        else:
+            _, func, args, kwargs, k, _deps = src
+            ra = [self._real(a) for a in args]
+            rk = {n: self._real(x) for n, x in kwargs.items()}
+            with _disable_current_modes(), torch.no_grad():
+                out = func(*ra, **rk)
+            real = out if k is None else _tensors(out)[k]
+        self._memo[id(v)] = (v, real)
+        return real
+
+    def written_leaves(self) -> Set[int]:
+        """Frozen inputs the function wrote (before or after the read)."""
+        return {d for d in self.versions if self.leaf_storage.get(d) in self.written}
+
+
+class Held:
+    """A strong reference with the call interface of a weak one (state, parameters)."""
+
+    __slots__ = ("t",)
+
+    def __init__(self, t: Any) -> None:
+        self.t = t
+
+    def __call__(self) -> Any:
+        return self.t
+
+
+def guard_refs(frozen: Frozen) -> Dict[int, Tuple[Any, int]]:
+    """Input index -> (reference to the real tensor, its version counter) for each frozen leaf.
+
+    Weak for the caller's plain tensors (a guard keeps no batch alive), strong for state and
+    parameters (held by their modules anyway; a weak reference forbids swapping them).
+    """
+    out: Dict[int, Tuple[Any, int]] = {}
+    for d, v in sorted(frozen.versions.items()):
+        t = frozen.leaf_reals[d]
+        weak = d < frozen.n_in and type(t) is not torch.nn.Parameter
+        out[d] = (weakref.ref(t) if weak else Held(t), v)
+    return out
+
+
+class _NotFrozen(Exception):
+    pass
+
+
+def _tensors(v: Any) -> List[torch.Tensor]:
+    if isinstance(v, torch.Tensor):
+        return [v]
+    if isinstance(v, (list, tuple)):
+        return [t for t in v if isinstance(t, torch.Tensor)]
+    return []
+
+
+def _map_tensors(v: Any, fn: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        return fn(v)
+    if isinstance(v, (list, tuple)):
+        return type(v)(_map_tensors(x, fn) for x in v)
+    return v

@@ -1,0 +1,172 @@
+"""Host reads of unchanged tensors are guarded constants (DESIGN semantics 12).
+
+Each program runs graphified and eagerly side by side, step by step: a closed-over time
+grid read on the host (a torchdiffeq-like rk4 loop, and torchdiffeq itself), an index-like
+argument passed as the same tensor (PyG-like message passing, and PyG's GCNConv / GATConv),
+a closed-over flag buffer; then the tensors change (written in place, or another object
+passed) and the calls give eager's numbers again, traced again. Reads of the call's own
+data stay GraphifyErrors.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import assert_close
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import gtransform as gt
+
+
+def _rk4(t):
+    def step(y):
+        assert (t[1:] > t[:-1]).all()
+        for i in range(len(t) - 1):
+            dt = t[i + 1].item() - t[i].item()
+            f = lambda v: torch.tanh(v) - 0.5 * v  # noqa: E731
+            k1 = f(y)
+            k2 = f(y + dt / 2 * k1)
+            k3 = f(y + dt / 2 * k2)
+            k4 = f(y + dt * k3)
+            y = y + dt / 6 * (k1 + 2 * k2 + 2 * k3 + k4)
+        return y
+
+    return step
+
+
+def test_closed_over_time_grid_is_frozen_and_guarded():
+    t = torch.linspace(0, 1, 21)
+    step = _rk4(t)
+    g = gt.graphify(step)
+    for k in range(6):
+        if k == 3:
+            t.mul_(2)  # written in place: traced again
+        y = torch.randn(5)
+        assert_close(g(y), step(y))
+    assert g.cache_info().hits >= 2
+    d = g.describe()
+    assert "frozen host read" in d and "hangs on t" in d and "test_frozen.py" in d
+
+
+def test_time_grid_argument_float_is_the_calls_data():
+    """A floating-point argument read on the host is the call's data: an error, as before."""
+    step = lambda y, t: y * t[1].item()  # noqa: E731
+    with pytest.raises(gt.GraphifyError, match="reads a tensor's value on the host"):
+        gt.graphify(step)(torch.ones(2), torch.linspace(0, 1, 3))
+
+
+def test_torchdiffeq_rk4_on_a_closed_over_grid():
+    torchdiffeq = pytest.importorskip("torchdiffeq")
+    torch.manual_seed(0)
+    w = torch.randn(4, 4) * 0.3
+    t = torch.linspace(0, 1, 11)
+    func = lambda s, y: torch.tanh(y @ w) - 0.1 * y * s  # noqa: E731
+    solve = lambda y0: torchdiffeq.odeint(func, y0, t, method="rk4")  # noqa: E731
+    g = gt.graphify(solve)
+    for k in range(7):
+        if k == 3:
+            t.mul_(0.5)
+        y0 = torch.randn(3, 4)
+        assert_close(g(y0), solve(y0))
+    assert g.cache_info().hits >= 2
+
+
+def _message_passing(n):
+    def layer(x, edge_index):
+        keep = edge_index[0] != edge_index[1]
+        ei = edge_index[:, keep]  # a data-dependent shape (nonzero)
+        nodes = torch.unique(ei[0])
+        deg = torch.bincount(ei[1], minlength=n).clamp(min=1)
+        agg = torch.zeros_like(x).index_add_(0, ei[1], x[ei[0]])
+        return agg / deg[:, None], nodes, deg.max().item()
+
+    return layer
+
+
+def test_same_edge_index_argument_is_frozen_and_a_new_one_traced_again():
+    torch.manual_seed(0)
+    n = 30
+    layer = _message_passing(n)
+    g = gt.graphify(layer)
+    ei = torch.randint(0, n, (2, 120))
+    for k in range(7):
+        if k == 4:
+            ei = torch.randint(0, n, (2, 120))  # another object: eager once, then frozen again
+        x = torch.randn(n, 3)
+        assert_close(g(x, ei), layer(x, ei))
+    assert g.cache_info().hits >= 3
+    assert "hangs on args[1]" in g.describe()
+
+
+def test_an_argument_passed_anew_on_every_call_is_the_calls_data():
+    f = gt.graphify(lambda x, idx: x[idx[idx > 0]])
+    x = torch.arange(4.0)
+    assert_close(f(x, torch.tensor([0, 1, 2])), x[torch.tensor([1, 2])])  # runs eagerly
+    with pytest.raises(gt.GraphifyError, match="depends on the data|reads a tensor's value"):
+        f(x, torch.tensor([0, 3, 2]))
+
+
+def test_closed_over_flag_buffer_read_with_item():
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(3, 3)
+            self.register_buffer("enabled", torch.tensor(True))
+
+        def forward(self, x):
+            if self.enabled.item():
+                return self.lin(x) * 2
+            return self.lin(x)
+
+    m = M()
+    g = gt.graphify(m)
+    with torch.no_grad():
+        for k in range(6):
+            if k == 3:
+                m.enabled.fill_(False)
+            x = torch.randn(2, 3)
+            assert_close(g(x), m(x))
+
+
+def test_read_of_fresh_data_stays_an_error():
+    g = gt.graphify(lambda x: x * x.sum().item())
+    with pytest.raises(gt.GraphifyError, match=r"(?s)reads a tensor's value on the host.*x\.sum\(\)\.item\(\)"):
+        g(torch.ones(2))
+
+
+def test_pyg_gcn_and_gat_with_the_same_edge_index():
+    pyg = pytest.importorskip("torch_geometric.nn")
+    torch.manual_seed(0)
+    n, e = 500, 4000
+    ei = torch.randint(0, n, (2, e))
+    for conv in (pyg.GCNConv, pyg.GATConv):
+        c1, c2 = conv(16, 32), conv(32, 4)
+
+        def model(x, edge_index, c1=c1, c2=c2):
+            return c2(torch.relu(c1(x, edge_index)), edge_index)
+
+        g = gt.graphify(model)
+        with torch.no_grad():
+            for k in range(5):
+                if k == 3:
+                    ei = torch.randint(0, n, (2, e))
+                x = torch.randn(n, 16)
+                torch.testing.assert_close(g(x, ei), model(x, ei), atol=1e-4, rtol=1e-4)
+
+
+@settings(deadline=None, derandomize=True, max_examples=25)
+@given(st.lists(st.booleans(), min_size=1, max_size=12), st.integers(0, 3))
+def test_frozen_nonzero_and_masked_select_match_eager(bits, shift):
+    mask = torch.tensor(bits)
+
+    def f(x):
+        return torch.masked_select(x, mask) + shift, torch.nonzero(mask).float().sum(), x[mask].sum()
+
+    g = gt.graphify(f)
+    for _ in range(3):
+        x = torch.randn(len(bits))
+        assert_close(g(x), f(x))
+    mask.logical_not_()  # written in place: traced again
+    x = torch.randn(len(bits))
+    assert_close(g(x), f(x))
