@@ -47,7 +47,12 @@ class GraphBackend:
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **_: Any) -> Callable[..., Any]:
         # (an instance attribute: the piece's messages name it, see _errors.describe_fn)
-        gm.__qualname__ = f"{self.name} piece {len(self.pieces)}"
+        setattr(gm, "__qualname__", f"{self.name} piece {len(self.pieces)}")  # noqa: B010 - (an nn.Module)
+        recompile = getattr(gm, "real_recompile", None)
+        if callable(recompile):
+            # a lazily compiled GraphModule writes its forward on its first call; traced
+            # before that (under graphify's watch of the module), it calls itself forever
+            recompile()
         piece = self.make(gm)
         self.pieces.append(weakref.ref(piece))
         return piece  # type: ignore[no-any-return]
