@@ -15,7 +15,7 @@ import copy
 import functools
 import threading
 import weakref
-from typing import Any, Callable, Dict, Generic, Optional, ParamSpec, Sequence, TypeVar, Union, overload
+from typing import Any, Callable, Dict, Generic, Literal, Optional, ParamSpec, Sequence, TypeVar, Union, overload
 
 import torch
 
@@ -35,6 +35,7 @@ __all__ = ["graphify", "Graphified", "CacheInfo", "RerecordWarning"]
 
 P = ParamSpec("P")
 R = TypeVar("R")
+OnBreak = Literal["error", "split", "eager"]
 
 
 class Graphified(Generic[P, R]):
@@ -58,9 +59,9 @@ class Graphified(Generic[P, R]):
 
     def __init__(self, fn: Callable[P, R], *, static_argnums: Union[int, Sequence[int]] = (),
                  static_argnames: Union[str, Sequence[str]] = (), pool: Optional[GraphPool] = None,
-                 maxsize: Optional[int] = 64, fuse: bool = False):
+                 maxsize: Optional[int] = 64, fuse: bool = False, on_break: OnBreak = "error"):
         self._desc = describe_fn(fn) if callable(fn) else "graphify(fn)"
-        self._options = options(fn, self._desc, static_argnums, static_argnames, pool, maxsize, fuse)
+        self._options = options(fn, self._desc, static_argnums, static_argnames, pool, maxsize, fuse, on_break)
         _calls.opaque_to_dynamo(Graphified.__call__.__code__)
         self._fn, self._pool, self._maxsize, self._fuse = fn, pool, maxsize, fuse
         self._static_argnums, self._static_argnames = map(frozenset, self._options[:2])
@@ -71,6 +72,7 @@ class Graphified(Generic[P, R]):
         self._eager_calls: Dict[str, int] = {}  # calls run eagerly (see _eager), by reason
         self._vmapped: Dict[Any, Graphified[Any, Any]] = {}  # graphify(vmap(fn)) per batching (see _batching)
         self._storm = StormDetector(self._desc)
+        self._breaks: Any = None  # signatures that read their own data, run as on_break says (see _breaks)
         functools.update_wrapper(self, fn, updated=())  # (not __dict__: fn may be an nn.Module)
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
@@ -219,17 +221,17 @@ class _BoundGraphified(functools.partial):
 
 @overload
 def graphify(fn: Callable[P, R], *, static_argnums: Union[int, Sequence[int]] = ..., static_argnames: Union[str, Sequence[str]] = ...,
-             pool: Optional[GraphPool] = ..., maxsize: Optional[int] = ..., fuse: bool = ...) -> Graphified[P, R]: ...
+             pool: Optional[GraphPool] = ..., maxsize: Optional[int] = ..., fuse: bool = ..., on_break: OnBreak = ...) -> Graphified[P, R]: ...
 
 
 @overload
 def graphify(fn: None = ..., *, static_argnums: Union[int, Sequence[int]] = ..., static_argnames: Union[str, Sequence[str]] = ...,
-             pool: Optional[GraphPool] = ..., maxsize: Optional[int] = ..., fuse: bool = ...) -> Callable[[Callable[P, R]], Graphified[P, R]]: ...
+             pool: Optional[GraphPool] = ..., maxsize: Optional[int] = ..., fuse: bool = ..., on_break: OnBreak = ...) -> Callable[[Callable[P, R]], Graphified[P, R]]: ...
 
 
 def graphify(fn: Optional[Callable[P, R]] = None, *, static_argnums: Union[int, Sequence[int]] = (),
              static_argnames: Union[str, Sequence[str]] = (), pool: Optional[GraphPool] = None,
-             maxsize: Optional[int] = 64, fuse: bool = False) -> Any:
+             maxsize: Optional[int] = 64, fuse: bool = False, on_break: OnBreak = "error") -> Any:
     """Record ``fn`` into a graph per input signature and replay it.
 
     ``graphify`` is ``jax.jit`` for PyTorch with CUDA graph capture as the
@@ -243,7 +245,7 @@ def graphify(fn: Optional[Callable[P, R]] = None, *, static_argnums: Union[int, 
         * ``fn`` must be pure apart from in-place updates of its inputs, which
           reach the caller's tensors exactly as in eager.
         * Python control flow is resolved at trace time; reading a tensor's value
-          (``.item()``, ``if t > 0``) raises :class:`GraphifyError`.
+          (``.item()``, ``if t > 0``) raises :class:`GraphifyError` (see ``on_break``).
         * Non-tensor leaves (numbers, strings, ``None``...) are static: a new value
           records a new graph.
         * Tensors passed again as the same objects (parameters, state) are read in
@@ -265,6 +267,11 @@ def graphify(fn: Optional[Callable[P, R]] = None, *, static_argnums: Union[int, 
             still follow eager's numbers, casts round as eager's, small float32
             products on CUDA run as gtransform's Triton kernels
             (``GTRANSFORM_GEMM=0``: cuBLAS's). See docs/how-it-works.md.
+        on_break: a signature whose trace reads the call's own data on the host:
+            ``"error"`` raises :class:`GraphifyError`; ``"split"`` runs it through
+            ``torch.compile(fn, backend="gtransform")`` (TorchDynamo runs the reads in
+            Python, each piece between them is recorded); ``"eager"`` runs it eagerly,
+            warned once per signature (:class:`EagerWarning`).
 
     Returns:
         A :class:`Graphified` callable (or a decorator, if ``fn`` is omitted).
@@ -272,6 +279,7 @@ def graphify(fn: Optional[Callable[P, R]] = None, *, static_argnums: Union[int, 
     Raises:
         GraphifyError: ``fn`` cannot be recorded (at call time).
         TypeError: an argument of ``graphify`` is of the wrong type.
+        ValueError: an option has a wrong value (``on_break`` not one of the three).
 
     Examples:
         >>> import torch, gtransform as gt
@@ -286,8 +294,6 @@ def graphify(fn: Optional[Callable[P, R]] = None, *, static_argnums: Union[int, 
         >>> scale(torch.ones(2), 3)
         tensor([3., 3.])
     """
-    if fn is None:
-        return functools.partial(graphify, static_argnums=static_argnums, static_argnames=static_argnames, pool=pool,
-                                 maxsize=maxsize, fuse=fuse)
-    return Graphified(fn, static_argnums=static_argnums, static_argnames=static_argnames, pool=pool, maxsize=maxsize,
-                      fuse=fuse)
+    opts = dict(static_argnums=static_argnums, static_argnames=static_argnames, pool=pool, maxsize=maxsize, fuse=fuse,
+                on_break=on_break)
+    return functools.partial(graphify, **opts) if fn is None else Graphified(fn, **opts)  # type: ignore[arg-type]

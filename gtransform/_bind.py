@@ -15,6 +15,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tu
 
 import torch
 
+from ._breaks import ON_BREAK
 from ._pool import GraphPool
 from ._tree import flatten_args, holds_tensor, static_leaf_key
 
@@ -31,6 +32,7 @@ class Options(NamedTuple):
     pool: Optional[GraphPool]
     maxsize: Optional[int]
     fuse: bool
+    on_break: str = "error"
 
     def as_kwargs(self) -> Dict[str, Any]:
         """The options as ``graphify`` takes them (copies are made with them)."""
@@ -38,7 +40,7 @@ class Options(NamedTuple):
 
 
 def options(fn: Any, desc: str, static_argnums: Union[int, Sequence[int], None], static_argnames: Union[str, Sequence[str], None],
-            pool: Any, maxsize: Any, fuse: Any) -> Options:
+            pool: Any, maxsize: Any, fuse: Any, on_break: Any = "error") -> Options:
     """Check ``graphify``'s arguments before anything is traced (TypeError / ValueError with the fix)."""
     if not callable(fn):
         raise TypeError(f"graphify(fn): fn must be callable, got {type(fn).__name__}")
@@ -50,8 +52,12 @@ def options(fn: Any, desc: str, static_argnums: Union[int, Sequence[int], None],
         raise TypeError(f"graphify(fn, fuse=...): expected a bool, got {fuse!r}")
     if pool is not None and not isinstance(pool, GraphPool):
         raise TypeError(f"graphify(fn, pool=...): expected gt.graph_pool(), got {type(pool).__name__}")
+    if not isinstance(on_break, str) or on_break not in ON_BREAK:
+        raise ValueError(f"graphify(fn, on_break=...): expected one of {', '.join(map(repr, ON_BREAK))}, got "
+                         f"{on_break!r} (what a host read of the call's own data does: raise a GraphifyError, "
+                         "record the pieces between reads through TorchDynamo, or run eagerly)")
     nums, names = resolve_static(fn, nums, names, desc)
-    return Options(nums, names, pool, maxsize, fuse)
+    return Options(nums, names, pool, maxsize, fuse, on_break)
 
 
 def _argnums(static_argnums: Any) -> Tuple[int, ...]:

@@ -120,7 +120,7 @@ class ThreadState:
 
     __slots__ = ("cache", "last", "pool", "fast", "fast_rec", "warmed", "eager_only", "pending",
                  "clear_requested", "alts", "pending_limit", "raised", "raised_what", "eager_now", "frozen_args",
-                 "__weakref__")
+                 "broken", "broke_now", "__weakref__")
 
     ALTS = 3  # alternates kept per key (see alts)
 
@@ -139,6 +139,10 @@ class ThreadState:
         self.raised: Optional[Hashable] = None
         self.raised_what = ""
         self.eager_now = False  # the call being made is of a signature that runs eagerly (eager_only)
+        # signatures whose trace read the call's own data on the host, routed by on_break (see
+        # _breaks), and whether the call being made is of one
+        self.broken: _Marks = _Marks()
+        self.broke_now = False
         # the first call's trace of a signature that touches state, kept for its second call
         # (see reusable_after_eager); checked there as any cached signature is
         self.pending: Dict[Hashable, Entry] = OrderedDict()
@@ -165,6 +169,7 @@ class ThreadState:
         self.alts.clear()
         self.warmed.clear()
         self.eager_only.clear()
+        self.broken.clear()
         self.pending.clear()
         self.last = None
         self.drop_fast()
@@ -210,7 +215,7 @@ class ThreadState:
     def bound(self, maxsize: Optional[int]) -> None:
         """Bound the bookkeeping besides the cache by ``maxsize`` (its first-call traces, marks)."""
         limit = None if maxsize is None else max(2 * maxsize, 8)
-        self.warmed.limit = self.eager_only.limit = limit
+        self.warmed.limit = self.eager_only.limit = self.broken.limit = limit
         self.pending_limit = None if maxsize is None else max(maxsize, 4)
 
     def keep_pending(self, key: Hashable, e: Entry) -> None:

@@ -2,7 +2,8 @@
 
 ``f.trace(...)`` traces without recording (``_lookup`` with ``record=False``),
 ``f.describe()`` lists this thread's signatures and what they hold, ``f.explain(...)``
-asks each check of the closest signature how the call differs (``Entry.explain``).
+asks each check of the closest signature how the call differs (``Entry.explain``); the
+signatures ``on_break`` runs split or eagerly are said so (``_breaks``).
 Nothing here records, replays or changes the cache.
 """
 
@@ -13,7 +14,8 @@ from typing import Any, Dict, List
 import torch
 
 from ._bind import bind
-from ._key import Call, Entry, global_key
+from ._breaks import describe_lines, explain_line
+from ._key import Call, Entry, call_key, global_key
 from ._lookup import lookup, thread_state
 
 __all__ = ["trace", "describe", "explain"]
@@ -36,6 +38,7 @@ def describe(g: Any) -> str:
         lines += _signature_lines(n, e)
     for what, count in g._eager_calls.items():
         lines.append(f"ran eagerly, not recorded: {count} call(s) {what}")
+    lines += describe_lines(g)
     for h in list(g._vmapped.values()):
         lines.append("calls under torch.func.vmap, recorded as " + h.describe().replace("\n", "\n  "))
     return "\n".join(lines)
@@ -92,6 +95,10 @@ def explain(g: Any, args: Any, kwargs: Any) -> str:
     st = g._tls.__dict__.get("state")
     entries = list(st.cache.values()) if st is not None else []
     call = Call(b.leaves, b.spec, b.statics, global_key(), b.tree)
+    if g._breaks is not None:
+        said = explain_line(g, st, call_key(g._desc, b.leaves, b.spec, b.tree, b.statics, call.glob).key)
+        if said is not None:
+            return said
     if any(e.match(call) is not None for e in entries):
         return f"{g._desc}: replays a recorded signature (hit)"
     if not entries:

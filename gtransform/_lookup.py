@@ -6,7 +6,8 @@ caller's, then the state the function reads), or ``None`` when the call must run
 the first call of a signature that touches state (so that lazily made state, such as
 optimizer moments, exists as real tensors before anything is recorded), a call whose
 trace raised the function's own exception (eager raises it again, after eager's side
-effects), lazy modules not yet initialised.
+effects), lazy modules not yet initialised, a signature whose trace read the call's own
+data under ``on_break="split"``/``"eager"`` (``_breaks`` runs it).
 
 Whether a call matches a signature is :mod:`gtransform._key`'s answer; this module keeps
 the books around it: the thread's cache (``_cache.ThreadState``), alternates, the
@@ -23,6 +24,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ._bind import rebuild as rebuild_statics
+from ._breaks import mark, routes
 from ._cache import ThreadState
 from ._eager import ran_lazy, trace_failed
 from ._errors import GraphifyError
@@ -72,6 +74,9 @@ def lookup(g: Any, st: ThreadState, call: Call, record: bool) -> Optional[Tuple[
     ck = call_key(g._desc, call.leaves, call.spec, call.tree, call.statics, call.glob)
     if record and ck.key in st.eager_only:
         st.eager_now = True  # (counted as it runs: see _eager.eager)
+        return None
+    if record and ck.key in st.broken:
+        st.broke_now = True  # (run as on_break says: see _breaks.run_broken)
         return None
     found = _cached(g, st, ck.key, call, record)
     if found is not None:
@@ -184,6 +189,10 @@ def _new_signature(g: Any, st: ThreadState, ck: CallKey, call: Call,
             log.info("%s: the first trace failed after reading state (%s); this call runs "
                      "eagerly, the next one traces again", g._desc, str(err).splitlines()[0])
             return None
+        if record and routes(g, err):
+            mark(g, st, ck.key, err)  # a read of the call's own data: on_break="split" or "eager"
+            st.broke_now = True
+            return None
         raise
     except Exception as err:
         trace_failed(g, st, ck.key, err, [paths[i] for i in ck.tpos], tensors, record)
@@ -225,7 +234,11 @@ def _reads_new_arguments(g: Any, st: ThreadState, key: Any, err: GraphifyError, 
 
 def _rebuilder(call: Call, ck: CallKey) -> Callable[[Sequence[torch.Tensor]], Tuple[Tuple[Any, ...], Dict[str, Any]]]:
     """How the trace calls the function on its stand-ins of the call's tensors: ``(args, kwargs)`` rebuilt."""
-    template, tpos, spec, statics = list(call.leaves), ck.tpos, call.spec, call.statics
+    tpos, spec, statics = ck.tpos, call.spec, call.statics
+    # (not the call's tensors: the signature outlives the call, and a tensor it kept alive
+    # would be held by the caller's as far as the outputs' liveness can tell)
+    tset = set(tpos)
+    template = [None if i in tset else x for i, x in enumerate(call.leaves)]
     same = ck.key[2][1]  # which tensor arguments are the same object (see _key._call)
 
     def rebuild(ts: Sequence[torch.Tensor]) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:

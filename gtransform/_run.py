@@ -5,7 +5,8 @@ the call's tensors (the caller's, then the state the function reads), then takes
 three ways: the recording's replay (``_replay``), the autograd wrapper around it when
 the call needs gradients (``_autograd``: ``loss.backward()``, ``torch.func.grad``), or
 eager PyTorch where nothing may be recorded yet (``_eager``: a first call that touches
-state, the function's own exception, forward-mode dual tensors).
+state, the function's own exception, forward-mode dual tensors), or as ``on_break`` says
+where the signature's trace read the call's own data (``_breaks``: split by TorchDynamo, or eager).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 
 from ._autograd import call_with_autograd, no_functorch, unwrap
 from ._bind import Bound
+from ._breaks import run_broken
 from ._eager import FORWARD_AD, eager, note
 from ._lookup import entry_for
 from ._replay import run_flat
@@ -59,6 +61,9 @@ def run(g: Any, b: Bound, under_grad: bool) -> Any:
     with mode:
         e, st, tensors = entry_for(g, leaves, b.spec, b.statics, tree)
     if e is None:
+        if st.broke_now:  # a signature that reads its own data (on_break="split"/"eager")
+            st.broke_now = False
+            return run_broken(g, b.args, b.kwargs)
         return eager(g, st, b.args, b.kwargs)
     if under_grad:
         tensors = [b.leaves[i] for i in e.tpos] + e.held_state(tensors[e.n_user:])

@@ -1047,10 +1047,22 @@ class _Tracing:
         )
 
 
+def _host_read(err: GraphifyError) -> GraphifyError:
+    """A host read of the call's data (or a data-dependent shape): marked for ``on_break``, its fix named.
+
+    ``gt_host_read`` tells ``_breaks`` which refusals ``on_break="split"``/``"eager"`` route.
+    """
+    err.gt_host_read = True  # type: ignore[attr-defined]
+    err.args = (str(err) + "\nOr let Python run the read: graphify(fn, on_break=\"split\") records the pieces "
+                "between such reads through TorchDynamo and runs the reads in Python; on_break=\"eager\" "
+                "runs such calls eagerly (warned once per signature).",)
+    return err
+
+
 def _trace_error(desc: str, e: Exception, cuda: bool) -> Optional[Tuple[BaseException, Optional[BaseException]]]:
     """What ``make_fx``'s exception ``e`` means for the user: the error to raise and its cause, or None (as is)."""
     if isinstance(e, (DataDependentOutputException, DynamicOutputShapeException, GuardOnDataDependentSymNode)):
-        return _data_dependent(desc, e, cuda), None
+        return _host_read(_data_dependent(desc, e, cuda)), None
     if isinstance(e, NotImplementedError):
         if "Generator" not in str(e):
             return None
@@ -1068,13 +1080,13 @@ def _trace_error(desc: str, e: Exception, cuda: bool) -> Optional[Tuple[BaseExce
         if host is None:
             internal = _internal_failure(desc, e, cuda)
             return None if internal is None else (internal, e)
-        return GraphifyError(
+        return _host_read(GraphifyError(
             f"{desc}: {host} reads a tensor's data on the host.\n  at {format_frame(user_frame_from_exc(e))}\n"
             "Why: a recording is traced once without real data and replayed without Python; "
             "host-side reads of tensor data cannot be part of it.\n"
             f"Fix: keep the computation in torch ops on the device{fix_more}, or move this part out "
             "of the graphified function."
-        ), None
+        )), None
     if isinstance(e, TypeError):
         # raised inside torch on fake tensors (torch.optim's traceable branch of Adamax with
         # foreach=True passes tensors where eager passes numbers); the user's own TypeError

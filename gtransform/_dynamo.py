@@ -1,0 +1,91 @@
+"""The TorchDynamo backend: each FX graph dynamo hands over becomes a graphified function.
+
+``torch.compile(fn, backend="gtransform")`` (the ``torch_dynamo_backends`` entry point,
+``gtransform._backend:backend``) and ``graphify(fn, on_break="split")`` (``_breaks``) both
+come here. TorchDynamo runs ``fn``'s Python, cuts it into FX graphs at what it cannot trace
+(a host read such as ``loss.item()``, a print, ``loss.backward()``), and resumes Python
+after each cut. Each graph it hands to :class:`GraphBackend` is made a graphified function
+(a *piece*) with gtransform's own machinery, unchanged: the signature cache, static input
+buffers, the recording and its pool, the RNG and output rules, and for calls that need
+gradients the autograd wrapper of ``_autograd`` (AOTAutograd's joint trace and partitioner:
+the forward and backward graphs are each recorded). Dynamo passes parameters and other
+tensors reached by ``fn`` as graph inputs: passed as the same tensors on every call, they
+are read in place; so is a piece's output handed to the next piece, where it is the same
+pool tensor on every call (the caller dropped the previous one). What a piece returns
+follows the output rule (semantics 4): valid until the next call of that piece.
+
+Each piece has its own pool: pieces of one call hand their outputs to each other, and a
+shared pool would overwrite one piece's outputs with the next one's. Nothing here imports
+``torch._dynamo`` (``torch.compile`` does, on its first call).
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch
+
+__all__ = ["GraphBackend", "backend_options", "compile_split", "OPTIONS"]
+
+OPTIONS = ("fuse", "maxsize")  # torch.compile(..., options={...}) passed on to each piece's graphify
+_COUNT = itertools.count()
+
+
+class GraphBackend:
+    """A dynamo backend: ``backend(gm, example_inputs)`` returns ``gm`` graphified (see the module docstring).
+
+    ``make`` makes a graphified function of a graph (with the options it was given);
+    ``name`` names the pieces in messages (``graphify(<name> piece 2)``). The pieces made
+    are kept weakly (dynamo's cache holds them), for ``describe``.
+    """
+
+    def __init__(self, make: Callable[[Callable[..., Any]], Any], name: str):
+        self.make, self.name = make, name
+        self.pieces: List[weakref.ref] = []
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **_: Any) -> Callable[..., Any]:
+        # (an instance attribute: the piece's messages name it, see _errors.describe_fn)
+        setattr(gm, "__qualname__", f"{self.name} piece {len(self.pieces)}")  # noqa: B010 - (an nn.Module)
+        recompile = getattr(gm, "real_recompile", None)
+        if callable(recompile):
+            # a lazily compiled GraphModule writes its forward on its first call; traced
+            # before that (under graphify's watch of the module), it calls itself forever
+            recompile()
+        piece = self.make(gm)
+        self.pieces.append(weakref.ref(piece))
+        return piece  # type: ignore[no-any-return]
+
+    def live(self) -> List[Any]:
+        """The pieces made so far that dynamo still holds, in order."""
+        return [p for p in (r() for r in self.pieces) if p is not None]
+
+
+def backend_options(mode: Optional[str], options: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+    """``torch.compile``'s ``mode`` and ``options`` as graphify's options of each piece (checked)."""
+    if mode not in (None, "default"):
+        raise ValueError(f"torch.compile(fn, backend=\"gtransform\", mode={mode!r}): gtransform takes no mode "
+                         "(every graph is recorded and replayed). Fix: leave mode out.")
+    opts = dict(options or {})
+    unknown = sorted(set(opts) - set(OPTIONS))
+    if unknown:
+        raise ValueError(f"torch.compile(fn, backend=\"gtransform\", options=...): unknown option(s) {unknown}; "
+                         f"gtransform's backend takes {list(OPTIONS)} (graphify's options of the same names).")
+    return opts
+
+
+def next_name() -> str:
+    """A name for the graphs of a ``torch.compile(fn, backend="gtransform")`` (numbered per backend call)."""
+    return f"torch.compile graph {next(_COUNT)}"
+
+
+def compile_split(fn: Callable[..., Any], backend: GraphBackend) -> Callable[..., Any]:
+    """``fn`` compiled by TorchDynamo with ``backend``.
+
+    Dynamo's default for shapes and numbers (``dynamic=None``): a Python number that the
+    resumed code reads (the ``.item()`` of a read) is made symbolic after it changes once,
+    instead of compiling the rest of the function again for each value. A size that comes
+    as a number to a piece is a static leaf of its signature there (a new size records anew).
+    """
+    return torch.compile(fn, backend=backend)  # type: ignore[no-any-return]
