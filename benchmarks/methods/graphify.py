@@ -22,6 +22,7 @@ from typing import Any, Dict, Optional
 import gtransform as gt
 
 from ..context import Ctx, Prepared, run_steps, timed_first_call
+from ..core import NotApplicable
 from ..trees import clone_args, copy_into
 
 
