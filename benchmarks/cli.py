@@ -19,7 +19,7 @@ from .caches import compile_caches
 from .core import METHODS
 from .environment import environment, precision_text, set_precision
 from .report import markdown, write_results
-from .runner import REAL_ROWS, run_row, select_workloads, warm_up_process
+from .runner import HOST_ROWS, REAL_ROWS, run_row, select_workloads, warm_up_process
 from .warm import measure_warm, warm_child
 
 
@@ -31,7 +31,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     ap.add_argument("--quick", action="store_true", help="fewer and shorter repeats")
     ap.add_argument("--only", default=None,
                     help="comma-separated workloads: chain, mlp, mlp_grad, dict32, transformer, rl, matmul, "
-                         + ", ".join(REAL_ROWS) + "; or 'real' for the last seven, 'synthetic' for the first seven")
+                         + ", ".join(REAL_ROWS + HOST_ROWS) + "; or 'synthetic' for the first seven, 'real' for the "
+                         "next seven, 'host' for the programs that read values on the host (issue #35)")
     ap.add_argument("--methods", default=None, help="comma-separated methods (columns): " + ", ".join(METHODS))
     ap.add_argument("--cpu-compile", action="store_true", help="on the CPU, also run torch.compile (slow)")
     ap.add_argument("--tf32", action="store_true",
@@ -81,6 +82,8 @@ def main(argv: Optional[List[str]] = None, cache_root: Optional[str] = None) -> 
     methods = select_methods(opts.methods)
     if methods is None:
         return 2
+    # columns no selected row runs (e.g. `--only host`: five columns) are left out of the run and its tables
+    methods = [m for m in methods if any(w.only_methods is None or m in w.only_methods for w in workloads)]
     os.makedirs(opts.out, exist_ok=True)
 
     t_start = perf_counter()

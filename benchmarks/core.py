@@ -28,6 +28,8 @@ METHODS: Dict[str, str] = {
     "gt_held": "gt: same, out held",
     "gt_views": "gt: same, views of 4 calls held",
     "gt_fused": "gt fuse=True: same tensors",
+    "gt_split": "gt on_break=split: same tensors",
+    "compile_gt": "torch.compile backend=gtransform",
 }
 CUDA_ONLY = {"graph_copy", "graph_replay", "mgc"}
 
@@ -78,6 +80,7 @@ class Workload:
     state_tol: float = 1e-3  # for Instance.state, compared as updates (state_delta) or values
     state_delta: bool = True
     only_methods: Optional[tuple] = None  # other columns: n/a (to keep the run short)
+    host_reads: bool = False  # the program reads tensor values on the host (issue #35): gt_split, compile_gt apply
     note: str = ""
 
     @property

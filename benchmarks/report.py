@@ -113,7 +113,11 @@ def first_call_table(results: Dict[str, Any]) -> str:
     warm_methods = [m for m in methods if any("first_call_warm_s" in wr["cells"].get(m, {})
                                               or "first_call_warm_error" in wr["cells"].get(m, {})
                                               for wr in wls.values())]
+    # the first three calls (compile, warm-up, record for torch.compile), where a column measured them
+    three = [m for m in ("compile", "gt_split", "compile_gt") if m in methods
+             and any(wr["cells"].get(m, {}).get("first_calls_s") for wr in wls.values())]
     extra_heads = ["gt same: 2nd call"] + (["gt fuse=True: 2nd call"] if "gt_fused" in methods else []) \
+        + [f"{METHODS[m]}: first 3 calls" for m in three] \
         + [f"{ {'gt_fused': 'gt fuse=True', 'compile': 'torch.compile'}.get(m, METHODS[m]) }: warm caches, 2nd process"
            for m in warm_methods]
     lines = ["| workload | " + " | ".join(heads[m] for m in fc) + " | " + " | ".join(extra_heads) + " |",
@@ -128,6 +132,10 @@ def first_call_table(results: Dict[str, Any]) -> str:
             sc = wr["cells"].get(m, {})
             row.append(f"{sc['second_call_s']:.3f}" if sc.get("status") == "ok" and sc.get("second_call_s") is not None
                        else "")
+        for m in three:
+            c = wr["cells"].get(m, {})
+            row.append(" / ".join(f"{t:.3f}" for t in c["first_calls_s"]) if c.get("status") == "ok"
+                       and c.get("first_calls_s") else "")
         for m in warm_methods:
             c = wr["cells"].get(m, {})
             if c.get("first_call_warm_s") is not None:

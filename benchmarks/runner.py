@@ -27,7 +27,7 @@ from .core import CUDA_ONLY, NotApplicable, Skipped, Workload, short_error
 from .methods import METHOD_FNS, STATEFUL_METHOD_FNS
 from .methods.jax_jit import import_jax, jax_device
 from .timing import INTERLEAVED, calls_per_repeat, time_interleaved, time_method
-from .workloads import REAL_ROWS, make_workloads
+from .workloads import HOST_ROWS, REAL_ROWS, make_workloads
 
 
 def run_cell(method: str, ctx: Ctx, opts: argparse.Namespace) -> Dict[str, Any]:
@@ -123,8 +123,10 @@ def select_workloads(device: torch.device, only: Optional[str]) -> List[Workload
         s = s.strip()
         if s == "real":
             want += list(REAL_ROWS)
+        elif s == "host":
+            want += list(HOST_ROWS)
         elif s == "synthetic":
-            want += [n for n in names if n not in REAL_ROWS]
+            want += [n for n in names if n not in REAL_ROWS and n not in HOST_ROWS]
         elif s:
             want.append(s)
     bad = [s for s in want if s not in names]

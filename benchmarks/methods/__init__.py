@@ -11,7 +11,9 @@ rows that are functions of their arguments, `STATEFUL_METHOD_FNS` those of rows 
 - `graphed_callables`: `torch.cuda.make_graphed_callables`;
 - `torch_compile`: `torch.compile(mode="reduce-overhead")`;
 - `jax_jit`: `jax.jit` of the row's jax twin;
-- `graphify`: gtransform, default and fused, with outputs dropped, held, or viewed.
+- `graphify`: gtransform, default and fused, with outputs dropped, held, or viewed; and
+  `on_break="split"` (`gt_split`) on rows that read values on the host;
+- `torch_compile` also has `compile_gt`, `torch.compile(backend="gtransform")`, on those rows.
 """
 
 from __future__ import annotations
@@ -22,9 +24,17 @@ from ..context import Ctx, Prepared
 from .cuda_graph import method_graph_copy, method_graph_replay, st_graph_copy, st_graph_replay
 from .eager import method_eager, st_eager
 from .graphed_callables import method_mgc, st_mgc
-from .graphify import method_gt_fused, method_gt_held, method_gt_new, method_gt_same, method_gt_views, st_gt
+from .graphify import (
+    method_gt_fused,
+    method_gt_held,
+    method_gt_new,
+    method_gt_same,
+    method_gt_split,
+    method_gt_views,
+    st_gt,
+)
 from .jax_jit import method_jax, st_jax
-from .torch_compile import method_compile, st_compile
+from .torch_compile import method_compile, method_compile_gt, st_compile, st_compile_gt
 
 METHOD_FNS: Dict[str, Callable[[Ctx], Prepared]] = {
     "eager": method_eager,
@@ -38,6 +48,8 @@ METHOD_FNS: Dict[str, Callable[[Ctx], Prepared]] = {
     "gt_held": method_gt_held,
     "gt_views": method_gt_views,
     "gt_fused": method_gt_fused,
+    "gt_split": method_gt_split,
+    "compile_gt": method_compile_gt,
 }
 
 
@@ -53,4 +65,6 @@ STATEFUL_METHOD_FNS: Dict[str, Callable[[Ctx], Prepared]] = {
     "gt_held": lambda ctx: st_gt(ctx, new_tensors=False, held=True),
     "gt_views": lambda ctx: st_gt(ctx, new_tensors=False, held="views"),
     "gt_fused": lambda ctx: st_gt(ctx, new_tensors=False, held=False, fuse=True),
+    "gt_split": lambda ctx: st_gt(ctx, new_tensors=False, held=False, on_break="split"),
+    "compile_gt": st_compile_gt,
 }

@@ -6,7 +6,9 @@
   call (the poison-and-hand-out path of held outputs);
 - `gt_views`: as `gt_held`, and also a view of an output of each of the last 4 calls
   (the recording alternates between output generations);
-- `gt_fused`: `gt.graphify(fn, fuse=True)`, TorchInductor's fused kernels recorded.
+- `gt_fused`: `gt.graphify(fn, fuse=True)`, TorchInductor's fused kernels recorded;
+- `gt_split`: `gt.graphify(fn, on_break="split")` (issue #35), only on rows that read values
+  on the host: reads of the call's own data split the function into recorded pieces.
 
 Held outputs and views are a property of the timing loop (`Prepared.hold`, run by
 `benchmarks.timing.run_calls`); the function is built the same way for all of them.
@@ -15,11 +17,12 @@ Held outputs and views are a property of the timing loop (`Prepared.hold`, run b
 from __future__ import annotations
 
 import itertools
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import gtransform as gt
 
 from ..context import Ctx, Prepared, run_steps, timed_first_call
+from ..core import NotApplicable
 from ..trees import clone_args, copy_into
 
 
@@ -83,9 +86,18 @@ def method_gt_fused(ctx: Ctx) -> Prepared:
     return _gt_prepare(ctx, new_tensors=False, held=False, fuse=True)
 
 
-def st_gt(ctx: Ctx, new_tensors: bool, held: Any, fuse: bool = False) -> Prepared:
+def method_gt_split(ctx: Ctx) -> Prepared:
+    raise NotApplicable("only on rows that read values on the host")
+
+
+def st_gt(ctx: Ctx, new_tensors: bool, held: Any, fuse: bool = False, on_break: Optional[str] = None) -> Prepared:
     inst = ctx.instance()
-    f = gt.graphify(inst.fn, fuse=fuse)
+    if on_break is not None:
+        if not ctx.w.host_reads:
+            raise NotApplicable("only on rows that read values on the host")
+        f = gt.graphify(inst.fn, fuse=fuse, on_break=on_break)
+    else:
+        f = gt.graphify(inst.fn, fuse=fuse)
     m0 = ctx.mem()
     extra: Dict[str, Any] = {"first_call_is": "trace + record + first call"}
     if new_tensors:
@@ -102,7 +114,9 @@ def st_gt(ctx: Ctx, new_tensors: bool, held: Any, fuse: bool = False) -> Prepare
             copy_into(own, ctx.sets[k])  # the same tensors, new values: gt must see them
             return f(*own)
 
-        errors, first, second = run_steps(ctx, step, range(len(ctx.sets)))
+        times: list = []
+        errors, first, second = run_steps(ctx, step, range(len(ctx.sets)), times)
+        extra["first_calls_s"] = times[:3]
 
         def call():
             return f(*own)

@@ -7,6 +7,9 @@
   `language` (Hugging Face GPT-2 and a Llama decode step), `func_transforms`
   (per-sample gradients and an ensemble through torch.func). Random init, no downloads;
   a missing package makes the row "skipped: <reason>".
+- `host` (issue #35: programs that read values on the host): torchdiffeq rk4 and dopri5,
+  PyG GCN and GAT, GPT-2 greedy decoding with a StaticCache, a training loop logging
+  `loss.item()`, an RL episode stopping when done (`host.py`).
 """
 
 from __future__ import annotations
@@ -28,6 +31,34 @@ from .func_transforms import (
     psg_args,
     psg_fn,
     psg_jax,
+)
+from .host import (
+    GREEDY_EMBD,
+    GREEDY_LAYERS,
+    GREEDY_NEW,
+    HOST_METHODS,
+    LOG_EVERY,
+    LOG_SIZES,
+    LOG_STEPS,
+    ODE_BATCH,
+    ODE_DIM,
+    ODE_HIDDEN,
+    ODE_POINTS,
+    PYG_EDGES,
+    PYG_NODES,
+    RL_MAX_T,
+    gat_factory,
+    gcn_factory,
+    gpt2_greedy_args,
+    gpt2_greedy_factory,
+    ode_args,
+    ode_dopri5_factory,
+    ode_rk4_factory,
+    pyg_args,
+    rl_episode_args,
+    rl_episode_factory,
+    train_log_args,
+    train_log_factory,
 )
 from .language import (
     GPT2_B,
@@ -72,6 +103,41 @@ from .training import ADAM_BATCH, ADAM_SIZES, train_adam_args, train_adam_factor
 from .vision import resnet18_args, resnet18_factory
 
 REAL_ROWS = ("resnet18", "train_adam", "gpt2", "gpt2_module", "llama_decode", "per_sample_grads", "ensemble")
+HOST_ROWS = ("ode_rk4", "ode_dopri5", "gcn", "gat", "gpt2_greedy", "train_log", "rl_episode")
+
+
+def host_workloads() -> List[Workload]:
+    """Issue #35's programs that read values on the host (`--only host`): stateful rows, the
+    columns of HOST_METHODS only."""
+    field = f"MLP field {ODE_DIM}-{ODE_HIDDEN}-{ODE_DIM}, batch {ODE_BATCH}"
+    kw = dict(only_methods=HOST_METHODS, host_reads=True, no_grad=True)
+    return [
+        Workload("ode_rk4", f"torchdiffeq odeint rk4, {ODE_POINTS - 1} steps on a fixed grid, {field}", None, ode_args,
+                 factory=ode_rk4_factory, steps=4, **kw,
+                 note="reads of the closed-over grid only: frozen (one recording) by default"),
+        Workload("ode_dopri5", f"torchdiffeq odeint dopri5 (adaptive, rtol 1e-5), {field}", None, ode_args,
+                 factory=ode_dopri5_factory, steps=4, **kw,
+                 note="step acceptance reads the call's own data: needs on_break=split"),
+        Workload("gcn", f"PyG 2-layer GCNConv, {PYG_NODES} nodes, {PYG_EDGES} edges (fixed graph)", None, pyg_args,
+                 factory=gcn_factory, steps=4, **kw,
+                 note="the self-loop mask of the closed-over edge_index (nonzero): frozen by default"),
+        Workload("gat", f"PyG 2-layer GATConv (4 heads), {PYG_NODES} nodes, {PYG_EDGES} edges (fixed graph)", None,
+                 pyg_args, factory=gat_factory, steps=4, **kw,
+                 note="the self-loop mask of the closed-over edge_index (nonzero): frozen by default"),
+        Workload("gpt2_greedy", f"HF GPT-2 ({GREEDY_LAYERS} layers, d {GREEDY_EMBD}) greedy decoding, StaticCache, "
+                 f"up to {GREEDY_NEW} tokens (one call = one generation)", None, gpt2_greedy_args,
+                 factory=gpt2_greedy_factory, steps=3, **kw,
+                 note=f"the eos check reads each token (split); µs per token = µs per call / {GREEDY_NEW} "
+                      "(eos is not reached with these weights)"),
+        Workload("train_log", f"{LOG_STEPS} Adam steps of an MLP {'-'.join(map(str, LOG_SIZES))} per call, "
+                 f"loss.item() logged every {LOG_EVERY}", None, train_log_args, factory=train_log_factory, steps=3,
+                 only_methods=HOST_METHODS, host_reads=True,
+                 note="loss.item() (and, on the CPU, Adam's step count) read on the host: split; check: the last "
+                      "loss of each call and the parameter updates"),
+        Workload("rl_episode", f"cart-pole episode, greedy 4-64-2 policy, until done (at most {RL_MAX_T} steps; "
+                 "one call = one episode)", None, rl_episode_args, factory=rl_episode_factory, steps=4, **kw,
+                 note="done.item() every step: split"),
+    ]
 
 
 def make_workloads(device: torch.device) -> List[Workload]:
@@ -109,4 +175,5 @@ def make_workloads(device: torch.device) -> List[Workload]:
                  f"batch {PSG_BATCH}", psg_fn, psg_args, psg_jax),
         Workload("ensemble", f"ensemble of {ENS_MODELS} MLPs {'-'.join(map(str, ENS_SIZES))}, vmap(functional_call), "
                  f"batch {ENS_BATCH}", ens_fn, ens_args, ens_jax),
+        *host_workloads(),
     ]
