@@ -19,6 +19,7 @@ TorchDynamo then).
 
 from __future__ import annotations
 
+import threading
 import warnings
 from typing import Any, Callable, Dict, Hashable, List, Optional
 
@@ -34,16 +35,26 @@ ON_BREAK = ("error", "split", "eager")
 class Breaks:
     """One graphified function's signatures that read their own data, and how they run."""
 
-    __slots__ = ("backend", "runner", "signatures", "calls", "reads")
+    __slots__ = ("backend", "runner", "signatures", "calls", "reads", "local")
 
     def __init__(self, g: Any):
         # each piece gets its own pool (see _dynamo), and this function's other options
         name = g._desc[len("graphify("):-1] if g._desc.startswith("graphify(") else g._desc
-        self.backend = GraphBackend(lambda gm: type(g)(gm, maxsize=g._maxsize, fuse=g._fuse), name)
+        self.backend = GraphBackend(lambda gm: type(g)(gm, maxsize=g._maxsize, fuse=g._fuse), name, keep=self)
         self.runner: Optional[Callable[..., Any]] = None  # torch.compile(fn, backend=self.backend)
         self.signatures = 0  # marked (in any thread)
         self.calls = 0  # calls run split or eagerly
         self.reads: Dict[str, None] = {}  # what each signature's trace read first, in words (ordered)
+        self.local = threading.local()  # this thread's split calls so far (see generation)
+
+    def generation(self) -> int:
+        """The calling thread's split calls so far.
+
+        A piece's outputs held within one call keep their values (Python between the pieces
+        holds them); held into the next call, they go stale as graphify's outputs do (see
+        ``_liveness.PoolState.begin_call``).
+        """
+        return getattr(self.local, "n", 0)  # type: ignore[no-any-return]
 
 
 def _breaks(g: Any) -> Breaks:
@@ -82,6 +93,7 @@ def run_broken(g: Any, args: Any, kwargs: Any) -> Any:
     """A call of a marked signature: through the compiled function (``"split"``) or eagerly (``"eager"``)."""
     br = _breaks(g)
     br.calls += 1
+    br.local.n = br.generation() + 1
     if g._options.on_break == "eager":
         return g._fn(*args, **kwargs)
     if br.runner is None:

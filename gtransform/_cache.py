@@ -74,6 +74,9 @@ def cache_clear(g: Any) -> None:
 
 def new_thread_state(g: Any, pool: PoolState) -> ThreadState:
     """The calling thread's first :class:`ThreadState` of graphified ``g``."""
+    keep = g.__dict__.get("_keep_held")
+    if keep is not None and pool.lock is None:
+        pool.keep_held = keep  # (a piece of a split function: see _dynamo)
     st = ThreadState(pool)
     st.bound(g._maxsize)
     g._tls.state = st

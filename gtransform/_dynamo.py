@@ -12,7 +12,12 @@ the forward and backward graphs are each recorded). Dynamo passes parameters and
 tensors reached by ``fn`` as graph inputs: passed as the same tensors on every call, they
 are read in place; so is a piece's output handed to the next piece, where it is the same
 pool tensor on every call (the caller dropped the previous one). What a piece returns
-follows the output rule (semantics 4): valid until the next call of that piece.
+stays valid: Python between the pieces holds outputs across their next calls (a list of
+tokens, a solver's last step), so an output still held when its piece runs again is taken
+back (its values copied to memory of its own) instead of going stale. Under
+``graphify(fn, on_break="split")`` that holds within one call of ``fn``; an output held into
+the next call goes stale as graphify's outputs do. ``torch.compile(fn, backend="gtransform")``
+has no call of ``fn`` to see, so there a held output always keeps its values.
 
 Each piece has its own pool: pieces of one call hand their outputs to each other, and a
 shared pool would overwrite one piece's outputs with the next one's. Nothing here imports
@@ -37,12 +42,14 @@ class GraphBackend:
     """A dynamo backend: ``backend(gm, example_inputs)`` returns ``gm`` graphified (see the module docstring).
 
     ``make`` makes a graphified function of a graph (with the options it was given);
-    ``name`` names the pieces in messages (``graphify(<name> piece 2)``). The pieces made
+    ``name`` names the pieces in messages (``graphify(<name> piece 2)``); ``keep``: True
+    (held outputs always keep their values), or an object whose ``generation()`` tells the
+    calls apart (``_breaks``: within one call of the split function). The pieces made
     are kept weakly (dynamo's cache holds them), for ``describe``.
     """
 
-    def __init__(self, make: Callable[[Callable[..., Any]], Any], name: str):
-        self.make, self.name = make, name
+    def __init__(self, make: Callable[[Callable[..., Any]], Any], name: str, keep: Any = True):
+        self.make, self.name, self.keep = make, name, keep
         self.pieces: List[weakref.ref] = []
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **_: Any) -> Callable[..., Any]:
@@ -54,6 +61,7 @@ class GraphBackend:
             # before that (under graphify's watch of the module), it calls itself forever
             recompile()
         piece = self.make(gm)
+        piece._keep_held = self.keep  # its outputs held across its next call keep their values
         self.pieces.append(weakref.ref(piece))
         return piece  # type: ignore[no-any-return]
 

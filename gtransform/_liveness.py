@@ -35,10 +35,11 @@ from ._compat import DisableTorchFunctionSubclass
 from ._compat import increment_version as _increment_version
 from ._compat import storage_use_count as _use_count
 from ._compat import tensor_version as _version
+from ._compat import unsafe_set_version_counter as _set_versions
 from ._errors import OverwrittenOutputError
 from ._log import log
 
-__all__ = ["Handout", "OutputGroup", "StaleOutput", "PoolState", "Pin", "poison_tensor", "live_pins", "stale_message", "unseal"]
+__all__ = ["Handout", "OutputGroup", "StaleOutput", "PoolState", "Pin", "poison_tensor", "live_pins", "stale_message", "take_back", "unseal"]
 
 _getrefcount = sys.getrefcount
 _requires_grad = torch.Tensor.requires_grad.__get__  # type: ignore[attr-defined]
@@ -221,6 +222,38 @@ def unseal() -> None:
     _seal_epoch[0] += 1
 
 
+def _keep_version(t: torch.Tensor, v: int) -> None:
+    """Set ``t``'s version counter back to ``v`` (torch's signature changed across releases)."""
+    if _set_versions is None:  # pragma: no cover - older torch: the bump stays
+        return
+    try:
+        _set_versions((t,), (v,))
+    except TypeError:  # pragma: no cover - torch < 2.5 takes one tensor
+        _set_versions(t, v)
+
+
+def take_back(t: torch.Tensor, keep_values: bool) -> None:
+    """Make a stale output a normal tensor again, over memory of its own (its values copied or not).
+
+    The move is gtransform's, not a change of the tensor: its version counter stays as it
+    was. Autograd may have saved an alias of it that shares the counter (an output saved
+    for its own backward, see GraphFn.forward, fed back as the next call's input in
+    backpropagation through time); ``set_`` would make that backward raise "modified by an
+    inplace operation". (Where values follow, the caller's in-place update bumps it once,
+    as eager's does.)
+    """
+    unseal()
+    t.__class__ = torch.Tensor  # type: ignore[assignment]
+    t.__dict__.pop("_gt_message", None)
+    v = t._version
+    with torch.no_grad():
+        own = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+        if keep_values:
+            own.copy_(t)
+        t.set_(own.untyped_storage(), 0, t.shape, t.stride())
+    _keep_version(t, v)
+
+
 class Handout:
     """The output objects of one output memory of a recording (a ring slot).
 
@@ -285,7 +318,7 @@ class Handout:
         self.rc_base = list(map(_getrefcount, self.objs))
         self.vsum = sum(map(_version, self.objs))
 
-    def poison(self, old_desc: str, desc: str, call_no: int) -> Any:
+    def poison(self, old_desc: str, desc: str, call_no: int, keep: bool = False) -> Any:
         """Poison the objects the caller still holds; the memory is about to be written.
 
         ``old_desc`` handed them out; call ``call_no`` of the pool (``desc``)
@@ -301,6 +334,8 @@ class Handout:
         and its backward then raises "modified by an inplace operation", as
         eager would, instead of computing with the new numbers.
 
+        ``keep``: objects the caller holds keep their values instead (see :meth:`_keep_held`).
+
         Returns:
             False if nothing was held (nothing but the version bump done), a
             list of :data:`Pin` if views are alive, else None; in the last two
@@ -309,6 +344,8 @@ class Handout:
         objs = self.objs
         rc_base = self.rc_base
         rcs = list(map(_getrefcount, objs))
+        if keep and rcs != rc_base:
+            return self._keep_held(rcs)
         ucs = list(map(_use_count, self.cdatas))
         uc_base = self.uc_base
         # an object the caller changed in place (its shape: t_(), unsqueeze_(), resize_(); its
@@ -372,6 +409,36 @@ class Handout:
         # the caller (PoolState.begin_call) makes the next objects, unless the
         # owner moves to another memory before its next replay and makes
         # them there (see Recording._maybe_retire)
+        self.need_fresh = True
+        return pins or None
+
+    def _keep_held(self, rcs: List[int]) -> Any:
+        """``poison`` for a pool that keeps held outputs (pieces of a split function, see ``_dynamo``).
+
+        Python code between the pieces keeps their outputs across the pieces' next calls
+        (a token list, an ODE solver's last step): each object the caller holds is taken
+        back (its values copied to memory of its own, the object unchanged otherwise)
+        instead of poisoned; views of the rest pin their memory as in ``poison``. The
+        generation is then dropped: ``fresh`` hands out other objects.
+        """
+        objs, starts, rc_base = self.objs, self.starts, self.rc_base
+        pins: List[Pin] = []
+        written: List[torch.Tensor] = []
+        for gi in range(len(self.groups)):
+            kept = []
+            for i in range(starts[gi], starts[gi + 1]):
+                if rcs[i] != rc_base[i]:
+                    take_back(objs[i], keep_values=True)
+                else:
+                    kept.append(objs[i])
+            base = 1 + len(kept)  # (our storage object, the objects not taken back)
+            if _use_count(self.cdatas[gi]) > base:
+                pins.append((self.cdatas[gi], base, self.storages[gi], kept))
+            else:
+                written += kept
+        _increment_version(written)
+        self.poisoned, self.sealed, self.held_groups = [], -1, None
+        self.tainted = True  # (its objects left: not a generation to hand out again)
         self.need_fresh = True
         return pins or None
 
@@ -519,9 +586,14 @@ class PoolState:
     this pool; the next such call poisons the objects still held.
     """
 
-    __slots__ = ("outstanding", "calls", "lock", "cuda_pool", "keeper", "last_desc", "__weakref__")
+    __slots__ = ("outstanding", "calls", "lock", "cuda_pool", "keeper", "last_desc", "keep_held", "kept_gen",
+                 "__weakref__")
 
     def __init__(self, lock: Any = None) -> None:
+        # held outputs keep their values (Handout._keep_held) instead of going stale: False,
+        # True, or an object whose generation() must be the same as at the last call (_breaks)
+        self.keep_held: Any = False
+        self.kept_gen: Any = None
         self.outstanding: List[Handout] = []
         self.calls = 0
         self.lock = lock
@@ -533,9 +605,13 @@ class PoolState:
         """Poison what the previous call handed out and is still held."""
         self.calls += 1
         out = self.outstanding
+        keep = self.keep_held
+        if keep is not False:
+            gen = None if keep is True else keep.generation()
+            keep, self.kept_gen = gen == self.kept_gen, gen
         if out:
             for h in out:
-                pins = h.poison(self.last_desc, desc, self.calls)
+                pins = h.poison(self.last_desc, desc, self.calls, keep)
                 if pins is False:
                     continue
                 ref = h.owner

@@ -204,6 +204,16 @@ def _new_signature(g: Any, st: ThreadState, ck: CallKey, call: Call,
     return _settle(g, st, ck, call, plan, cuda, record)
 
 
+def _name_the_arguments(err: GraphifyError, paths: List[str]) -> None:
+    """A read of floating-point arguments: name them, and how to have the read frozen if they never change."""
+    which = ", ".join(paths)
+    err.args = (str(err) + f"\nThe read depends on {which}, a floating-point argument: its values are "
+                "taken as the call's data. If it is the same tensor on every call (a time grid, a table), "
+                "close over it instead of passing it (gt.graphify(lambda y0: fn(y0, t))): reads of tensors "
+                "the function reaches and never writes are frozen into the recording and guarded by the "
+                "tensor's identity and version counter.",)
+
+
 def _reads_new_arguments(g: Any, st: ThreadState, key: Any, err: GraphifyError, in_paths: List[str],
                          tensors: List[torch.Tensor], record: bool) -> bool:
     """Whether a call whose trace read arguments on the host runs eagerly, to freeze them on the next call.
@@ -219,6 +229,7 @@ def _reads_new_arguments(g: Any, st: ThreadState, key: Any, err: GraphifyError, 
     if not record or not new:
         return False
     if any(tensors[k].is_floating_point() or tensors[k].is_complex() for k in new):
+        _name_the_arguments(err, [in_paths[k] for k in sorted(new)])
         return False  # (values are the call's data; index-like arguments, integer or bool, its structure)
     seen = st.frozen_args
     if any(in_paths[k] in seen for k in new):

@@ -24,9 +24,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from . import _distributed
 from ._compat import foreach_copy_, neg_view
 from ._compat import storage_use_count as _use_count
-from ._compat import unsafe_set_version_counter as _set_versions
 from ._errors import GraphifyError, RerecordWarning
-from ._liveness import Handout, OutputGroup, Pin, PoolState, StaleOutput, live_pins, unseal
+from ._liveness import Handout, OutputGroup, Pin, PoolState, StaleOutput, live_pins, take_back
 from ._state import EscapeWriter
 from ._trace import Plan
 
@@ -413,7 +412,7 @@ class Recording:
         """
         for i in self.returned_inputs:
             if type(tensors[i]) is StaleOutput:
-                _take_back(tensors[i], keep_values=True)
+                take_back(tensors[i], keep_values=True)
 
     def copy_back_stale(self, targets: Sequence[torch.Tensor]) -> None:
         """Copy back in-place updates into inputs that this call's start made stale.
@@ -430,7 +429,7 @@ class Recording:
         """
         for t in targets:
             if type(t) is StaleOutput:
-                _take_back(t, keep_values=False)
+                take_back(t, keep_values=False)
         if any(t.is_conj() or t.is_neg() for t in targets):
             for t, b in zip(targets, self.cb_bufs):
                 t.copy_(b)
@@ -483,38 +482,6 @@ class Recording:
         self.groups = []
         self.handout = Handout([])
         self.fast = None
-
-
-def _keep_version(t: torch.Tensor, v: int) -> None:
-    """Set ``t``'s version counter back to ``v`` (torch's signature changed across releases)."""
-    if _set_versions is None:  # pragma: no cover - older torch: the bump stays
-        return
-    try:
-        _set_versions((t,), (v,))
-    except TypeError:  # pragma: no cover - torch < 2.5 takes one tensor
-        _set_versions(t, v)
-
-
-def _take_back(t: torch.Tensor, keep_values: bool) -> None:
-    """Make a stale output a normal tensor again, over memory of its own (its values copied or not).
-
-    The move is gtransform's, not a change of the tensor: its version counter stays as it
-    was. Autograd may have saved an alias of it that shares the counter (an output saved
-    for its own backward, see GraphFn.forward, fed back as the next call's input in
-    backpropagation through time); ``set_`` would make that backward raise "modified by an
-    inplace operation". (Where values follow, the caller's in-place update bumps it once,
-    as eager's does.)
-    """
-    unseal()
-    t.__class__ = torch.Tensor  # type: ignore[assignment]
-    t.__dict__.pop("_gt_message", None)
-    v = t._version
-    with torch.no_grad():
-        own = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
-        if keep_values:
-            own.copy_(t)
-        t.set_(own.untyped_storage(), 0, t.shape, t.stride())
-    _keep_version(t, v)
 
 
 class CPURecording(Recording):

@@ -50,6 +50,11 @@ def run(g: Any, b: Bound, under_grad: bool) -> Any:
     if b.dual:
         note(g, FORWARD_AD)
         return g._fn(*b.args, **b.kwargs)
+    br = g._breaks
+    if br is not None and br.runner is not None and not under_grad:
+        # on_break="split", once a signature split: every call goes to TorchDynamo, whose guards
+        # and pieces take over the signatures (a step number passed each call is not a new one)
+        return run_broken(g, b.args, b.kwargs)
     leaves: List[Any] = b.leaves
     tree: Optional[Tuple[Any, Any]] = b.tree
     mode: ContextManager[None] = _PLAIN
