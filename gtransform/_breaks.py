@@ -115,6 +115,8 @@ def describe_lines(g: Any) -> List[str]:
              f"ran split by TorchDynamo into {len(pieces)} recorded piece(s)"]
     for p in pieces:
         lines.append("  " + p.describe().replace("\n", "\n  "))
+        if "_eager_reason" in p.__dict__:
+            lines.append(f"  (runs eagerly: {p.__dict__['_eager_reason']})")
     return lines
 
 

@@ -27,6 +27,7 @@ shared pool would overwrite one piece's outputs with the next one's. Nothing her
 from __future__ import annotations
 
 import itertools
+import warnings
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
@@ -63,11 +64,40 @@ class GraphBackend:
         piece = self.make(gm)
         piece._keep_held = self.keep  # its outputs held across its next call keep their values
         self.pieces.append(weakref.ref(piece))
-        return piece  # type: ignore[no-any-return]
+        return _Piece(piece, gm)
 
     def live(self) -> List[Any]:
         """The pieces made so far that dynamo still holds, in order."""
         return [p for p in (r() for r in self.pieces) if p is not None]
+
+
+class _Piece:
+    """What dynamo calls for one graph: its graphified function, or the graph itself once that refused.
+
+    A graph that cannot be recorded (a CPU tensor in a CUDA graph, an op a capture refuses:
+    the GraphifyError of its first trace or capture, which leaves no half-state) runs
+    eagerly from then on, with one :class:`~gtransform.EagerWarning` naming the reason: the
+    function still runs, and never silently eagerly.
+    """
+
+    __slots__ = ("piece", "gm", "eager", "__weakref__")
+
+    def __init__(self, piece: Any, gm: torch.fx.GraphModule):
+        self.piece, self.gm, self.eager = piece, gm, False
+
+    def __call__(self, *args: Any) -> Any:
+        if self.eager:
+            return self.gm(*args)
+        from ._errors import EagerWarning, GraphifyError
+
+        try:
+            return self.piece(*args)
+        except GraphifyError as e:
+            self.eager = True
+            self.piece.__dict__["_eager_reason"] = str(e).split("\n", 1)[0]
+            warnings.warn(f"{self.piece._desc}: this piece cannot be recorded, so it runs eagerly from now "
+                          f"on (the rest stays recorded). The reason:\n{e}", EagerWarning, stacklevel=2)
+            return self.gm(*args)
 
 
 def backend_options(mode: Optional[str], options: Optional[Dict[str, Any]]) -> Dict[str, Any]:

@@ -551,6 +551,26 @@ _STEP_COUNT_OPTIMIZERS = frozenset(("adam.py", "adamw.py", "adamax.py", "nadam.p
                                     "adagrad.py", "_adafactor.py", "adafactor.py", "sparse_adam.py", "optimizer.py"))
 
 
+_DATA_DEPENDENT_OPS = frozenset(str(op) for op in (
+    torch.ops.aten.nonzero.default, torch.ops.aten.masked_select.default, torch.ops.aten._unique2.default,
+    torch.ops.aten.unique_dim.default, torch.ops.aten.unique_consecutive.default, torch.ops.aten.index.Tensor,
+    torch.ops.aten.bincount.default, torch.ops.aten.repeat_interleave.Tensor, torch.ops.aten.equal.default,
+    torch.ops.aten._local_scalar_dense.default,
+))
+
+
+def _drop_frozen_ops(gm: torch.fx.GraphModule) -> None:
+    """Take out the nodes of data-dependent ops whose result a frozen read replaced (see ``_frozen``).
+
+    The trace makes the op's node before its fake kernel refuses; the frozen value (a constant)
+    is what the graph uses, and the node is left without users. Replayed, it would compute the
+    value again (on CUDA a host sync, which a capture refuses). These ops are pure.
+    """
+    for n in reversed(list(gm.graph.nodes)):
+        if n.op == "call_function" and not n.users and str(n.target) in _DATA_DEPENDENT_OPS:
+            gm.graph.erase_node(n)
+
+
 def _host_rng_state() -> List[Tuple[str, Any, Any]]:
     """The state of numpy's global generator, if numpy is loaded.
 
@@ -948,6 +968,8 @@ class _Tracing:
     def graph(self, gm: torch.fx.GraphModule) -> None:
         """The passes of ``_rewrite`` over the traced graph."""
         _lift_state(gm, self.watch.state_fakes)
+        if self.watch.frozen is not None and self.watch.frozen.reads:
+            _drop_frozen_ops(gm)
         _no_traced_constants(gm, self.is_ours, self.desc)
         _drop_profiler_nodes(gm)
         _reshape_computed_views(gm)

@@ -179,12 +179,16 @@ class _Watch(TorchDispatchMode):
         if typ is None:
             self.rng.check_end()
 
-    def _fail(self, what: str, why: str, fix: str) -> None:
+    def _fail(self, what: str, why: str, fix: str, host: bool = False) -> None:
+        """Refuse the trace (``host``: a read of host memory, which ``on_break`` may take: see ``_breaks``)."""
         fr = user_frame(traceback.extract_stack())
-        raise GraphifyError(
+        err = GraphifyError(
             f"{self.desc}: {what}\n  at {format_frame(fr)}\n"
             f"Why: {why}\nFix: {fix}"
         )
+        if host:
+            err.gt_host_read = True  # type: ignore[attr-defined]
+        raise err
 
     def _fake(self, t: torch.Tensor) -> FakeTensor:
         f = self._fake_of.get(id(t))
@@ -197,7 +201,11 @@ class _Watch(TorchDispatchMode):
                     "as an argument) inside a CUDA function.",
                     "a CUDA graph reads a CPU tensor once, at recording time; its value would be frozen.",
                     "keep that state on the GPU (module.to(device); for torch.optim optimizers pass "
-                    "capturable=True so their step counts live on the GPU), or pass a Python number.",
+                    "capturable=True so their step counts live on the GPU), or pass a Python number. "
+                    "Or let Python run it: graphify(fn, on_break=\"split\") records the pieces around it "
+                    "(a piece that cannot be recorded runs eagerly, warned once); on_break=\"eager\" runs "
+                    "such calls eagerly.",
+                    host=True,
                 )
             if t.layout != torch.strided or t.is_nested or t.is_quantized:
                 what = ("a nested tensor" if t.is_nested else f"a quantized tensor ({t.dtype})"

@@ -272,7 +272,8 @@ TRAIN_STEPS, LOG_EVERY = 30, 10
 def _trainer(device):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 1)).to(device)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)  # on the CPU: reads its step count on the host
+    # on the CPU Adam reads its step count on the host (split there); on CUDA capturable keeps it on the GPU
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2, capturable=torch.device(device).type == "cuda")
     log = []
 
     def train_step(x, y, step):
@@ -297,7 +298,7 @@ def test_training_loop_logging_loss_item_splits(device):
     for i, (x, y) in enumerate(data):
         # the step as a tensor (as RerecordWarning's fix says: a Python int passed anew each call is
         # a new signature each call); `step % 10 == 0` is then a read of the call's own data
-        assert_close(f(x, y, torch.tensor(i)).detach().clone(), ref_step(x, y, i).detach())
+        assert_close(f(x, y, torch.tensor(i, device=device)).detach().clone(), ref_step(x, y, i).detach())
     assert [s for s, _ in log] == [s for s, _ in ref_log] == [0, 10, 20]
     assert [v for _, v in log] == pytest.approx([v for _, v in ref_log], rel=1e-5)
     assert_close([p.detach() for p in model.parameters()], [p.detach() for p in ref_model.parameters()])

@@ -90,7 +90,8 @@ def test_training_loop_logging_loss_every_10_steps(device):
     def make():
         torch.manual_seed(0)
         m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)).to(device)
-        return m, torch.optim.Adam(m.parameters(), lr=1e-2)
+        # (capturable on CUDA: the step count on the GPU; see test_split_cpu_state_in_a_cuda_piece)
+        return m, torch.optim.Adam(m.parameters(), lr=1e-2, capturable=torch.device(device).type == "cuda")
 
     def build(model, opt, logs):
         def step(x, y, log):
@@ -269,3 +270,60 @@ def test_split_branchy_matches_eager_on_random_inputs(values):
 
 _W = torch.eye(3)
 _BRANCHY_SPLIT = gt.graphify(branchy, on_break="split")
+
+
+@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor:UserWarning")
+def test_split_piece_that_cannot_be_recorded_runs_eagerly_with_one_warning():
+    """A graph between reads that graphify refuses (a quantize op here) runs eagerly, warned once,
+    and the rest of the function stays recorded: eager's numbers on every call."""
+    def f(x):
+        y = x * 2
+        if y.sum().item() > 0:
+            y = y + 1
+        q = torch.quantize_per_tensor(y, 0.1, 0, torch.quint8).dequantize()
+        return q * 3
+
+    g = gt.graphify(f, on_break="split")
+    xs = [torch.rand(5) for _ in range(4)]
+    with pytest.warns(gt.EagerWarning, match="runs eagerly"):
+        assert_close(g(xs[0]), f(xs[0]))
+    for x in xs[1:]:
+        assert_close(g(x), f(x))
+    assert "runs eagerly" in g.describe()
+
+
+@pytest.mark.cuda
+def test_split_cpu_state_in_a_cuda_piece():
+    """A CPU tensor read in a CUDA function (Adam without capturable=True keeps its step count on the
+    host) is refused by default naming on_break; split runs the optimizer's piece eagerly, warned once."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    torch.manual_seed(0)
+    m = torch.nn.Linear(4, 1).cuda()
+    opt = torch.optim.Adam(m.parameters(), lr=1e-2)
+    ref = torch.nn.Linear(4, 1).cuda()
+    ref.load_state_dict(m.state_dict())
+    ropt = torch.optim.Adam(ref.parameters(), lr=1e-2)
+
+    def make(model, o):
+        def step(x):
+            loss = model(x).square().mean()
+            o.zero_grad()
+            loss.backward()
+            o.step()
+            return loss.detach()
+        return step
+
+    m0 = torch.nn.Linear(4, 1).cuda()
+    f0 = gt.graphify(make(m0, torch.optim.Adam(m0.parameters(), lr=1e-2)))
+    with pytest.raises(gt.GraphifyError, match="on_break"):
+        for _ in range(2):  # (the first call of a function that touches state runs eagerly)
+            f0(torch.randn(8, 4, device="cuda"))
+    g = gt.graphify(make(m, opt), on_break="split")
+    e = make(ref, ropt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", gt.EagerWarning)
+        for _ in range(5):
+            x = torch.randn(8, 4, device="cuda")
+            assert_close(g(x), e(x))
+            assert_close(list(m.parameters()), list(ref.parameters()))
