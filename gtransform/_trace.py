@@ -551,11 +551,10 @@ _STEP_COUNT_OPTIMIZERS = frozenset(("adam.py", "adamw.py", "adamax.py", "nadam.p
                                     "adagrad.py", "_adafactor.py", "adafactor.py", "sparse_adam.py", "optimizer.py"))
 
 
-_DATA_DEPENDENT_OPS = frozenset(str(op) for op in (
-    torch.ops.aten.nonzero.default, torch.ops.aten.masked_select.default, torch.ops.aten._unique2.default,
-    torch.ops.aten.unique_dim.default, torch.ops.aten.unique_consecutive.default, torch.ops.aten.index.Tensor,
-    torch.ops.aten.bincount.default, torch.ops.aten.repeat_interleave.Tensor, torch.ops.aten.equal.default,
-    torch.ops.aten._local_scalar_dense.default,
+_DATA_DEPENDENT_OPS = frozenset(f"aten.{n}" for n in (  # (op names compared as strings)
+    "nonzero.default", "masked_select.default", "_unique2.default", "unique_dim.default",
+    "unique_consecutive.default", "index.Tensor", "bincount.default", "repeat_interleave.Tensor",
+    "equal.default", "_local_scalar_dense.default",
 ))
 
 
