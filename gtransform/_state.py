@@ -611,9 +611,9 @@ class Snapshot:
                 for k, v in obj.items():
                     if is_fake(v):
                         res.escapes.append((Slot("item", obj, k, f"{path}[{k!r}]"), v))
-                    elif type(v) in _NUMBERS and type(saved.get(k)) in _NUMBERS and saved[k] != v:
+                    elif k in saved and type(v) in _NUMBERS and type(saved[k]) in _NUMBERS and saved[k] != v:
                         res.changes.append(Change(f"{path}[{k!r}]", saved[k], v, obj, k))
-                    elif _rebound(v, saved.get(k)):
+                    elif k in saved and _rebound(v, saved[k]):  # (a key the function added: stored, below)
                         res.changes.append(Change(f"{path}[{k!r}]", saved[k], v, obj, k, True))
                     else:
                         res.note_stored(f"{path}[{k!r}]", v, saved.get(k, _MISSING), is_fake)

@@ -2054,3 +2054,22 @@ def test_a_lazy_module_the_calls_never_initialise_is_warned_about(caplog):
     warned = [r for r in caplog.records if "still not initialised" in r.getMessage()]
     assert len(warned) == 1 and "model.head" in warned[0].getMessage() and "Fix:" in warned[0].getMessage()
     assert f.cache_info().hits == 0
+
+
+@pytest.mark.parametrize("key", [True, 0, "new", None])
+def test_a_key_the_function_adds_to_a_closed_over_dict(key):
+    """A key added to a closed-over dict (a bool key, which hashes like 1; None, whose type is a
+    Python number's kind) used to crash the state scan with KeyError; the dict ends as eager's."""
+    memo_e, memo_g = {}, {}
+
+    def make(memo):
+        def f(x):
+            memo[key] = 7
+            return x * 2
+        return f
+
+    fe, fg = make(memo_e), gt.graphify(make(memo_g))
+    for _ in range(3):
+        x = torch.randn(3)
+        assert_close(fg(x), fe(x))
+    assert memo_g == memo_e == {key: 7}
