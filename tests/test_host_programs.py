@@ -89,6 +89,58 @@ def test_odeint_rk4_grid_passed_as_an_argument_names_the_fix_or_splits(device):
         assert_close(g(y0, t), odeint(func, y0, t, method="rk4"))
 
 
+def test_neural_ode_training_with_frozen_grid_trains_like_eager(device):
+    """Training through the solve: the frozen forward recording and a recorded backward; Adam's
+    updates equal eager's at every step, and later steps replay (no new trace)."""
+    import copy
+
+    odeint, func_e, t, y0s = _ode(device)
+    func_g = copy.deepcopy(func_e)
+    cap = torch.device(device).type == "cuda"
+    opt_e = torch.optim.Adam(func_e.parameters(), lr=1e-2, capturable=cap)
+    opt_g = torch.optim.Adam(func_g.parameters(), lr=1e-2, capturable=cap)
+    solve = gt.graphify(lambda y0: odeint(func_g, y0, t, method="rk4"))
+    for k in range(6):
+        y0 = y0s[k % len(y0s)]
+        for f, o, s in ((func_e, opt_e, lambda y: odeint(func_e, y, t, method="rk4")), (func_g, opt_g, solve)):
+            o.zero_grad()
+            s(y0).square().mean().backward()
+            o.step()
+        assert_close(list(func_g.parameters()), list(func_e.parameters()))
+        if k == 2:
+            misses = solve.cache_info().misses
+    assert solve.cache_info().misses == misses
+
+
+def test_neural_ode_whole_training_step_is_one_recording(device):
+    """The whole step graphified (forward through the solve, backward, the optimizer) with the grid
+    closed over: one recording, the parameters equal to eager's after every step."""
+    import copy
+
+    odeint, func_e, t, y0s = _ode(device)
+    func_g = copy.deepcopy(func_e)
+
+    def make(func):
+        opt = torch.optim.SGD(func.parameters(), lr=1e-2, momentum=0.9)
+
+        def step(y0):
+            opt.zero_grad()
+            loss = odeint(func, y0, t, method="rk4").square().mean()
+            loss.backward()
+            opt.step()
+            return loss.detach()
+        return step
+
+    se, sg = make(func_e), gt.graphify(make(func_g))
+    for k in range(6):
+        y0 = y0s[k % len(y0s)]
+        assert_close(sg(y0), se(y0))
+        assert_close(list(func_g.parameters()), list(func_e.parameters()))
+        if k == 2:
+            misses = sg.cache_info().misses
+    assert sg.cache_info().misses == misses
+
+
 @pytest.mark.parametrize("change", ["in_place", "new_tensor"])
 @pytest.mark.parametrize("grid", ["closed_over"])
 @torch.no_grad()
