@@ -1,12 +1,10 @@
 """The front door: ``graphify`` and the callable it returns.
 
-A call runs the generated fast path of the last recording (``_fastpath``: every check of
-the signature, then the replay); a miss takes the stages of ``_calls`` one after the
-other: bind the arguments (``_bind``) -> find or trace the signature (``_lookup``, asking
-``_key``) -> record and replay (``_replay``) -> hand out the outputs (``_liveness``).
-Gradients go through ``_autograd``, ``torch.func.vmap`` through ``_batching``, what
-cannot be recorded runs eagerly, warned of (``_eager``). This module holds the options
-and the per-function state (thread-local caches, counters, warnings) and hands calls on.
+A call runs the fast path of the last recording (``_fastpath``); a miss takes the stages
+of ``_calls``: bind (``_bind``) -> find or trace the signature (``_lookup``, asking ``_key``)
+-> record and replay (``_replay``) -> hand out the outputs (``_liveness``). Gradients go
+through ``_autograd``, vmap through ``_batching``, sizes through ``_sized``, unrecordable
+calls run eagerly (``_eager``). This module holds the options and per-function state.
 """
 
 from __future__ import annotations
@@ -29,6 +27,7 @@ from ._key import StormDetector
 from ._key._storm import RerecordWarning
 from ._liveness import PoolState
 from ._pool import GraphPool
+from ._sizes import new_sizes
 from ._switch import OFF
 
 __all__ = ["graphify", "Graphified", "CacheInfo", "RerecordWarning"]
@@ -59,9 +58,11 @@ class Graphified(Generic[P, R]):
 
     def __init__(self, fn: Callable[P, R], *, static_argnums: Union[int, Sequence[int]] = (),
                  static_argnames: Union[str, Sequence[str]] = (), pool: Optional[GraphPool] = None,
-                 maxsize: Optional[int] = 64, fuse: bool = False, on_break: OnBreak = "error"):
+                 maxsize: Optional[int] = 64, fuse: bool = False, on_break: OnBreak = "error",
+                 record_sizes: Union[None, int, Sequence[int]] = None, buckets: Optional[Sequence[int]] = None, pad: Any = None):
         self._desc = describe_fn(fn) if callable(fn) else "graphify(fn)"
-        self._options = options(fn, self._desc, static_argnums, static_argnames, pool, maxsize, fuse, on_break)
+        self._options = options(fn, self._desc, static_argnums, static_argnames, pool, maxsize, fuse, on_break,
+                                record_sizes, buckets, pad)
         _calls.opaque_to_dynamo(Graphified.__call__.__code__)
         self._fn, self._pool, self._maxsize, self._fuse = fn, pool, maxsize, fuse
         self._static_argnums, self._static_argnames = map(frozenset, self._options[:2])
@@ -71,7 +72,8 @@ class Graphified(Generic[P, R]):
         self._hits = self._misses = self._lazy_calls = 0  # (lazy: calls eager for uninitialised lazy modules)
         self._eager_calls: Dict[str, int] = {}  # calls run eagerly (see _eager), by reason
         self._vmapped: Dict[Any, Graphified[Any, Any]] = {}  # graphify(vmap(fn)) per batching (see _batching)
-        self._storm = StormDetector(self._desc)
+        self._sizes = new_sizes(fn, self._options)  # record_sizes=, buckets= (see _sized)
+        self._storm = StormDetector(self._desc, self._sizes.allowance if self._sizes is not None else 0)
         self._breaks: Any = None  # signatures that read their own data, run as on_break says (see _breaks)
         functools.update_wrapper(self, fn, updated=())  # (not __dict__: fn may be an nn.Module)
 
@@ -93,9 +95,8 @@ class Graphified(Generic[P, R]):
     def trace(self, *args: P.args, **kwargs: P.kwargs) -> torch.fx.GraphModule:
         """Trace ``fn`` for these inputs and return what would be recorded.
 
-        Like ``jax.make_jaxpr``: nothing is recorded or run. The ``torch.fx.GraphModule``
-        of aten operations takes the flat tensor leaves of ``(args, kwargs)``, then the
-        state the function reads (as ``f.describe()`` lists it), and returns the output's.
+        Like ``jax.make_jaxpr``: nothing is recorded or run. The aten ``GraphModule`` takes the
+        flat tensor leaves of the arguments, then the state read (``f.describe()``).
 
         Examples:
             >>> import torch, gtransform as gt
@@ -120,8 +121,7 @@ class Graphified(Generic[P, R]):
     def cache_clear(self) -> None:
         """Drop every recording of this function, in every thread.
 
-        Outputs handed out stay valid. Another thread's recordings are released at that
-        thread's next call of the function (it may be replaying one right now).
+        Outputs handed out stay valid; another thread's are released at its next call.
 
         Examples:
             >>> import torch, gtransform as gt
@@ -151,9 +151,8 @@ class Graphified(Generic[P, R]):
     def explain(self, *args: P.args, **kwargs: P.kwargs) -> str:
         """Say whether a call with these arguments would replay, and if not, why.
 
-        Like JAX's ``jax_explain_cache_misses``: the checks of the closest signature say
-        how the call differs (a leaf's layout, a static value, the state, the
-        environment...). Nothing is traced or run.
+        Like JAX's ``jax_explain_cache_misses``: the closest signature's checks say how the
+        call differs (a leaf's layout, a static value, the state...). Nothing is run.
 
         Examples:
             >>> import torch, gtransform as gt
@@ -221,17 +220,20 @@ class _BoundGraphified(functools.partial):
 
 @overload
 def graphify(fn: Callable[P, R], *, static_argnums: Union[int, Sequence[int]] = ..., static_argnames: Union[str, Sequence[str]] = ...,
-             pool: Optional[GraphPool] = ..., maxsize: Optional[int] = ..., fuse: bool = ..., on_break: OnBreak = ...) -> Graphified[P, R]: ...
+             pool: Optional[GraphPool] = ..., maxsize: Optional[int] = ..., fuse: bool = ..., on_break: OnBreak = ...,
+             record_sizes: Union[None, int, Sequence[int]] = ..., buckets: Optional[Sequence[int]] = ..., pad: Any = ...) -> Graphified[P, R]: ...
 
 
 @overload
 def graphify(fn: None = ..., *, static_argnums: Union[int, Sequence[int]] = ..., static_argnames: Union[str, Sequence[str]] = ...,
-             pool: Optional[GraphPool] = ..., maxsize: Optional[int] = ..., fuse: bool = ..., on_break: OnBreak = ...) -> Callable[[Callable[P, R]], Graphified[P, R]]: ...
+             pool: Optional[GraphPool] = ..., maxsize: Optional[int] = ..., fuse: bool = ..., on_break: OnBreak = ...,
+             record_sizes: Union[None, int, Sequence[int]] = ..., buckets: Optional[Sequence[int]] = ..., pad: Any = ...) -> Callable[[Callable[P, R]], Graphified[P, R]]: ...
 
 
 def graphify(fn: Optional[Callable[P, R]] = None, *, static_argnums: Union[int, Sequence[int]] = (),
              static_argnames: Union[str, Sequence[str]] = (), pool: Optional[GraphPool] = None,
-             maxsize: Optional[int] = 64, fuse: bool = False, on_break: OnBreak = "error") -> Any:
+             maxsize: Optional[int] = 64, fuse: bool = False, on_break: OnBreak = "error",
+             record_sizes: Union[None, int, Sequence[int]] = None, buckets: Optional[Sequence[int]] = None, pad: Any = None) -> Any:
     """Record ``fn`` into a graph per input signature and replay it.
 
     ``graphify`` is ``jax.jit`` for PyTorch with CUDA graph capture as the
@@ -262,16 +264,14 @@ def graphify(fn: Optional[Callable[P, R]] = None, *, static_argnums: Union[int, 
         pool: a :func:`graph_pool` to share memory with other functions.
         maxsize: how many signatures to keep per thread (least recently used
             evicted), or ``None`` for no bound.
-        fuse: compile each traced graph with TorchInductor before recording it:
-            fused kernels, fewer launches, for a first call of seconds; random ops
-            still follow eager's numbers, casts round as eager's, small float32
-            products on CUDA run as gtransform's Triton kernels
-            (``GTRANSFORM_GEMM=0``: cuBLAS's). See docs/how-it-works.md.
-        on_break: a signature whose trace reads the call's own data on the host:
-            ``"error"`` raises :class:`GraphifyError`; ``"split"`` runs it through
-            ``torch.compile(fn, backend="gtransform")`` (TorchDynamo runs the reads in
-            Python, each piece between them is recorded); ``"eager"`` runs it eagerly,
-            warned once per signature (:class:`EagerWarning`).
+        fuse: compile each traced graph with TorchInductor before recording it
+            (fused kernels, a first call of seconds; see docs/api.md).
+        on_break: a trace that reads the call's own data: ``"error"`` raises,
+            ``"split"`` records the pieces between reads, ``"eager"`` runs eagerly.
+        record_sizes: batch sizes recorded (a sequence, or N: the N most frequent);
+            other sizes run eagerly, unwarned (docs/serving.md).
+        buckets: pad calls along dim 0 up to the next of these sizes, slice back.
+        pad: with ``buckets``, the arguments padded and the value (``{"x": 0}``).
 
     Returns:
         A :class:`Graphified` callable (or a decorator, if ``fn`` is omitted).
@@ -279,7 +279,7 @@ def graphify(fn: Optional[Callable[P, R]] = None, *, static_argnums: Union[int, 
     Raises:
         GraphifyError: ``fn`` cannot be recorded (at call time).
         TypeError: an argument of ``graphify`` is of the wrong type.
-        ValueError: an option has a wrong value (``on_break`` not one of the three).
+        ValueError: an option has a wrong value.
 
     Examples:
         >>> import torch, gtransform as gt
@@ -295,5 +295,5 @@ def graphify(fn: Optional[Callable[P, R]] = None, *, static_argnums: Union[int, 
         tensor([3., 3.])
     """
     opts = dict(static_argnums=static_argnums, static_argnames=static_argnames, pool=pool, maxsize=maxsize, fuse=fuse,
-                on_break=on_break)
+                on_break=on_break, record_sizes=record_sizes, buckets=buckets, pad=pad)
     return functools.partial(graphify, **opts) if fn is None else Graphified(fn, **opts)  # type: ignore[arg-type]

@@ -17,6 +17,7 @@ import torch
 
 from ._breaks import ON_BREAK
 from ._pool import GraphPool
+from ._sizes import check_size_options
 from ._tree import flatten_args, holds_tensor, static_leaf_key
 
 __all__ = ["Options", "options", "Static", "split", "rebuild", "Bound", "bind"]
@@ -33,6 +34,9 @@ class Options(NamedTuple):
     maxsize: Optional[int]
     fuse: bool
     on_break: str = "error"
+    record_sizes: Any = None  # sizes that vary (see _sizes): None, an int N, or a tuple of sizes
+    buckets: Optional[Tuple[int, ...]] = None
+    pad: Any = None  # as the caller passed it
 
     def as_kwargs(self) -> Dict[str, Any]:
         """The options as ``graphify`` takes them (copies are made with them)."""
@@ -40,7 +44,8 @@ class Options(NamedTuple):
 
 
 def options(fn: Any, desc: str, static_argnums: Union[int, Sequence[int], None], static_argnames: Union[str, Sequence[str], None],
-            pool: Any, maxsize: Any, fuse: Any, on_break: Any = "error") -> Options:
+            pool: Any, maxsize: Any, fuse: Any, on_break: Any = "error", record_sizes: Any = None,
+            buckets: Any = None, pad: Any = None) -> Options:
     """Check ``graphify``'s arguments before anything is traced (TypeError / ValueError with the fix)."""
     if not callable(fn):
         raise TypeError(f"graphify(fn): fn must be callable, got {type(fn).__name__}")
@@ -57,7 +62,8 @@ def options(fn: Any, desc: str, static_argnums: Union[int, Sequence[int], None],
                          f"{on_break!r} (what a host read of the call's own data does: raise a GraphifyError, "
                          "record the pieces between reads through TorchDynamo, or run eagerly)")
     nums, names = resolve_static(fn, nums, names, desc)
-    return Options(nums, names, pool, maxsize, fuse, on_break)
+    record_sizes, buckets, _ = check_size_options(fn, record_sizes, buckets, pad, nums)
+    return Options(nums, names, pool, maxsize, fuse, on_break, record_sizes, buckets, pad)
 
 
 def _argnums(static_argnums: Any) -> Tuple[int, ...]:

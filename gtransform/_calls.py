@@ -24,6 +24,7 @@ from ._compat import TRANSFORM_VMAP as _VMAP
 from ._compat import load_dynamo_skip, retrieve_all_functorch_interpreters
 from ._eager import note
 from ._run import run
+from ._sized import sized_call
 from ._trace import tracing
 
 __all__ = ["call", "opaque_to_dynamo"]
@@ -35,6 +36,8 @@ def call(g: Any, interp: Any, args: Any, kwargs: Any) -> Any:
         # called inside another graphified function's trace (its arguments are that
         # trace's fake tensors): inline it, like jax.jit inside jax.jit
         return g._fn(*args, **kwargs)
+    if interp is None and g._sizes is not None:  # record_sizes= or buckets= (see _sized)
+        return sized_call(g, g._sizes, args, kwargs)
     if interp is None or (interp.key() == _GRAD and _only_grad_transforms()):
         return run(g, bind(g, args, kwargs), interp is not None)
     if interp.key() == _VMAP:

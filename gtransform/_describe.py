@@ -17,6 +17,9 @@ from ._bind import bind
 from ._breaks import describe_lines, explain_line
 from ._key import Call, Entry, call_key, global_key
 from ._lookup import lookup, thread_state
+from ._sizes import describe_lines as size_lines
+from ._sizes import explain_line as size_line
+from ._sizes import pad_size
 
 __all__ = ["trace", "describe", "explain"]
 
@@ -38,7 +41,7 @@ def describe(g: Any) -> str:
         lines += _signature_lines(n, e)
     for what, count in g._eager_calls.items():
         lines.append(f"ran eagerly, not recorded: {count} call(s) {what}")
-    lines += describe_lines(g)
+    lines += describe_lines(g) + size_lines(g)
     for h in list(g._vmapped.values()):
         lines.append("calls under torch.func.vmap, recorded as " + h.describe().replace("\n", "\n  "))
     return "\n".join(lines)
@@ -95,6 +98,12 @@ def explain(g: Any, args: Any, kwargs: Any) -> str:
     st = g._tls.__dict__.get("state")
     entries = list(st.cache.values()) if st is not None else []
     call = Call(b.leaves, b.spec, b.statics, global_key(), b.tree)
+    sz = g._sizes
+    if sz is not None:
+        n = pad_size(sz, args, kwargs)[0] if sz.buckets is not None else sz.size_of(b.leaves, b.spec, note=False)
+        said = size_line(g, n)
+        if said is not None:
+            return said
     if g._breaks is not None:
         said = explain_line(g, st, call_key(g._desc, b.leaves, b.spec, b.tree, b.statics, call.glob).key)
         if said is not None:

@@ -1,0 +1,317 @@
+"""Sizes that vary (issue #36 item 1): ``record_sizes=`` and ``buckets=``/``pad=``.
+
+Every call is compared with eager; recordings are counted with ``cache_info()``; the suite
+turns warnings into errors, so a RerecordWarning or EagerWarning fails the test.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+from conftest import assert_close
+from hypothesis import given, settings
+from hypothesis import strategies as hst
+
+import gtransform as gt
+from gtransform._sized import TOLERANCE
+
+
+def _mlp(device: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)).to(device).eval()
+
+
+class SmallConvNet(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = torch.nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = torch.nn.BatchNorm2d(8)
+        self.conv2 = torch.nn.Conv2d(8, 8, 3, stride=2, padding=1)
+        self.head = torch.nn.Linear(8, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.bn(self.conv1(x)).relu()
+        h = self.conv2(h).relu()
+        return self.head(h.mean(dim=(2, 3)))
+
+
+POW2 = (1, 2, 4, 8, 16, 32, 64)
+
+
+# -- record_sizes=(...)
+
+def test_record_sizes_list_serves_200_random_batches(device):
+    model = _mlp(device)
+    f = gt.graphify(model, record_sizes=POW2)
+    rng = random.Random(0)
+    with torch.no_grad():
+        for _ in range(200):
+            x = torch.randn(rng.randint(1, 64), 8, device=device)
+            assert_close(f(x), model(x))
+    info = f.cache_info()
+    assert 1 <= info.currsize <= len(POW2)
+    assert info.misses <= 2 * len(POW2)  # (a module's first call per signature runs eagerly, then records)
+    text = f.describe()
+    assert "record_sizes=(1, 2, 4, 8, 16, 32, 64): ran eagerly, not recorded (size not selected)" in text
+    odd = next(n for n in range(3, 64) if n not in POW2)
+    assert "not in record_sizes" in f.explain(torch.randn(odd, 8, device=device))
+    assert "not in record_sizes" not in f.explain(torch.randn(8, 8, device=device))
+
+
+def test_record_sizes_list_replays_the_listed_sizes(device):
+    model = _mlp(device)
+    f = gt.graphify(model, record_sizes=(4, 8))
+    with torch.no_grad():
+        for n in [4, 4, 4, 8, 8, 8, 5, 5, 5, 4]:
+            x = torch.randn(n, 8, device=device)
+            assert_close(f(x), model(x))
+    info = f.cache_info()
+    assert info.currsize == 2 and info.hits >= 3
+    assert "size 5: 3" in f.describe()
+
+
+def test_record_sizes_functional_batch_is_the_leaf_that_varies(device):
+    torch.manual_seed(0)
+    params = {"w": torch.randn(8, 8, device=device), "b": torch.randn(8, device=device)}
+
+    def step(p, x):
+        return (x @ p["w"] + p["b"]).tanh()
+
+    f = gt.graphify(step, record_sizes=(8,))
+    for n in [8, 3, 8, 3, 8, 8, 5]:  # (the first call: x, the last leaf, stands for the batch)
+        x = torch.randn(n, 8, device=device)
+        assert_close(f(params, x), step(params, x))
+    assert f.cache_info().currsize == 1
+    assert "size 3: 2, size 5: 1" in f.describe()
+
+
+def test_many_listed_sizes_do_not_warn(device):
+    f = gt.graphify(lambda x: x * 2 + 1, record_sizes=range(1, 41))
+    for n in range(1, 41):
+        x = torch.randn(n, 3, device=device)
+        assert_close(f(x), x * 2 + 1)
+    assert f.cache_info().currsize == 40
+
+
+# -- record_sizes=N
+
+def test_record_sizes_int_records_the_most_frequent(device):
+    model = _mlp(device)
+    f = gt.graphify(model, record_sizes=4)
+    rng = random.Random(1)
+    sizes = [8] * 50 + [16] * 40 + [4] * 30 + [2] * 20 + rng.sample(range(17, 64), 30)
+    rng.shuffle(sizes)
+    with torch.no_grad():
+        for n in sizes:
+            x = torch.randn(n, 8, device=device)
+            assert_close(f(x), model(x))
+    assert f.cache_info().currsize == 4  # sizes seen once are never recorded
+    assert f.cache_info().hits > 100
+    text = f.describe()
+    assert "record_sizes=4 (the most frequent sizes seen twice or more" in text
+    assert "not among the 4 most frequent" in f.explain(torch.randn(33, 8, device=device))
+    assert "not among" not in f.explain(torch.randn(8, 8, device=device))
+
+
+def test_record_sizes_int_follows_a_shift(device):
+    f = gt.graphify(lambda x: x.sin(), record_sizes=1, maxsize=4)
+    for n in [3] * 5 + [7] * 30:
+        x = torch.randn(n, 2, device=device)
+        assert_close(f(x), x.sin())
+    assert "not among" not in f.explain(torch.randn(7, 2, device=device))
+    assert "not among" in f.explain(torch.randn(3, 2, device=device))
+
+
+# -- buckets=, pad=
+
+def test_buckets_mlp_every_size_equals_eager(device):
+    model = _mlp(device)
+    f = gt.graphify(model, buckets=POW2, pad={"input": 0})
+    with torch.no_grad():
+        for n in list(range(1, 65)) + [random.Random(2).randint(1, 64) for _ in range(40)]:
+            x = torch.randn(n, 8, device=device)
+            assert_close(f(x), model(x))
+    assert f.cache_info().currsize <= len(POW2)
+    assert "checked against eager: [4, 8, 16, 32, 64]" in f.describe()
+    assert "padded to bucket 8" in f.explain(torch.randn(5, 8, device=device))
+
+
+def test_buckets_small_conv_net_in_eval_mode(device):
+    torch.manual_seed(0)
+    net = SmallConvNet().to(device).eval()
+    net.bn.running_mean.uniform_(-0.5, 0.5)
+    net.bn.running_var.uniform_(0.5, 2.0)
+    f = gt.graphify(net, buckets=(2, 4, 8, 16), pad=0)
+    with torch.no_grad():
+        for n in [1, 3, 5, 2, 7, 9, 16, 11, 3, 6]:
+            x = torch.randn(n, 3, 8, 8, device=device)
+            assert_close(f(x), net(x))
+    assert f.cache_info().currsize <= 4
+
+
+def test_buckets_pad_keyword_arguments_and_values(device):
+    def masked(x, *, mask, scale):
+        return torch.where(mask[:, None], x * scale, torch.zeros_like(x)), x.sum(1)
+
+    f = gt.graphify(masked, buckets=(4, 8), pad={"x": 0.0, "mask": False})
+    for n in [3, 5, 8, 1, 6]:
+        x = torch.randn(n, 2, device=device)
+        mask = torch.rand(n, device=device) > 0.5
+        assert_close(f(x, mask=mask, scale=2.0), masked(x, mask=mask, scale=2.0))
+
+
+def test_buckets_above_the_largest_run_eagerly(device):
+    f = gt.graphify(lambda x: x.cos(), buckets=(2, 4), pad=0)
+    for n in [3, 9, 9, 4]:
+        x = torch.randn(n, device=device)
+        assert_close(f(x), x.cos())
+    assert "ran eagerly above the largest bucket, not recorded: 2 call(s) (size 9: 2)" in f.describe()
+    assert "above the largest bucket (4)" in f.explain(torch.randn(10, device=device))
+
+
+def test_buckets_outputs_are_the_callers_to_keep(device):
+    f = gt.graphify(lambda x: x * 3, buckets=(4,), pad=0)
+    a = f(torch.ones(3, device=device))
+    b = f(torch.ones(2, device=device) * 2)
+    assert_close(a, torch.full((3,), 3.0, device=device))  # (a sliced output is a copy: never stale)
+    assert_close(b, torch.full((2,), 6.0, device=device))
+
+
+def test_buckets_gradients_flow_to_the_true_rows(device):
+    lin = torch.nn.Linear(4, 2).to(device)
+    f = gt.graphify(lin, buckets=(4, 8), pad=0)
+    x = torch.randn(3, 4, device=device, requires_grad=True)
+    f(x).pow(2).sum().backward()
+    x2 = x.detach().clone().requires_grad_()
+    lin.zero_grad()
+    lin(x2).pow(2).sum().backward()
+    assert_close(x.grad, x2.grad)
+
+
+# -- refusals
+
+def _refused(f, x, *words):
+    with pytest.raises(gt.GraphifyError) as info:
+        f(x)
+    msg = str(info.value)
+    for w in ("bucket 4", "Why:", "Fix:", "without buckets=", "record_sizes=") + words:
+        assert w in msg, (w, msg)
+
+
+def test_refuses_batchnorm_in_training_mode(device):
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)).to(device).train()
+    _refused(gt.graphify(net, buckets=(4, 8), pad=0), torch.randn(3, 4, device=device), "running_mean",
+             "BatchNorm in training mode")
+
+
+def test_refuses_batchnorm_without_running_stats_in_training_mode(device):
+    net = torch.nn.BatchNorm1d(4, track_running_stats=False).to(device).train()
+    _refused(gt.graphify(net, buckets=(4, 8), pad=0), torch.randn(3, 4, device=device) + 1, "max difference",
+             "output")
+
+
+def test_refuses_a_sum_over_the_batch(device):
+    _refused(gt.graphify(lambda x: x.sum(0), buckets=(4, 8), pad=0), torch.randn(3, 6, device=device) + 1,
+             "dim 0 is not the batch", "[6]")
+
+
+def test_refuses_a_sum_over_the_batch_whose_shape_matches(device):
+    f = gt.graphify(lambda x: x.sum(0), buckets=(4, 8), pad=0)
+    _refused(f, torch.randn(3, 4, device=device) + 1)
+
+
+def test_refuses_softmax_over_dim_0(device):
+    f = gt.graphify(lambda x: {"p": x.softmax(0)}, buckets=(4, 8), pad=0)
+    _refused(f, torch.randn(3, 2, device=device), "output['p']", "max difference", "softmax over dim 0")
+
+
+def test_refuses_a_scalar_output(device):
+    lin = torch.nn.Linear(4, 1).to(device)
+    f = gt.graphify(lambda x: (lin(x).squeeze(1), lin(x).mean()), buckets=(4, 8), pad=0)
+    _refused(f, torch.randn(3, 4, device=device), "output[1]", "shape []", "scalar loss")
+
+
+def test_refuses_an_input_updated_in_place(device):
+    def f(x):
+        x.mul_(2)
+        return x + 1
+
+    _refused(gt.graphify(f, buckets=(4, 8), pad=0), torch.randn(3, device=device), "args[0]", "in place")
+
+
+def test_a_bucket_size_itself_is_not_padded_or_checked(device):
+    f = gt.graphify(lambda x: x.sum(0), buckets=(4, 8), pad=0)
+    x = torch.randn(4, 2, device=device)
+    assert_close(f(x), x.sum(0))
+
+
+# -- options
+
+@pytest.mark.parametrize("kw, err, words", [
+    (dict(record_sizes="8"), TypeError, "sequence of positive ints"),
+    (dict(record_sizes=(1, 2.5)), TypeError, "sequence of positive ints"),
+    (dict(record_sizes=()), TypeError, "non-empty"),
+    (dict(record_sizes=0), ValueError, "most frequent"),
+    (dict(record_sizes=(0, 4)), ValueError, "positive"),
+    (dict(record_sizes=True), TypeError, "sequence of positive ints"),
+    (dict(buckets=4, pad=0), TypeError, "sequence of positive ints"),
+    (dict(buckets=(4, -1), pad=0), ValueError, "positive"),
+    (dict(buckets=(4,)), ValueError, "pad={'x': 0}"),
+    (dict(pad=0), ValueError, "buckets=(1, 2, 4"),
+    (dict(record_sizes=(4,), buckets=(4,), pad=0), ValueError, "pass one of them"),
+    (dict(buckets=(4,), pad="y"), ValueError, "names no parameter"),
+    (dict(buckets=(4,), pad=3), ValueError, "out of range"),
+    (dict(buckets=(4,), pad={"x": torch.zeros(())}), TypeError, "Python number"),
+    (dict(buckets=(4,), pad=1.5), TypeError, "name or position"),
+    (dict(buckets=(4,), pad=[]), ValueError, "empty"),
+    (dict(buckets=(4,), pad=1, static_argnums=1), ValueError, "static argument"),
+])
+def test_options_are_checked(kw, err, words):
+    with pytest.raises(err, match=None) as info:
+        gt.graphify(lambda x, k=1: x * k, **kw)
+    assert words in str(info.value)
+
+
+def test_defaults_keep_todays_behaviour_and_copies_keep_the_options():
+    assert gt.graphify(lambda x: x)._sizes is None
+    f = gt.graphify(lambda x: x + 1, buckets=[8, 2, 4], pad={"x": 0})
+    assert f._options.buckets == (2, 4, 8)
+    for h in (copy.copy(f), copy.deepcopy(f)):
+        assert h._options.buckets == (2, 4, 8) and h._options.pad == {"x": 0}
+        assert_close(h(torch.ones(3)), torch.full((3,), 2.0))
+    g = gt.graphify(record_sizes=[2, 1])(lambda x: x + 1)
+    assert g._options.record_sizes == (1, 2)
+
+
+def test_pad_arguments_disagreeing_on_the_batch_are_refused():
+    f = gt.graphify(lambda x, y: x + y, buckets=(4, 8), pad=("x", "y"))
+    with pytest.raises(ValueError, match="must agree on dim 0"):
+        f(torch.ones(3, 2), torch.ones(5, 2))
+
+
+# -- property: padded outputs equal eager's
+
+@settings(deadline=None, max_examples=25)
+@given(buckets=hst.lists(hst.integers(1, 24), min_size=1, max_size=5),
+       sizes=hst.lists(hst.integers(1, 30), min_size=1, max_size=8))
+def test_padded_outputs_equal_eager(buckets, sizes):
+    torch.manual_seed(0)
+    w, b = torch.randn(5, 3, dtype=torch.float64), torch.randn(3, dtype=torch.float64)
+
+    def rowwise(x, scale):
+        h = (x @ w + b).tanh()
+        return {"h": h * scale, "n": h.norm(dim=1), "i": x.argmax(1)}
+
+    f = gt.graphify(rowwise, buckets=buckets, pad={"x": 0.0, "scale": 1.0})
+    for n in sizes:
+        x = torch.randn(n, 5, dtype=torch.float64)
+        scale = torch.rand(n, 1, dtype=torch.float64)
+        assert_close(f(x, scale), rowwise(x, scale))
+    assert f.cache_info().currsize <= len(set(buckets))
+
+
+def test_tolerances_cover_the_float_dtypes():
+    assert {torch.float16, torch.bfloat16, torch.float32, torch.float64} <= set(TOLERANCE)
