@@ -19,7 +19,7 @@ from typing import Any, Callable, Dict, Generic, Literal, Optional, ParamSpec, S
 
 import torch
 
-from . import _calls, _describe
+from . import _buffers, _calls, _describe
 from ._bind import options
 from ._cache import CacheInfo, ThreadState, cache_clear, cache_info, new_thread_state
 from ._compat import peek_interpreter_stack as _peek_functorch  # (None: no torch.func transform active)
@@ -41,12 +41,10 @@ OnBreak = Literal["error", "split", "eager"]
 class Graphified(Generic[P, R]):
     """A function that records itself into a graph per input signature.
 
-    Made by :func:`graphify`; see there for the semantics. Besides calling it, use
-    :meth:`trace`, :meth:`cache_info`, :meth:`cache_clear`, :meth:`describe` and
-    :meth:`explain`. It keeps ``__wrapped__``, ``__name__`` and ``__doc__`` of the
-    function and binds as a method. Copying it (``copy.copy``, ``copy.deepcopy``,
-    pickling) makes a new graphified function of (a copy of) ``fn``, same options, no
-    recordings.
+    Made by :func:`graphify` (see there). Methods: :meth:`trace`, :meth:`input_buffers`,
+    :meth:`cache_info`, :meth:`cache_clear`, :meth:`describe`, :meth:`explain`. It keeps
+    ``__wrapped__``, ``__name__`` and ``__doc__`` of ``fn`` and binds as a method. Copies
+    (``copy.copy``, ``copy.deepcopy``, pickling): same options, no recordings.
 
     Examples:
         >>> import torch, gtransform as gt
@@ -59,9 +57,11 @@ class Graphified(Generic[P, R]):
 
     def __init__(self, fn: Callable[P, R], *, static_argnums: Union[int, Sequence[int]] = (),
                  static_argnames: Union[str, Sequence[str]] = (), pool: Optional[GraphPool] = None,
-                 maxsize: Optional[int] = 64, fuse: bool = False, on_break: OnBreak = "error"):
+                 maxsize: Optional[int] = 64, fuse: bool = False, on_break: OnBreak = "error",
+                 donate_argnums: Union[int, Sequence[int]] = (), donate_argnames: Union[str, Sequence[str]] = ()):
         self._desc = describe_fn(fn) if callable(fn) else "graphify(fn)"
-        self._options = options(fn, self._desc, static_argnums, static_argnames, pool, maxsize, fuse, on_break)
+        self._options = options(fn, self._desc, static_argnums, static_argnames, pool, maxsize, fuse, on_break,
+                                (donate_argnums, donate_argnames))
         _calls.opaque_to_dynamo(Graphified.__call__.__code__)
         self._fn, self._pool, self._maxsize, self._fuse = fn, pool, maxsize, fuse
         self._static_argnums, self._static_argnames = map(frozenset, self._options[:2])
@@ -93,9 +93,8 @@ class Graphified(Generic[P, R]):
     def trace(self, *args: P.args, **kwargs: P.kwargs) -> torch.fx.GraphModule:
         """Trace ``fn`` for these inputs and return what would be recorded.
 
-        Like ``jax.make_jaxpr``: nothing is recorded or run. The ``torch.fx.GraphModule``
-        of aten operations takes the flat tensor leaves of ``(args, kwargs)``, then the
-        state the function reads (as ``f.describe()`` lists it), and returns the output's.
+        Like ``jax.make_jaxpr``: nothing is recorded or run. The aten graph takes the flat tensor
+        leaves of ``(args, kwargs)``, then the state (``f.describe()``), and returns the output's.
 
         Examples:
             >>> import torch, gtransform as gt
@@ -104,6 +103,15 @@ class Graphified(Generic[P, R]):
             def forward(self, arg0_1):
         """
         return _describe.trace(self, args, kwargs)
+
+    def input_buffers(self, *args: P.args, **kwargs: P.kwargs) -> Any:
+        """The static input buffers of this signature's recording (recorded first if needed).
+
+        The arguments' tree (a tuple of the positional ones; with keyword arguments ``(args, kwargs)``),
+        each copied tensor replaced by its buffer. Write the next inputs into them and call ``f(*bufs)``:
+        no copy. Rules and examples: docs/serving-buffers.md.
+        """
+        return _buffers.input_buffers(self, args, kwargs)
 
     def cache_info(self) -> CacheInfo:
         """Hits, misses, maxsize and current size of the signature cache (all threads).
@@ -120,8 +128,7 @@ class Graphified(Generic[P, R]):
     def cache_clear(self) -> None:
         """Drop every recording of this function, in every thread.
 
-        Outputs handed out stay valid. Another thread's recordings are released at that
-        thread's next call of the function (it may be replaying one right now).
+        Outputs handed out stay valid; another thread's recordings go at its next call.
 
         Examples:
             >>> import torch, gtransform as gt
@@ -136,8 +143,7 @@ class Graphified(Generic[P, R]):
     def describe(self) -> str:
         """A readable account of what this function has recorded (this thread).
 
-        Per signature: the inputs by leaf path (read in place or copied), the outputs, the
-        ops and the bytes held; and the calls that ran eagerly, by reason.
+        Per signature: inputs by leaf path (in place or copied), outputs, ops, bytes; eager calls by reason.
 
         Examples:
             >>> import torch, gtransform as gt
@@ -151,9 +157,8 @@ class Graphified(Generic[P, R]):
     def explain(self, *args: P.args, **kwargs: P.kwargs) -> str:
         """Say whether a call with these arguments would replay, and if not, why.
 
-        Like JAX's ``jax_explain_cache_misses``: the checks of the closest signature say
-        how the call differs (a leaf's layout, a static value, the state, the
-        environment...). Nothing is traced or run.
+        Like JAX's ``jax_explain_cache_misses``: the closest signature's checks say how the call
+        differs (a leaf's layout, a static value, the state, the environment...); nothing runs.
 
         Examples:
             >>> import torch, gtransform as gt
@@ -221,17 +226,20 @@ class _BoundGraphified(functools.partial):
 
 @overload
 def graphify(fn: Callable[P, R], *, static_argnums: Union[int, Sequence[int]] = ..., static_argnames: Union[str, Sequence[str]] = ...,
-             pool: Optional[GraphPool] = ..., maxsize: Optional[int] = ..., fuse: bool = ..., on_break: OnBreak = ...) -> Graphified[P, R]: ...
+             pool: Optional[GraphPool] = ..., maxsize: Optional[int] = ..., fuse: bool = ..., on_break: OnBreak = ...,
+             donate_argnums: Union[int, Sequence[int]] = ..., donate_argnames: Union[str, Sequence[str]] = ...) -> Graphified[P, R]: ...
 
 
 @overload
 def graphify(fn: None = ..., *, static_argnums: Union[int, Sequence[int]] = ..., static_argnames: Union[str, Sequence[str]] = ...,
-             pool: Optional[GraphPool] = ..., maxsize: Optional[int] = ..., fuse: bool = ..., on_break: OnBreak = ...) -> Callable[[Callable[P, R]], Graphified[P, R]]: ...
+             pool: Optional[GraphPool] = ..., maxsize: Optional[int] = ..., fuse: bool = ..., on_break: OnBreak = ...,
+             donate_argnums: Union[int, Sequence[int]] = ..., donate_argnames: Union[str, Sequence[str]] = ...) -> Callable[[Callable[P, R]], Graphified[P, R]]: ...
 
 
 def graphify(fn: Optional[Callable[P, R]] = None, *, static_argnums: Union[int, Sequence[int]] = (),
              static_argnames: Union[str, Sequence[str]] = (), pool: Optional[GraphPool] = None,
-             maxsize: Optional[int] = 64, fuse: bool = False, on_break: OnBreak = "error") -> Any:
+             maxsize: Optional[int] = 64, fuse: bool = False, on_break: OnBreak = "error",
+             donate_argnums: Union[int, Sequence[int]] = (), donate_argnames: Union[str, Sequence[str]] = ()) -> Any:
     """Record ``fn`` into a graph per input signature and replay it.
 
     ``graphify`` is ``jax.jit`` for PyTorch with CUDA graph capture as the
@@ -241,18 +249,10 @@ def graphify(fn: Optional[Callable[P, R]] = None, *, static_argnums: Union[int, 
     static input buffers, and recorded (a CUDA graph on the GPU; the traced
     graph on the CPU). Later calls with the same signature replay it.
 
-    Rules:
-        * ``fn`` must be pure apart from in-place updates of its inputs, which
-          reach the caller's tensors exactly as in eager.
-        * Python control flow is resolved at trace time; reading a tensor's value
-          (``.item()``, ``if t > 0``) raises :class:`GraphifyError` (see ``on_break``).
-        * Non-tensor leaves (numbers, strings, ``None``...) are static: a new value
-          records a new graph.
-        * Tensors passed again as the same objects (parameters, state) are read in
-          place; others are copied into static buffers in one batched copy.
-        * An output stays valid until the next call of the same function in the same
-          thread (or of one sharing its pool); touching it after that raises
-          :class:`OverwrittenOutputError`. ``.clone()`` what you keep.
+    Rules (in full in docs/api.md): ``fn`` pure apart from in-place updates of its inputs;
+    control flow resolved at trace time; non-tensor leaves static; tensors passed as the same
+    objects read in place, others copied; an output valid until the next call (then
+    :class:`OverwrittenOutputError`).
 
     Args:
         fn: the function; its arguments are pytrees of tensors and other leaves.
@@ -263,15 +263,15 @@ def graphify(fn: Optional[Callable[P, R]] = None, *, static_argnums: Union[int, 
         maxsize: how many signatures to keep per thread (least recently used
             evicted), or ``None`` for no bound.
         fuse: compile each traced graph with TorchInductor before recording it:
-            fused kernels, fewer launches, for a first call of seconds; random ops
-            still follow eager's numbers, casts round as eager's, small float32
-            products on CUDA run as gtransform's Triton kernels
-            (``GTRANSFORM_GEMM=0``: cuBLAS's). See docs/how-it-works.md.
+            fused kernels, fewer launches, a first call of seconds (docs/api.md).
         on_break: a signature whose trace reads the call's own data on the host:
             ``"error"`` raises :class:`GraphifyError`; ``"split"`` runs it through
             ``torch.compile(fn, backend="gtransform")`` (TorchDynamo runs the reads in
             Python, each piece between them is recorded); ``"eager"`` runs it eagerly,
             warned once per signature (:class:`EagerWarning`).
+        donate_argnums: arguments the caller gives up (``jax.jit``'s): after a replay,
+            a tensor copied in from one is released and invalidated (docs/serving-buffers.md).
+        donate_argnames: keyword arguments donated.
 
     Returns:
         A :class:`Graphified` callable (or a decorator, if ``fn`` is omitted).
@@ -295,5 +295,5 @@ def graphify(fn: Optional[Callable[P, R]] = None, *, static_argnums: Union[int, 
         tensor([3., 3.])
     """
     opts = dict(static_argnums=static_argnums, static_argnames=static_argnames, pool=pool, maxsize=maxsize, fuse=fuse,
-                on_break=on_break)
+                on_break=on_break, donate_argnums=donate_argnums, donate_argnames=donate_argnames)
     return functools.partial(graphify, **opts) if fn is None else Graphified(fn, **opts)  # type: ignore[arg-type]
