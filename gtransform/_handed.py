@@ -61,7 +61,7 @@ def copy_in(rec: Any, tensors: Sequence[torch.Tensor]) -> Tuple[Set[int], List[i
     for i in gone:
         st = tensors[i].untyped_storage()
         # memory of its own only: not a pool output's alias, nor one the caller holds views of
-        if st.resizable() and storage_use_count(st) == 1:
+        if st.resizable() and storage_use_count(st._cdata) == 2:  # (the tensor's, and st's)
             st.resize_(0)
             freed.add(i)
     return own, gone, freed

@@ -76,10 +76,10 @@ def _run(g: Any, e: Entry, st: ThreadState, tensors: List[torch.Tensor]) -> Any:
     elif e.first_refs is not None:
         # Second call of this signature: inputs passed again as the very
         # same tensors (parameters, persistent state) are read in place
-        # (not those donated, nor those whose buffers the caller writes).
+        # (not donated ones; the buffers input_buffers handed out are kept for the others).
         refs = e.first_refs
         e.first_refs = None
-        same = [i for i in rec.copy_idx if refs[i]() is tensors[i] and i not in e.donated and not (e.handed and i in e.handed)]
+        same = [i for i in rec.copy_idx if refs[i]() is tensors[i] and i not in e.donated]
         if same or not rec.statics_ok(tensors):
             rec = e.rec = _rerecord(g, e, st, rec, tensors, set(same) | _kept(e, rec, tensors))
     elif rec.static_idx and not rec.statics_ok(tensors):
