@@ -11,11 +11,11 @@ import copy
 
 import pytest
 import torch
+from conftest import assert_close
 from hypothesis import given
 from hypothesis import strategies as st
 
 import gtransform as gt
-from conftest import assert_close
 from gtransform._compat import DisableTorchFunctionSubclass
 
 # ----------------------------------------------------------------------------- helpers
