@@ -79,7 +79,7 @@ def _run(g: Any, e: Entry, st: ThreadState, tensors: List[torch.Tensor]) -> Any:
         # (not donated ones; the buffers input_buffers handed out are kept for the others).
         refs = e.first_refs
         e.first_refs = None
-        same = [i for i in rec.copy_idx if refs[i]() is tensors[i] and i not in e.donated]
+        same = [i for i in rec.copy_idx if refs[i]() is tensors[i] and not (e.donated and i in e.donated)]
         if same or not rec.statics_ok(tensors):
             rec = e.rec = _rerecord(g, e, st, rec, tensors, set(same) | _kept(e, rec, tensors))
     elif rec.static_idx and not rec.statics_ok(tensors):
