@@ -17,7 +17,7 @@ from typing import Any, Callable, Dict, Generic, Literal, Optional, ParamSpec, S
 
 import torch
 
-from . import _calls, _describe
+from . import _buffers, _calls, _describe
 from ._bind import options
 from ._cache import CacheInfo, ThreadState, cache_clear, cache_info, new_thread_state
 from ._compat import peek_interpreter_stack as _peek_functorch  # (None: no torch.func transform active)
@@ -35,17 +35,18 @@ __all__ = ["graphify", "Graphified", "CacheInfo", "RerecordWarning"]
 P = ParamSpec("P")
 R = TypeVar("R")
 OnBreak = Literal["error", "split", "eager"]
+Sizes = Union[None, int, Sequence[int]]
+Nums = Union[int, Sequence[int]]
+Names = Union[str, Sequence[str]]
 
 
 class Graphified(Generic[P, R]):
     """A function that records itself into a graph per input signature.
 
-    Made by :func:`graphify`; see there for the semantics. Besides calling it, use
-    :meth:`trace`, :meth:`cache_info`, :meth:`cache_clear`, :meth:`describe` and
-    :meth:`explain`. It keeps ``__wrapped__``, ``__name__`` and ``__doc__`` of the
-    function and binds as a method. Copying it (``copy.copy``, ``copy.deepcopy``,
-    pickling) makes a new graphified function of (a copy of) ``fn``, same options, no
-    recordings.
+    Made by :func:`graphify` (see there). Methods: :meth:`trace`, :meth:`input_buffers`,
+    :meth:`cache_info`, :meth:`cache_clear`, :meth:`describe`, :meth:`explain`. It keeps
+    ``__wrapped__``, ``__name__`` and ``__doc__`` of ``fn`` and binds as a method. Copies
+    (``copy.copy``, ``copy.deepcopy``, pickling): same options, no recordings.
 
     Examples:
         >>> import torch, gtransform as gt
@@ -56,13 +57,13 @@ class Graphified(Generic[P, R]):
         tensor([3., 3.])
     """
 
-    def __init__(self, fn: Callable[P, R], *, static_argnums: Union[int, Sequence[int]] = (),
-                 static_argnames: Union[str, Sequence[str]] = (), pool: Optional[GraphPool] = None,
-                 maxsize: Optional[int] = 64, fuse: bool = False, on_break: OnBreak = "error",
-                 record_sizes: Union[None, int, Sequence[int]] = None, buckets: Optional[Sequence[int]] = None, pad: Any = None):
+    def __init__(self, fn: Callable[P, R], *, static_argnums: Nums = (), static_argnames: Names = (),
+                 pool: Optional[GraphPool] = None, maxsize: Optional[int] = 64, fuse: bool = False,
+                 on_break: OnBreak = "error", record_sizes: Sizes = None, buckets: Optional[Sequence[int]] = None,
+                 pad: Any = None, donate_argnums: Nums = (), donate_argnames: Names = ()):
         self._desc = describe_fn(fn) if callable(fn) else "graphify(fn)"
         self._options = options(fn, self._desc, static_argnums, static_argnames, pool, maxsize, fuse, on_break,
-                                record_sizes, buckets, pad)
+                                record_sizes, buckets, pad, (donate_argnums, donate_argnames))
         _calls.opaque_to_dynamo(Graphified.__call__.__code__)
         self._fn, self._pool, self._maxsize, self._fuse = fn, pool, maxsize, fuse
         self._static_argnums, self._static_argnames = map(frozenset, self._options[:2])
@@ -106,6 +107,15 @@ class Graphified(Generic[P, R]):
         """
         return _describe.trace(self, args, kwargs)
 
+    def input_buffers(self, *args: P.args, **kwargs: P.kwargs) -> Any:
+        """The static input buffers of this signature's recording (recorded first if needed).
+
+        The arguments' tree (a tuple of the positional ones; with keyword arguments ``(args, kwargs)``),
+        each copied tensor replaced by its buffer. Write the next inputs into them and call ``f(*bufs)``:
+        no copy. Rules and examples: docs/serving-buffers.md.
+        """
+        return _buffers.input_buffers(self, args, kwargs)
+
     def cache_info(self) -> CacheInfo:
         """Hits, misses, maxsize and current size of the signature cache (all threads).
 
@@ -136,8 +146,7 @@ class Graphified(Generic[P, R]):
     def describe(self) -> str:
         """A readable account of what this function has recorded (this thread).
 
-        Per signature: the inputs by leaf path (read in place or copied), the outputs, the
-        ops and the bytes held; and the calls that ran eagerly, by reason.
+        Per signature: inputs by leaf path (in place or copied), outputs, ops, bytes; eager calls by reason.
 
         Examples:
             >>> import torch, gtransform as gt
@@ -219,21 +228,23 @@ class _BoundGraphified(functools.partial):
 
 
 @overload
-def graphify(fn: Callable[P, R], *, static_argnums: Union[int, Sequence[int]] = ..., static_argnames: Union[str, Sequence[str]] = ...,
-             pool: Optional[GraphPool] = ..., maxsize: Optional[int] = ..., fuse: bool = ..., on_break: OnBreak = ...,
-             record_sizes: Union[None, int, Sequence[int]] = ..., buckets: Optional[Sequence[int]] = ..., pad: Any = ...) -> Graphified[P, R]: ...
+def graphify(fn: Callable[P, R], *, static_argnums: Nums = ..., static_argnames: Names = ..., pool: Optional[GraphPool] = ...,
+             maxsize: Optional[int] = ..., fuse: bool = ..., on_break: OnBreak = ..., record_sizes: Sizes = ...,
+             buckets: Optional[Sequence[int]] = ..., pad: Any = ..., donate_argnums: Nums = ...,
+             donate_argnames: Names = ...) -> Graphified[P, R]: ...
 
 
 @overload
-def graphify(fn: None = ..., *, static_argnums: Union[int, Sequence[int]] = ..., static_argnames: Union[str, Sequence[str]] = ...,
-             pool: Optional[GraphPool] = ..., maxsize: Optional[int] = ..., fuse: bool = ..., on_break: OnBreak = ...,
-             record_sizes: Union[None, int, Sequence[int]] = ..., buckets: Optional[Sequence[int]] = ..., pad: Any = ...) -> Callable[[Callable[P, R]], Graphified[P, R]]: ...
+def graphify(fn: None = ..., *, static_argnums: Nums = ..., static_argnames: Names = ..., pool: Optional[GraphPool] = ...,
+             maxsize: Optional[int] = ..., fuse: bool = ..., on_break: OnBreak = ..., record_sizes: Sizes = ...,
+             buckets: Optional[Sequence[int]] = ..., pad: Any = ..., donate_argnums: Nums = ...,
+             donate_argnames: Names = ...) -> Callable[[Callable[P, R]], Graphified[P, R]]: ...
 
 
-def graphify(fn: Optional[Callable[P, R]] = None, *, static_argnums: Union[int, Sequence[int]] = (),
-             static_argnames: Union[str, Sequence[str]] = (), pool: Optional[GraphPool] = None,
-             maxsize: Optional[int] = 64, fuse: bool = False, on_break: OnBreak = "error",
-             record_sizes: Union[None, int, Sequence[int]] = None, buckets: Optional[Sequence[int]] = None, pad: Any = None) -> Any:
+def graphify(fn: Optional[Callable[P, R]] = None, *, static_argnums: Nums = (), static_argnames: Names = (),
+             pool: Optional[GraphPool] = None, maxsize: Optional[int] = 64, fuse: bool = False,
+             on_break: OnBreak = "error", record_sizes: Sizes = None, buckets: Optional[Sequence[int]] = None,
+             pad: Any = None, donate_argnums: Nums = (), donate_argnames: Names = ()) -> Any:
     """Record ``fn`` into a graph per input signature and replay it.
 
     ``graphify`` is ``jax.jit`` for PyTorch with CUDA graph capture as the
@@ -243,51 +254,37 @@ def graphify(fn: Optional[Callable[P, R]] = None, *, static_argnums: Union[int, 
     static input buffers, and recorded (a CUDA graph on the GPU; the traced
     graph on the CPU). Later calls with the same signature replay it.
 
-    Rules:
-        * ``fn`` must be pure apart from in-place updates of its inputs, which
-          reach the caller's tensors exactly as in eager.
-        * Python control flow is resolved at trace time; reading a tensor's value
-          (``.item()``, ``if t > 0``) raises :class:`GraphifyError` (see ``on_break``).
-        * Non-tensor leaves (numbers, strings, ``None``...) are static: a new value
-          records a new graph.
-        * Tensors passed again as the same objects (parameters, state) are read in
-          place; others are copied into static buffers in one batched copy.
-        * An output stays valid until the next call of the same function in the same
-          thread (or of one sharing its pool); touching it after that raises
-          :class:`OverwrittenOutputError`. ``.clone()`` what you keep.
+    Rules (docs/api.md): ``fn`` pure but for in-place updates of its inputs; control flow resolved
+    at trace time; non-tensor leaves static; tensors passed again read in place, others copied;
+    an output valid until the next call (then :class:`OverwrittenOutputError`).
 
     Args:
         fn: the function; its arguments are pytrees of tensors and other leaves.
-        static_argnums: positional arguments passed whole as static values
-            (hashable; not flattened).
-        static_argnames: keyword arguments passed whole as static values.
+        static_argnums: positions of arguments passed whole as static values (hashable).
+        static_argnames: names of arguments passed whole as static values.
         pool: a :func:`graph_pool` to share memory with other functions.
-        maxsize: how many signatures to keep per thread (least recently used
-            evicted), or ``None`` for no bound.
+        maxsize: signatures kept per thread (least recently used evicted), or ``None``.
         fuse: compile each traced graph with TorchInductor before recording it
             (fused kernels, a first call of seconds; see docs/api.md).
         on_break: a trace that reads the call's own data: ``"error"`` raises,
             ``"split"`` records the pieces between reads, ``"eager"`` runs eagerly.
         record_sizes: batch sizes recorded (a sequence, or N: the N most frequent);
             other sizes run eagerly, unwarned (docs/serving.md).
-        buckets: pad calls along dim 0 up to the next of these sizes, slice back.
-        pad: with ``buckets``, the arguments padded and the value (``{"x": 0}``).
+        buckets: batch sizes a call's dim 0 is padded up to (the next one), outputs sliced back.
+        pad: with ``buckets``, the arguments padded and their value (``{"x": 0}``).
+        donate_argnums: arguments the caller gives up (``jax.jit``'s): released and invalidated
+            after a replay (docs/serving-buffers.md).
+        donate_argnames: the same, by name.
 
     Returns:
         A :class:`Graphified` callable (or a decorator, if ``fn`` is omitted).
 
     Raises:
         GraphifyError: ``fn`` cannot be recorded (at call time).
-        TypeError: an argument of ``graphify`` is of the wrong type.
-        ValueError: an option has a wrong value.
+        TypeError, ValueError: an option of the wrong type or value.
 
     Examples:
         >>> import torch, gtransform as gt
-        >>> @gt.graphify
-        ... def step(params, x):
-        ...     return (x @ params["w"]).relu().sum()
-        >>> params = {"w": torch.randn(4, 3)}
-        >>> loss = step(params, torch.randn(8, 4))
         >>> @gt.graphify(static_argnums=1)
         ... def scale(x, k):
         ...     return x * k
@@ -295,5 +292,6 @@ def graphify(fn: Optional[Callable[P, R]] = None, *, static_argnums: Union[int, 
         tensor([3., 3.])
     """
     opts = dict(static_argnums=static_argnums, static_argnames=static_argnames, pool=pool, maxsize=maxsize, fuse=fuse,
-                on_break=on_break, record_sizes=record_sizes, buckets=buckets, pad=pad)
+                on_break=on_break, record_sizes=record_sizes, buckets=buckets, pad=pad,
+                donate_argnums=donate_argnums, donate_argnames=donate_argnames)
     return functools.partial(graphify, **opts) if fn is None else Graphified(fn, **opts)  # type: ignore[arg-type]

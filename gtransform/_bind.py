@@ -20,7 +20,7 @@ from ._pool import GraphPool
 from ._sizes import check_size_options
 from ._tree import flatten_args, holds_tensor, static_leaf_key
 
-__all__ = ["Options", "options", "Static", "split", "rebuild", "Bound", "bind"]
+__all__ = ["Options", "options", "donation", "Static", "split", "rebuild", "Bound", "bind"]
 
 _fwad = torch.autograd.forward_ad  # its _current_level: -1 unless a dual level is open
 
@@ -37,6 +37,8 @@ class Options(NamedTuple):
     record_sizes: Any = None  # sizes that vary (see _sizes): None, an int N, or a tuple of sizes
     buckets: Optional[Tuple[int, ...]] = None
     pad: Any = None  # as the caller passed it
+    donate_argnums: Tuple[int, ...] = ()  # (checked, mapped onto each other: see donation)
+    donate_argnames: Tuple[str, ...] = ()
 
     def as_kwargs(self) -> Dict[str, Any]:
         """The options as ``graphify`` takes them (copies are made with them)."""
@@ -45,7 +47,7 @@ class Options(NamedTuple):
 
 def options(fn: Any, desc: str, static_argnums: Union[int, Sequence[int], None], static_argnames: Union[str, Sequence[str], None],
             pool: Any, maxsize: Any, fuse: Any, on_break: Any = "error", record_sizes: Any = None,
-            buckets: Any = None, pad: Any = None) -> Options:
+            buckets: Any = None, pad: Any = None, donate: Tuple[Any, Any] = ((), ())) -> Options:
     """Check ``graphify``'s arguments before anything is traced (TypeError / ValueError with the fix)."""
     if not callable(fn):
         raise TypeError(f"graphify(fn): fn must be callable, got {type(fn).__name__}")
@@ -63,10 +65,24 @@ def options(fn: Any, desc: str, static_argnums: Union[int, Sequence[int], None],
                          "record the pieces between reads through TorchDynamo, or run eagerly)")
     nums, names = resolve_static(fn, nums, names, desc)
     record_sizes, buckets, _ = check_size_options(fn, record_sizes, buckets, pad, nums)
-    return Options(nums, names, pool, maxsize, fuse, on_break, record_sizes, buckets, pad)
+    return Options(nums, names, pool, maxsize, fuse, on_break, record_sizes, buckets, pad,
+                   *donation(fn, desc, *donate, nums, names))
 
 
-def _argnums(static_argnums: Any) -> Tuple[int, ...]:
+def donation(fn: Any, desc: str, donate_argnums: Any, donate_argnames: Any, static_nums: Tuple[int, ...],
+             static_names: Tuple[str, ...]) -> Tuple[Tuple[int, ...], Tuple[str, ...]]:
+    """Check ``donate_argnums`` / ``donate_argnames`` (mapped onto each other); a static one is refused."""
+    nums, names = resolve_static(fn, _argnums(donate_argnums, "donate_argnums"),
+                                 _argnames(donate_argnames, "donate_argnames"), desc, what="donate")
+    both = sorted(set(map(str, nums)) & set(map(str, static_nums))) + sorted(set(names) & set(static_names))
+    if both:
+        raise ValueError(f"{desc}: argument(s) {', '.join(both)} are both static and donated. A static argument "
+                         "is a value of the signature, not a tensor whose memory can be given up. Fix: drop it from "
+                         "donate_argnums / donate_argnames (or from static_argnums / static_argnames).")
+    return nums, names
+
+
+def _argnums(static_argnums: Any, label: str = "static_argnums") -> Tuple[int, ...]:
     if static_argnums is None:  # as jax.jit
         return ()
     if isinstance(static_argnums, int) and not isinstance(static_argnums, bool):
@@ -80,11 +96,11 @@ def _argnums(static_argnums: Any) -> Tuple[int, ...]:
             raise TypeError
         return tuple(map(operator.index, seq))
     except (TypeError, ValueError):
-        raise TypeError(f"graphify(fn, static_argnums=...): expected an int or a sequence of ints "
+        raise TypeError(f"graphify(fn, {label}=...): expected an int or a sequence of ints "
                         f"(argument positions), got {static_argnums!r}") from None
 
 
-def _argnames(static_argnames: Any) -> Tuple[str, ...]:
+def _argnames(static_argnames: Any, label: str = "static_argnames") -> Tuple[str, ...]:
     if static_argnames is None:
         return ()
     if isinstance(static_argnames, str):
@@ -94,12 +110,13 @@ def _argnames(static_argnames: Any) -> Tuple[str, ...]:
     except TypeError:
         names = (None,)  # type: ignore[assignment]
     if not all(isinstance(n, str) for n in names):
-        raise TypeError(f"graphify(fn, static_argnames=...): expected a string or strings, got {static_argnames!r}")
+        raise TypeError(f"graphify(fn, {label}=...): expected a string or strings, got {static_argnames!r}")
     return names
 
 
-def resolve_static(fn: Callable[..., Any], nums: Tuple[int, ...], names: Tuple[str, ...], desc: str) -> Tuple[Tuple[int, ...], Tuple[str, ...]]:
-    """Map static_argnums and static_argnames onto each other, like jax.jit."""
+def resolve_static(fn: Callable[..., Any], nums: Tuple[int, ...], names: Tuple[str, ...], desc: str,
+                   what: str = "static") -> Tuple[Tuple[int, ...], Tuple[str, ...]]:
+    """Map static_argnums and static_argnames (or ``what``'s: donate_) onto each other, like jax.jit."""
     try:
         params = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):
@@ -112,9 +129,9 @@ def resolve_static(fn: Callable[..., Any], nums: Tuple[int, ...], names: Tuple[s
         if j < 0 or (j >= len(positional) and not var_pos):
             kw_only = [p.name for p in params if p.kind == p.KEYWORD_ONLY]
             raise ValueError(
-                f"{desc}: static_argnums={i} is out of range: the function takes {len(positional)} positional "
+                f"{desc}: {what}_argnums={i} is out of range: the function takes {len(positional)} positional "
                 f"parameter(s) ({', '.join(p.name for p in positional) or 'none'}). "
-                + (f"Fix: name keyword-only parameters with static_argnames (e.g. static_argnames={kw_only[0]!r})."
+                + (f"Fix: name keyword-only parameters with {what}_argnames (e.g. {what}_argnames={kw_only[0]!r})."
                    if kw_only else "Fix: give the position of a positional parameter (0-based, negative from the end).")
             )
         nums_out.add(j)
@@ -125,9 +142,9 @@ def resolve_static(fn: Callable[..., Any], nums: Tuple[int, ...], names: Tuple[s
         if unknown:
             # (jax.jit raises too: a misspelt name would leave the argument traced, silently)
             raise ValueError(
-                f"{desc}: static_argnames {unknown} name no parameter of the function (its parameters: "
+                f"{desc}: {what}_argnames {unknown} name no parameter of the function (its parameters: "
                 f"{sorted(known)}). Fix: name a parameter of the function, or give its position with "
-                "static_argnums.")
+                f"{what}_argnums.")
     for j in list(nums_out):
         if j < len(positional) and positional[j].kind == positional[j].POSITIONAL_OR_KEYWORD:
             names_out.add(positional[j].name)

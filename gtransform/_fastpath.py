@@ -26,7 +26,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import optree
 import torch
 
-from . import _record
+from . import _handed, _record
 from ._bind import split
 from ._compat import cuda_graph_replay as _GRAPH_REPLAY  # (None: CPU builds)
 from ._compat import neg_view
@@ -139,7 +139,9 @@ def _check_lines(g: Gen, entry: Any, rec: Any) -> Tuple[Tuple[List[str], List[st
 def _replay_lines(g: Gen, rec: Any, tens: List[str]) -> List[str]:
     """The inputs copied into the static buffers, the pool's stale outputs poisoned, the replay, the write-backs."""
     call: List[str] = []
-    if rec.copy_idx:
+    if rec.special:  # buffers handed out, or donated inputs (see _handed)
+        call += _special_in(g, rec, tens)
+    elif rec.copy_idx:
         if rec.copy_base:
             call.append("_copy(BUFS, REC.copy_sources([" + ", ".join(tens) + "]))")
         else:
@@ -167,7 +169,13 @@ def _replay_lines(g: Gen, rec: Any, tens: List[str]) -> List[str]:
     else:
         call.append("REPLAY()")
     call.append("REC.replays += 1")
-    if rec.cb_idx:
+    if rec.special:
+        tl = "[" + ", ".join(tens) + "]"
+        if rec.cb_idx:
+            call.append(f"_hcopy_back(REC, {tl}, _hskip(OWN, FREED))")
+        if rec.donate_idx:
+            call.append(f"if GONE: _hinvalidate(REC, {tl}, GONE)")
+    elif rec.cb_idx:
         cb = ", ".join(tens[i] for i in rec.cb_idx)
         # an output fed back in and updated in place was poisoned by begin_call, or an input has
         # the conj / neg bit, which the bulk copy refuses (zero-cost try; see copy_back_stale)
@@ -179,6 +187,20 @@ def _replay_lines(g: Gen, rec: Any, tens: List[str]) -> List[str]:
     if rec.groups:
         call.append("POOL.outstanding.append(REC.handout)")
     return call
+
+
+def _special_in(g: Gen, rec: Any, tens: List[str]) -> List[str]:
+    """The copy-in of a recording whose buffers were handed out (inputs that are them: no copy) or with donated inputs."""
+    tl = "[" + ", ".join(tens) + "]"
+    if not rec.copy_idx:
+        return [f"OWN, GONE, FREED = {g.const(frozenset(), 'S')}, (), {g.const(frozenset(), 'S')}"]
+    if not rec.handed:
+        return [f"OWN, GONE, FREED = _hcopy_in(REC, {tl})"]
+    # the usual call passes the buffers themselves: checked by identity, inline
+    cond = " and ".join(f"{tens[i]} is {g.const(b, 'B')}" for i, b in zip(rec.copy_idx, rec.full_bufs))
+    every = g.const(frozenset(rec.copy_idx), "S")
+    return [f"if {cond}:", f"    OWN, GONE, FREED = {every}, (), {g.const(frozenset(), 'S')}",
+            "else:", f"    OWN, GONE, FREED = _hcopy_in(REC, {tl})"]
 
 
 def _output_lines(g: Gen, plan: Any, rec: Any, tens: List[str]) -> List[str]:
@@ -244,6 +266,10 @@ def _names(owner: Any, entry: Any, rec: Any, pool: Any) -> Dict[str, Any]:
         "_flatten": flatten,
         "_unflatten": optree.tree_unflatten,
         "ESC": rec.escapes,
+        "_hcopy_in": _handed.copy_in,
+        "_hcopy_back": _handed.copy_back,
+        "_hskip": _handed.skip_set,
+        "_hinvalidate": _handed.invalidate,
     }
 
 

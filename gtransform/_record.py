@@ -21,7 +21,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from . import _distributed
+from . import _distributed, _handed
 from ._compat import foreach_copy_, neg_view
 from ._compat import storage_use_count as _use_count
 from ._errors import GraphifyError, RerecordWarning
@@ -125,7 +125,8 @@ class Recording:
 
     backend = "cpu"
 
-    def __init__(self, plan: Plan, tensors: Sequence[torch.Tensor], static_idx: Sequence[int], pool: PoolState, desc: str, fuse: bool = False):
+    def __init__(self, plan: Plan, tensors: Sequence[torch.Tensor], static_idx: Sequence[int], pool: PoolState, desc: str,
+                 fuse: bool = False, donate: Any = (), reuse: Any = None):
         self.plan = plan
         self.gm: Any = plan.fused() if fuse else plan.gm
         self.pool = pool
@@ -136,8 +137,9 @@ class Recording:
         self.static_ptrs = [tensors[i].data_ptr() for i in st]
         sset = set(st)
         self.copy_idx = tuple(i for i in range(n) if i not in sset)
-        made = [_buffer_like(tensors[i]) for i in self.copy_idx]
-        full = [b for b, _ in made]
+        # (reuse: the buffers input_buffers handed out for this signature, see _handed)
+        made = [reuse[i] if reuse and i in reuse else _buffer_like(tensors[i]) for i in self.copy_idx]
+        full = self.full_bufs = [b for b, _ in made]
         # the copy-in's destinations and, per copied input, the size its source is
         # narrowed to (None: copied whole; see _buffer_like)
         self.copy_base: List[Optional[Tuple[int, ...]]] = [base for _, base in made]
@@ -181,6 +183,11 @@ class Recording:
         self.grad_cleared: List[torch.Tensor] = list(plan.grad_cleared)
         # inputs the function returns, or views of (see rescue_returned)
         self.returned_inputs = sorted({e.index for e in plan.tensor_entries if e.kind == "input"})
+        # donated inputs that are copied in and neither returned nor left in state (see _handed)
+        kept = set(self.returned_inputs) | {e.index for e in plan.escape_entries if e.kind == "input"}
+        self.donate_idx = tuple(i for i in self.copy_idx if i in donate and i not in kept)
+        self.handed = bool(reuse)
+        self.special = self.handed or bool(self.donate_idx)  # (copy-in and copy-back by _handed)
 
     def copy_sources(self, tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
         """What the copy-in reads: the copied inputs, broadcast ones narrowed."""
@@ -347,7 +354,10 @@ class Recording:
         Returns:
             The tensor outputs in the traced graph's order.
         """
-        if self.copy_idx:
+        special = self.special
+        if special:
+            own, gone, freed = _handed.copy_in(self, tensors)
+        elif self.copy_idx:
             self.copier(self.bufs, self.copy_sources(tensors))
         if self.static_idx:
             self.bind_statics(tensors)
@@ -363,7 +373,12 @@ class Recording:
         self.replays += 1
         if self._pending_adopt is not None:
             self._adopt_now()
-        if self.cb_idx:
+        if special:
+            if self.cb_idx:
+                _handed.copy_back(self, tensors, _handed.skip_set(own, freed))
+            if gone:
+                _handed.invalidate(self, tensors, gone)
+        elif self.cb_idx:
             try:
                 self.cb_copier([tensors[i] for i in self.cb_idx], self.cb_bufs)
             except RuntimeError:  # OverwrittenOutputError, or an input with the conj / neg bit
@@ -525,8 +540,9 @@ class CUDARecording(Recording):
 
     backend = "cuda"
 
-    def __init__(self, plan: Plan, tensors: Sequence[torch.Tensor], static_idx: Sequence[int], pool: PoolState, desc: str, fuse: bool = False):
-        super().__init__(plan, tensors, static_idx, pool, desc, fuse)
+    def __init__(self, plan: Plan, tensors: Sequence[torch.Tensor], static_idx: Sequence[int], pool: PoolState, desc: str,
+                 fuse: bool = False, donate: Any = (), reuse: Any = None):
+        super().__init__(plan, tensors, static_idx, pool, desc, fuse, donate, reuse)
         if self.escapes is not None:
             self.escapes.reuse = True
         self.graph: Optional[torch.cuda.CUDAGraph] = None
@@ -876,15 +892,16 @@ def _pool_id(pool: PoolState, dev: torch.device) -> Any:
     return pool.cuda_pool
 
 
-def make_recording(plan: Plan, tensors: Sequence[torch.Tensor], static_idx: Sequence[int], pool: PoolState, desc: str, cuda: bool, fuse: bool = False) -> Recording:
-    """Build the recording of ``plan`` for the given backend."""
+def make_recording(plan: Plan, tensors: Sequence[torch.Tensor], static_idx: Sequence[int], pool: PoolState, desc: str, cuda: bool,
+                   fuse: bool = False, donate: Any = (), reuse: Any = None) -> Recording:
+    """Build the recording of ``plan`` for the given backend (``donate``, ``reuse``: see ``_handed``)."""
     cls = CUDARecording if cuda else CPURecording
     # static buffers and outputs are normal tensors even if the first call
     # happens under torch.inference_mode (later calls may not)
     _distributed.before_record(plan, desc, cuda=cuda, fuse=fuse)
     try:
         with torch.inference_mode(False):
-            rec = cls(plan, tensors, static_idx, pool, desc, fuse)
+            rec = cls(plan, tensors, static_idx, pool, desc, fuse, donate, reuse)
     except BaseException as exc:
         _distributed.record_failed(plan, desc, exc)
         raise

@@ -12,6 +12,7 @@ generated fast path of ``_fastpath`` serves the thread's next calls.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import weakref
@@ -19,7 +20,7 @@ from typing import Any, List
 
 import torch
 
-from . import _fastpath
+from . import _fastpath, _handed
 from ._cache import ThreadState
 from ._eager import eager
 from ._key import Entry
@@ -28,9 +29,10 @@ from ._lookup import entry_for
 from ._record import Recording, make_recording
 from ._tree import flatten_args
 
-__all__ = ["run_flat", "call_plain"]
+__all__ = ["run_flat", "call_plain", "hand_out"]
 
 _Parameter = torch.nn.Parameter
+_NO_LOCK = contextlib.nullcontext()
 
 
 class _Strong:
@@ -70,20 +72,14 @@ def _run(g: Any, e: Entry, st: ThreadState, tensors: List[torch.Tensor]) -> Any:
         st.drop_fast()
     e.calls += 1
     if rec is None:
-        static = set(e.must_static) | e.state_static
-        static.update(i for i, t in enumerate(tensors) if type(t) is _Parameter)
-        rec = e.rec = _record(g, e, st, tensors, static)
-        # weak for the caller's tensors (a batch is not kept alive); the state's and
-        # parameters (held by their modules anyway) directly: a weak reference would
-        # forbid swapping them (torch.utils.swap_tensors, module.to() with swapping)
-        e.first_refs = [_Strong(t) if i >= e.n_user or type(t) is _Parameter else weakref.ref(t)
-                        for i, t in enumerate(tensors)]
+        rec = _first_record(g, e, st, tensors)
     elif e.first_refs is not None:
         # Second call of this signature: inputs passed again as the very
-        # same tensors (parameters, persistent state) are read in place.
+        # same tensors (parameters, persistent state) are read in place
+        # (not donated ones; the buffers input_buffers handed out are kept for the others).
         refs = e.first_refs
         e.first_refs = None
-        same = [i for i in rec.copy_idx if refs[i]() is tensors[i]]
+        same = [i for i in rec.copy_idx if refs[i]() is tensors[i] and not (e.donated and i in e.donated)]
         if same or not rec.statics_ok(tensors):
             rec = e.rec = _rerecord(g, e, st, rec, tensors, set(same) | _kept(e, rec, tensors))
     elif rec.static_idx and not rec.statics_ok(tensors):
@@ -92,6 +88,40 @@ def _run(g: Any, e: Entry, st: ThreadState, tensors: List[torch.Tensor]) -> Any:
     if e.first_refs is None and st.fast_rec is not rec:
         _install_fast_path(g, e, st, rec)
     return out
+
+
+def _first_record(g: Any, e: Entry, st: ThreadState, tensors: List[torch.Tensor]) -> Recording:
+    """Record a signature for its first time: the caller's tensors copied in, the state and parameters read in place."""
+    if e.donated is None:
+        e.donated = _handed.donated_inputs(g, e)
+    static = set(e.must_static) | e.state_static
+    static.update(i for i, t in enumerate(tensors) if type(t) is _Parameter)
+    rec = e.rec = _record(g, e, st, tensors, static)
+    # weak for the caller's tensors (a batch is not kept alive); the state's and
+    # parameters (held by their modules anyway) directly: a weak reference would
+    # forbid swapping them (torch.utils.swap_tensors, module.to() with swapping)
+    e.first_refs = [_Strong(t) if i >= e.n_user or type(t) is _Parameter else weakref.ref(t)
+                    for i, t in enumerate(tensors)]
+    return rec
+
+
+def hand_out(g: Any, e: Entry, st: ThreadState, tensors: List[torch.Tensor]) -> Recording:
+    """The recording of ``e`` (recorded on ``tensors`` if there is none) with its static buffers handed out.
+
+    From now on a call that passes a buffer itself skips its copy (see ``_handed``), and the
+    signature's later recordings keep these buffers.
+    """
+    lock = st.pool.lock
+    with lock if lock is not None else _NO_LOCK:
+        rec = e.rec if e.rec is not None else _first_record(g, e, st, tensors)
+        if not rec.handed:
+            rec.handed = rec.special = True
+            e.handed = {i: (b, base) for i, b, base in
+                        zip(rec.copy_idx, rec.full_bufs, rec.copy_base or [None] * len(rec.copy_idx))}
+            rec.fast = None  # (made again, with the buffers' identity checks)
+            if st.fast_rec is rec:
+                st.drop_fast()
+    return rec
 
 
 def _install_fast_path(g: Any, e: Entry, st: ThreadState, rec: Recording) -> None:
@@ -141,7 +171,7 @@ def _rerecord(g: Any, e: Entry, st: ThreadState, old: Recording, tensors: List[t
 
 def _record(g: Any, e: Entry, st: ThreadState, tensors: List[torch.Tensor], static: Any) -> Recording:
     t0 = time.perf_counter()
-    rec = make_recording(e.plan, tensors, sorted(static), st.pool, g._desc, e.cuda, g._fuse)
+    rec = make_recording(e.plan, tensors, sorted(static), st.pool, g._desc, e.cuda, g._fuse, e.donated or (), e.handed)
     if log.isEnabledFor(logging.INFO):
         log.info(
             "%s: recorded %s (%s): %d ops, %d inputs (%d read in place, %d copied), %d outputs, %.1f ms",
