@@ -27,7 +27,7 @@ from ._key import StormDetector
 from ._key._storm import RerecordWarning
 from ._liveness import PoolState
 from ._pool import GraphPool
-from ._sizes import new_sizes
+from ._sized import new_sizes
 from ._switch import OFF
 
 __all__ = ["graphify", "Graphified", "CacheInfo", "RerecordWarning"]

@@ -17,9 +17,9 @@ from ._bind import bind
 from ._breaks import describe_lines, explain_line
 from ._key import Call, Entry, call_key, global_key
 from ._lookup import lookup, thread_state
-from ._sizes import describe_lines as size_lines
-from ._sizes import explain_line as size_line
-from ._sizes import pad_size
+from ._sized import describe_lines as size_lines
+from ._sized import explain_line as size_line
+from ._sized import pad_size
 
 __all__ = ["trace", "describe", "explain"]
 
