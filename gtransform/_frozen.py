@@ -112,6 +112,7 @@ class Frozen:
         self.written: Set[Any] = set()  # storages of fakes written in place
         self.reads: List[FrozenRead] = []
         self.versions: Dict[int, int] = {}  # input index -> version counter of the frozen leaf
+        self.ptrs: Dict[int, int] = {}  # input index -> its data pointer then
         self.leaf_storage: Dict[int, Any] = {}  # input index -> its fake's storage
         self.candidates: Set[int] = set()  # arguments whose reads would freeze if passed again
         self.leaf_reals: Dict[int, torch.Tensor] = {}  # input index -> its real tensor
@@ -185,6 +186,7 @@ class Frozen:
         for d in deps:
             if d not in self.versions:
                 self.versions[d] = tensor_version(self.leaf_reals[d])
+                self.ptrs[d] = self.leaf_reals[d].data_ptr()  # (`.data =` keeps the object and its version)
         self.reads.append(FrozenRead(_OP_NAMES.get(str(func), str(func)), _user_site(), tuple(sorted(deps)),
                                      _short(value)))
         if not lift:
@@ -276,17 +278,17 @@ class Held:
         return self.t
 
 
-def guard_refs(frozen: Frozen) -> Dict[int, Tuple[Any, int]]:
-    """Input index -> (reference to the real tensor, its version counter) for each frozen leaf.
+def guard_refs(frozen: Frozen) -> Dict[int, Tuple[Any, int, int]]:
+    """Input index -> (reference to the real tensor, its version counter, its data pointer) for each frozen leaf.
 
     Weak for the caller's plain tensors (a guard keeps no batch alive), strong for state and
     parameters (held by their modules anyway; a weak reference forbids swapping them).
     """
-    out: Dict[int, Tuple[Any, int]] = {}
+    out: Dict[int, Tuple[Any, int, int]] = {}
     for d, v in sorted(frozen.versions.items()):
         t = frozen.leaf_reals[d]
         weak = d < frozen.n_in and type(t) is not torch.nn.Parameter
-        out[d] = (weakref.ref(t) if weak else Held(t), v)
+        out[d] = (weakref.ref(t) if weak else Held(t), v, frozen.ptrs[d])
     return out
 
 

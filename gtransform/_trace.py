@@ -276,7 +276,7 @@ class Plan:
     # host reads of unchanged tensors frozen into the trace (see _frozen), and what they hang
     # on: input index -> (reference to the tensor, its version counter when read)
     frozen: List[Any] = field(default_factory=list)
-    frozen_guard: Dict[int, Tuple[Any, int]] = field(default_factory=dict)
+    frozen_guard: Dict[int, Tuple[Any, int, int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.tensor_entries = [e for e in self.out_entries if e.kind != "const"]

@@ -170,3 +170,21 @@ def test_frozen_nonzero_and_masked_select_match_eager(bits, shift):
     mask.logical_not_()  # written in place: traced again
     x = torch.randn(len(bits))
     assert_close(g(x), f(x))
+
+
+def test_frozen_read_of_state_given_new_memory_by_data_traces_again():
+    """`w.data = other` keeps the object and its version counter: the guard also compares the data
+    pointer, so the value frozen from the old memory is not replayed (it was, silently)."""
+    w = torch.randn(20)
+
+    def fn(x):
+        return x * w.max().item()
+
+    f = gt.graphify(fn)
+    for _ in range(3):
+        x = torch.randn(5)
+        assert_close(f(x), fn(x))
+    w.data = torch.randn(20) * 10
+    for _ in range(3):
+        x = torch.randn(5)
+        assert_close(f(x), fn(x))

@@ -231,16 +231,18 @@ def _frozen_code(e: Any, n: Names) -> List[str]:
     (A weak reference's call and an integer compare per tensor: nothing reaches the device.)
     """
     lines = []
-    for idx, (ref, version) in sorted(e.plan.frozen_guard.items()):
+    for idx, (ref, version, ptr) in sorted(e.plan.frozen_guard.items()):
         t = n.tens[idx]
-        lines.append(f"if {t} is not {n.gen.const(ref, 'F')}() or _version({t}) != {version!r}: {FAIL}")
+        # (the data pointer: `t.data = other` keeps the object and its version counter)
+        lines.append(f"if {t} is not {n.gen.const(ref, 'F')}() or _version({t}) != {version!r} "
+                     f"or {t}.data_ptr() != {ptr!r}: {FAIL}")
     return lines
 
 
 def _frozen_explain(e: Any, call: Call) -> List[str]:
     ts = [call.leaves[i] if i < len(call.leaves) else None for i in e.tpos] + list(e.resolve_state() or [])
     out = []
-    for idx, (ref, version) in sorted(e.plan.frozen_guard.items()):
+    for idx, (ref, version, ptr) in sorted(e.plan.frozen_guard.items()):
         t = ts[idx] if idx < len(ts) else None
         name = e.plan.in_paths[idx]
         site = next((r.site for r in e.plan.frozen if idx in r.deps), "?")
@@ -249,6 +251,9 @@ def _frozen_explain(e: Any, call: Call) -> List[str]:
         elif isinstance(t, torch.Tensor) and tensor_version(t) != version:
             out.append(f"{name} was written in place since the recording (version {version} -> "
                        f"{tensor_version(t)}; a value read on the host at {site} was frozen from it)")
+        elif isinstance(t, torch.Tensor) and t.data_ptr() != ptr:
+            out.append(f"{name} holds other memory since the recording (`.data =`; a value read on the host "
+                       f"at {site} was frozen from it)")
     return out
 
 
