@@ -217,14 +217,14 @@ class Graphified(Generic[P, R]):
 class _BoundGraphified(functools.partial):
     """A graphified function bound to an object (``obj.method``): its methods are the function's."""
 
-    def trace(self, *args: Any, **kwargs: Any) -> torch.fx.GraphModule:
-        return self.func.trace(*self.args, *args, **kwargs)  # type: ignore[attr-defined,no-any-return]
+    def __getattr__(self, name: str) -> Any:  # (trace and explain take the call's arguments: the object first)
+        attr = getattr(self.func, name)
+        return functools.partial(attr, *self.args) if name in ("trace", "explain") else attr
 
-    def cache_info(self) -> CacheInfo:
-        return self.func.cache_info()  # type: ignore[attr-defined,no-any-return]
-
-    def cache_clear(self) -> None:
-        self.func.cache_clear()  # type: ignore[attr-defined]
+    def input_buffers(self, *args: Any, **kwargs: Any) -> Any:
+        bufs = self.func.input_buffers(*self.args, *args, **kwargs)  # type: ignore[attr-defined]
+        n = len(self.args)  # (the bound object is not a buffer: left out)
+        return (bufs[0][n:], bufs[1]) if kwargs else bufs[n:]
 
 
 @overload

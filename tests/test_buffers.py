@@ -459,3 +459,35 @@ def test_donated_output_fed_back_loop(device):
     g = gt.graphify(upd, donate_argnums=0)
     y = g(torch.zeros(3, device=device))
     assert_close(g(y), torch.full((3,), 6.0, device=device))
+
+
+def test_a_graphified_method_has_the_functions_methods():
+    """`obj.step` (a graphified method, bound): trace, explain, describe, cache_info, cache_clear and
+    input_buffers work as on the function, the bound object passed first and left out of the buffers."""
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 2)
+
+        @gt.graphify
+        def step(self, x, scale=1.0):
+            return self.lin(x) * scale
+
+    m = M()
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        for _ in range(2):  # (the first call reaches state: it runs eagerly)
+            assert_close(m.step(x), m.lin(x))
+        assert isinstance(m.step.trace(x), torch.fx.GraphModule)
+        assert "replays" in m.step.explain(x)
+        assert "signature" in m.step.describe()
+        (buf,) = m.step.input_buffers(x)
+        for _ in range(3):
+            new = torch.randn(3, 4)
+            buf.copy_(new)
+            assert_close(m.step(buf), m.lin(new))
+        m.step(x, scale=2.0)
+        (bx,), kw = m.step.input_buffers(x, scale=2.0)
+        assert kw == {"scale": 2.0} and bx.shape == (3, 4)
+        m.step.cache_clear()
+        assert m.step.cache_info().currsize == 0
