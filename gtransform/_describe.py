@@ -56,6 +56,10 @@ def _signature_lines(n: int, e: Entry) -> List[str]:
     for i, path in enumerate(e.plan.in_paths):
         meta = e.guard.metas[i]
         how = "read in place" if i in static else ("copied" if rec else "-")
+        if e.handed and i in e.handed:
+            how += "; its buffer handed out by input_buffers: passing it copies nothing"
+        if rec is not None and i in getattr(rec, "donate_idx", ()):
+            how += "; donated"
         if i in e.plan.mutated:
             how += ", updated in place"
         what = "state" if i >= e.n_user else "in   "

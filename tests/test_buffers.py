@@ -491,3 +491,11 @@ def test_a_graphified_method_has_the_functions_methods():
         assert kw == {"scale": 2.0} and bx.shape == (3, 4)
         m.step.cache_clear()
         assert m.step.cache_info().currsize == 0
+
+
+def test_describe_says_which_buffers_were_handed_out_and_which_inputs_are_donated():
+    f = gt.graphify(lambda x, y: x * 2 + y, donate_argnums=1)
+    f.input_buffers(torch.randn(3), torch.randn(3))
+    lines = [ln for ln in f.describe().splitlines() if ln.strip().startswith("in ")]
+    assert len(lines) == 2 and all("handed out by input_buffers" in ln for ln in lines)
+    assert "donated" not in lines[0] and "donated" in lines[1]
