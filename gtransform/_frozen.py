@@ -267,7 +267,7 @@ class Frozen:
 
 
 class Held:
-    """A strong reference with the call interface of a weak one (state, parameters)."""
+    """A strong reference with the call interface of a weak one (state, parameters; also ``_replay``'s first call)."""
 
     __slots__ = ("t",)
 

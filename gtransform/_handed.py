@@ -39,14 +39,14 @@ def copy_in(rec: Any, tensors: Sequence[torch.Tensor]) -> Tuple[Set[int], List[i
     own: Set[int] = set()
     dsts: List[torch.Tensor] = []
     srcs: List[torch.Tensor] = []
-    full, bases = rec.full_bufs, rec.copy_base
+    full, sources = rec.full_bufs, rec.copy_sources(tensors)  # (broadcast inputs narrowed, as the usual copy-in)
     for k, i in enumerate(rec.copy_idx):
         t = tensors[i]
         if rec.handed and (t is full[k] or t.data_ptr() == full[k].data_ptr()):
             own.add(i)
             continue
         dsts.append(rec.bufs[k])
-        srcs.append(t if not bases or bases[k] is None else t.as_strided(bases[k], t.stride(), t.storage_offset()))
+        srcs.append(sources[k])
     if dsts and rec.handed:
         # a buffer passed in another input's place (f(b1, b0)) is read before any buffer is written
         written = {d.untyped_storage().data_ptr() for d in dsts}
@@ -100,7 +100,6 @@ def donated_message(desc: str, path: str) -> str:
 def skip_set(own: Set[int], freed: Set[int]) -> Set[int]:
     """The inputs whose in-place update is not copied back: their own buffers, and memory given back."""
     return own | freed if freed else own
-
 
 
 def donated_inputs(g: Any, e: Any) -> FrozenSet[int]:

@@ -23,6 +23,7 @@ import torch
 from . import _fastpath, _handed
 from ._cache import ThreadState
 from ._eager import eager
+from ._frozen import Held
 from ._key import Entry
 from ._log import log
 from ._lookup import entry_for
@@ -33,18 +34,6 @@ __all__ = ["run_flat", "call_plain", "hand_out"]
 
 _Parameter = torch.nn.Parameter
 _NO_LOCK = contextlib.nullcontext()
-
-
-class _Strong:
-    """A reference with the call interface of a weak one."""
-
-    __slots__ = ("t",)
-
-    def __init__(self, t: Any) -> None:
-        self.t = t
-
-    def __call__(self) -> Any:
-        return self.t
 
 
 def run_flat(g: Any, e: Entry, st: ThreadState, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
@@ -100,7 +89,7 @@ def _first_record(g: Any, e: Entry, st: ThreadState, tensors: List[torch.Tensor]
     # weak for the caller's tensors (a batch is not kept alive); the state's and
     # parameters (held by their modules anyway) directly: a weak reference would
     # forbid swapping them (torch.utils.swap_tensors, module.to() with swapping)
-    e.first_refs = [_Strong(t) if i >= e.n_user or type(t) is _Parameter else weakref.ref(t)
+    e.first_refs = [Held(t) if i >= e.n_user or type(t) is _Parameter else weakref.ref(t)
                     for i, t in enumerate(tensors)]
     return rec
 
