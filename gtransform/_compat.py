@@ -106,7 +106,7 @@ __all__ = [
     # containers
     "torch_pytree",
     # CUDA graphs and the jiterator
-    "cuda_graph_replay", "JittedFunction", "JITERATOR_NAME", "jiterator_launch",
+    "cuda_graph_replay", "clear_cublas_workspaces", "JittedFunction", "JITERATOR_NAME", "jiterator_launch",
     # aten ops
     "aten_to_copy", "aten_local_scalar_dense", "aten_linalg_check_errors", "aten_cudnn_rnn",
     "aten_cudnn_rnn_backward", "aten_efficientzerotensor", "aten_unsafe_view", "load_elementwise_dtypes",
@@ -127,6 +127,7 @@ __all__ = [
 
 OPTIONAL: Dict[str, str] = {
     "cuda_graph_replay": "None on CPU builds (2.13.0+cpu): the fast path calls the recording's own replay",
+    "clear_cublas_workspaces": "None on CPU builds (2.13.0+cpu): no workspaces (CUDA recordings only)",
     "jiterator_launch": "None on CPU builds (2.13.0+cpu): no jiterator to route",
     "JittedFunction": "None where torch lacks torch.cuda.jiterator: nothing to route",
     "TensorGuards": "None where torch lacks it: signatures compare tensor metadata in Python",
@@ -274,6 +275,11 @@ len_torch_dispatch_stack: Callable[[], int] = getattr(torch._C, "_len_torch_disp
 # where missing): the recording's own replay. Checked: 2.11 (GPU image; run by the GPU suite),
 # 2.14.1 (CUDA build); 2.13.0+cpu: None.
 cuda_graph_replay: Any = getattr(getattr(torch._C, "_CUDAGraph", None), "replay", None)
+# Frees cuBLAS's per-stream workspaces (torch's cudagraph trees call it around each capture, for
+# the same reason): called around each capture (_record), a capture allocates the capture stream's
+# workspace in the graph's pool instead of holding one more for that stream outside it. None on
+# CPU builds. Checked: 2.11 (GPU image; run by the GPU suite), 2.14.1 (CUDA build); 2.13.0+cpu: None.
+clear_cublas_workspaces: Any = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
 # torch.cuda.jiterator's launch function, a C function of torch._C (_jiterator: the recorded op
 # calls it); None on CPU builds. Checked: 2.11 (GPU image; run by the GPU suite), 2.14.1 (CUDA
 # build); 2.13.0+cpu: None.

@@ -37,8 +37,9 @@ def describe(g: Any) -> str:
     st = g._tls.__dict__.get("state")
     entries = list(st.cache.values()) if st is not None else []
     lines = [f"{g._desc}: {len(entries)} signature(s) in this thread; cache {g.cache_info()}"]
+    pools = _pool_bytes() if any(e.rec is not None and e.cuda for e in entries) else {}
     for n, e in enumerate(entries):
-        lines += _signature_lines(n, e)
+        lines += _signature_lines(n, e, pools)
     for what, count in g._eager_calls.items():
         lines.append(f"ran eagerly, not recorded: {count} call(s) {what}")
     lines += describe_lines(g) + size_lines(g)
@@ -47,7 +48,7 @@ def describe(g: Any) -> str:
     return "\n".join(lines)
 
 
-def _signature_lines(n: int, e: Entry) -> List[str]:
+def _signature_lines(n: int, e: Entry, pools: Dict[Any, int]) -> List[str]:
     rec = e.rec
     backend = "cuda" if e.cuda else "cpu"
     lines = [f"signature {n} ({backend}, {e.plan.op_count} ops traced, "
@@ -90,10 +91,39 @@ def _signature_lines(n: int, e: Entry) -> List[str]:
         if e.env is not None:
             lines.append(f"  also keyed on: {getattr(e.env, 'describe', 'module and optimizer settings')}")
     if rec:
-        buf = sum(b.numel() * b.element_size() for b in rec.bufs)
-        pool = sum(grp.base.untyped_storage().nbytes() for grp in rec.groups)
-        lines.append(f"  bytes: static input buffers {buf}, pool outputs {pool}")
+        lines.append(_bytes_line(rec, pools))
     return lines
+
+
+def _pool_bytes() -> Dict[Any, int]:
+    """Device memory reserved by each private pool (CUDA graph pools), by pool id."""
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return {}
+    out: Dict[Any, int] = {}
+    for seg in torch.cuda.memory_snapshot():
+        pid = tuple(seg.get("segment_pool_id", (0, 0)))
+        if pid != (0, 0):
+            out[pid] = out.get(pid, 0) + int(seg["total_size"])
+    return out
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2 ** 20:.1f} MiB" if n >= 2 ** 20 else f"{n} B"
+
+
+def _bytes_line(rec: Any, pools: Dict[Any, int]) -> str:
+    """What a recording holds: static buffers, its output generations, the pools they live in."""
+    buf = sum(b.untyped_storage().nbytes() for b in getattr(rec, "full_bufs", rec.bufs))
+    gens = list(rec.ring) or [None]
+    per_gen = sum(grp.base.untyped_storage().nbytes() for grp in rec.groups)
+    line = (f"  bytes: static input buffers {_mib(buf)}; outputs {_mib(per_gen)} per generation, "
+            f"{len(gens)} generation(s)")
+    if rec.backend == "cuda":
+        own = sum(pools.get(tuple(s.pool_id), 0) for s in rec.ring if s is not None and s.pool_id is not None)
+        shared = pools.get(tuple(rec.pool.cuda_pool), 0) if rec.pool.cuda_pool is not None else 0
+        line += (f" (later generations' own pools: {_mib(own)}); the function's graph pool, intermediates "
+                 f"included, shared by its signatures: {_mib(shared)} reserved")
+    return line
 
 
 def explain(g: Any, args: Any, kwargs: Any) -> str:
