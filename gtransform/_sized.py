@@ -54,9 +54,26 @@ def sized_call(g: Any, sz: Sizes, args: Tuple[Any, ...], kwargs: Dict[str, Any])
     if n is not None and not sz.selected(n, g._hits):
         sz.ran_eagerly(n)  # (not recorded, not traced: no signature, so no storm warning)
         return g._fn(*args, **kwargs)
+    if sz.dropped:
+        _drop_sizes(g, sz)
     out = run(g, b, False)
     sz.went_usual_way(n, g._hits)
+    if n is not None and sz.top is not None:
+        last = thread_state(g).last
+        if last is not None:
+            sz.keys.setdefault(n, set()).add(last.key)
     return out
+
+
+def _drop_sizes(g: Any, sz: Sizes) -> None:
+    """Close this thread's recordings of the sizes that gave way (``record_sizes=N``): N recordings at most."""
+    st = thread_state(g)
+    for m in sz.dropped:
+        for key in sz.keys.pop(m, ()):
+            e = st.cache.get(key)
+            if e is not None:
+                st.drop(e)
+    sz.dropped = []
 
 
 def _bucketed(g: Any, sz: Sizes, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
@@ -186,7 +203,7 @@ class Sizes:
     """One graphified function's books on sizes (``record_sizes`` or ``buckets``)."""
 
     __slots__ = ("fixed", "top", "buckets", "pad", "counts", "eager", "above", "dims", "varying",
-                 "hits_mark", "fast_size", "checked")
+                 "hits_mark", "fast_size", "checked", "chosen", "dropped", "keys")
 
     def __init__(self, record_sizes: RecordSizes, buckets: Optional[Tuple[int, ...]], pad: Optional[PadSpec]):
         self.fixed = frozenset(record_sizes) if isinstance(record_sizes, tuple) else None
@@ -200,6 +217,11 @@ class Sizes:
         self.hits_mark = 0  # the function's hits when a call last went the usual way
         self.fast_size: Optional[int] = None  # the size of that call (its fast path's hits are that size's)
         self.checked: Set[int] = set()  # buckets whose padded first call was checked against eager
+        # record_sizes=N: the sizes recorded (N at most), those that just gave way (their
+        # recordings are closed before the next call records), and the signatures of each size
+        self.chosen: Dict[int, None] = {}
+        self.dropped: List[int] = []
+        self.keys: Dict[int, Set[Any]] = {}
 
     @property
     def allowance(self) -> int:
@@ -235,8 +257,35 @@ class Sizes:
         c[n] = c.get(n, 0) + 1
         if c[n] < 2:
             return False
-        ahead = sum(1 for s, k in c.items() if k > c[n] or (k == c[n] and s < n))
-        return ahead < (self.top or 0)
+        chosen = self.chosen
+        if n in chosen:
+            return True
+        if len(chosen) < (self.top or 0):
+            chosen[n] = None
+            return True
+        weakest = self.weakest()
+        if c[n] <= GIVE_WAY * c[weakest]:
+            return False
+        # (a size takes a recorded one's place only once clearly more frequent: under traffic
+        # where every size is as frequent, the recordings do not churn)
+        del chosen[weakest]
+        chosen[n] = None
+        self.dropped.append(weakest)
+        return True
+
+    def weakest(self) -> int:
+        """The least frequent recorded size (the largest among equals)."""
+        c = self.counts
+        return min(self.chosen, key=lambda s: (c.get(s, 0), -s))
+
+    def would_record(self, n: int) -> bool:
+        """Whether the next call of size ``n`` is recorded or replayed (``record_sizes=N``), without counting it."""
+        c = self.counts.get(n, 0) + 1
+        if n in self.chosen:
+            return True
+        if c < 2:
+            return False
+        return len(self.chosen) < (self.top or 0) or c > GIVE_WAY * self.counts.get(self.weakest(), 0)
 
     def went_usual_way(self, n: Optional[int], hits: int) -> None:
         """A call of size ``n`` replayed or recorded: later fast-path hits are counted as that size's."""
@@ -253,6 +302,10 @@ class Sizes:
         """Count a call of size ``n`` run eagerly (not selected, or above the largest bucket)."""
         self.eager[n] = self.eager.get(n, 0) + 1
         self.above += above
+
+
+GIVE_WAY = 2
+"""``record_sizes=N``: a size takes a recorded size's place once seen more than this many times as often."""
 
 
 def new_sizes(fn: Callable[..., Any], opts: Any) -> Optional[Sizes]:
@@ -278,8 +331,9 @@ def describe_lines(g: Any) -> List[str]:
             lines.append(f"ran eagerly above the largest bucket, not recorded: {sz.above} call(s) ({_by_size(sz.eager)})")
         return lines
     what = (f"record_sizes={tuple(sorted(sz.fixed))}" if sz.fixed is not None
-            else f"record_sizes={sz.top} (the most frequent sizes seen twice or more; calls so far: "
-                 f"{_by_size(sz.counts) or 'none'})")
+            else f"record_sizes={sz.top} (the most frequent sizes seen twice or more; a recorded size gives "
+                 f"way only to one seen more than {GIVE_WAY} times as often; recorded: "
+                 f"{sorted(sz.chosen) or 'none'}; calls so far: {_by_size(sz.counts) or 'none'})")
     n = sum(sz.eager.values())
     return [f"{what}: ran eagerly, not recorded (size not selected): {n} call(s)"
             + (f" ({_by_size(sz.eager)})" if n else "")]
@@ -301,8 +355,7 @@ def explain_line(g: Any, n: Optional[int]) -> Optional[str]:
                 f"({sz.eager.get(n, 0)} such call(s) so far)")
     if sz.top is not None:
         c = sz.counts.get(n, 0)
-        ahead = sum(1 for s, k in sz.counts.items() if k > c + 1 or (k == c + 1 and s < n))
-        if c + 1 < 2 or ahead >= sz.top:
+        if not sz.would_record(n):
             return (f"{g._desc}: batch size {n} is not among the {sz.top} most frequent sizes seen twice or more "
                     f"({c} call(s) so far): runs eagerly, not recorded")
     return None

@@ -125,6 +125,32 @@ def test_record_sizes_int_follows_a_shift(device):
     assert "not among" in f.explain(torch.randn(3, 2, device=device))
 
 
+def test_record_sizes_int_keeps_n_recordings_under_uniform_traffic(device):
+    # a server's batch sizes drawn uniformly: the top N would change at every call; the
+    # recorded sizes stay (no recording churn) and never exceed N (memory bounded)
+    f = gt.graphify(lambda x: x.cos() * 2, record_sizes=3)
+    rng = random.Random(5)
+    for _ in range(300):
+        x = torch.randn(rng.randint(1, 12), 3, device=device)
+        assert_close(f(x), x.cos() * 2)
+        assert f.cache_info().currsize <= 3
+    assert f.cache_info().misses <= 4  # 3 sizes recorded once each (a 4th would be churn)
+    assert f.cache_info().hits > 40
+
+
+def test_record_sizes_int_closes_the_recording_of_a_size_that_gives_way(device):
+    f = gt.graphify(lambda x: x + 1, record_sizes=1)
+    for n in [3] * 5 + [5] * 10:
+        f(torch.randn(n, device=device))
+    first = f._tls.state.last.rec
+    assert f.cache_info().currsize == 1 and "recorded: [3]" in f.describe()
+    f(torch.randn(5, device=device))  # 11 calls of 5 against 5 of 3: more than twice, 5 takes its place
+    assert f.cache_info().currsize == 1 and "recorded: [5]" in f.describe()
+    assert first.groups == []  # 3's recording was closed, its memory given back
+    x = torch.randn(5, device=device)
+    assert_close(f(x), x + 1)
+
+
 # -- buckets=, pad=
 
 def test_buckets_mlp_every_size_equals_eager(device):
