@@ -470,3 +470,23 @@ def test_torch_func_and_jacrev_of_one_output_match_eager(device, fn):
             torch.testing.assert_close(got, want)
         got = torch.func.jacrev(lambda a: g(a, y)[1])(w)
         torch.testing.assert_close(got, torch.func.jacrev(lambda a: fn(a, y)[1])(w))
+
+
+def test_a_function_under_no_grad_inside_is_a_plain_recording(device):
+    """``@torch.no_grad()`` on the function (or ``with torch.no_grad():`` inside) over a module whose
+    parameters require grad: nothing it returns needs grad, so the call is recorded and replayed
+    as a plain call, not through the autograd wrapper (a joint forward and backward for nothing)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3)).to(device)
+
+    @torch.no_grad()
+    def infer(x):
+        return model(x)
+
+    f = gt.graphify(infer)
+    for _ in range(4):
+        x = torch.randn(5, 8, device=device)
+        got = f(x)
+        assert not got.requires_grad
+        torch.testing.assert_close(got, infer(x))
+    assert "recorded, 3 replays" in f.describe()

@@ -102,7 +102,7 @@ def test_neural_ode_training_with_frozen_grid_trains_like_eager(device):
     solve = gt.graphify(lambda y0: odeint(func_g, y0, t, method="rk4"))
     for k in range(6):
         y0 = y0s[k % len(y0s)]
-        for f, o, s in ((func_e, opt_e, lambda y: odeint(func_e, y, t, method="rk4")), (func_g, opt_g, solve)):
+        for _f, o, s in ((func_e, opt_e, lambda y: odeint(func_e, y, t, method="rk4")), (func_g, opt_g, solve)):
             o.zero_grad()
             s(y0).square().mean().backward()
             o.step()

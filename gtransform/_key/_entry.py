@@ -116,7 +116,13 @@ class Entry:
             graded = {id(s.obj) for s in plan.state_slots if s is not None and s.kind == "grad"}
             updates_params = any(id(t) in graded for t in updated) or not any(
                 e.requires_grad for e in plan.tensor_entries)
-        self.any_rg = user_rg or (state_rg and not updates_params)
+        # (nothing the call leaves behind needs grad, e.g. a forward under `with torch.no_grad()`
+        # inside the function or `@torch.no_grad()` on it: nothing to differentiate, a plain call)
+        # (outputs that are inputs or views of them are rebuilt from the caller's tensors: the
+        # autograd wrapper detaches them where the function did)
+        leaves_grad = any(e.requires_grad or e.kind == "input" for e in plan.tensor_entries) or any(
+            e.requires_grad or e.kind == "input" for e in plan.escape_entries) or any(rg[i] for i in plan.mutated)
+        self.any_rg = (user_rg or (state_rg and not updates_params)) and leaves_grad
         must = set()
         if plan.mutated and self.alias:
             groups: Dict[int, List[int]] = {}
