@@ -586,8 +586,8 @@ class PoolState:
     this pool; the next such call poisons the objects still held.
     """
 
-    __slots__ = ("outstanding", "calls", "lock", "cuda_pool", "mem_pool", "keeper", "last_desc", "keep_held",
-                 "kept_gen", "__weakref__")
+    __slots__ = ("outstanding", "calls", "lock", "cuda_pool", "keeper", "last_desc", "keep_held", "kept_gen",
+                 "__weakref__")
 
     def __init__(self, lock: Any = None) -> None:
         # held outputs keep their values (Handout._keep_held) instead of going stale: False,
@@ -597,8 +597,7 @@ class PoolState:
         self.outstanding: List[Handout] = []
         self.calls = 0
         self.lock = lock
-        self.cuda_pool: Optional[Any] = None  # the CUDA graph pool's id (mem_pool.id)
-        self.mem_pool: Optional[Any] = None  # its torch.cuda.MemPool: warm-ups allocate there too
+        self.cuda_pool: Optional[Any] = None  # the CUDA graph pool's id
         self.keeper: Optional[Any] = None
         self.last_desc = ""
 
