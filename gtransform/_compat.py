@@ -106,8 +106,7 @@ __all__ = [
     # containers
     "torch_pytree",
     # CUDA graphs and the jiterator
-    "cuda_graph_replay", "clear_cublas_workspaces", "pool_route_begin", "pool_route_end", "pool_release",
-    "JittedFunction", "JITERATOR_NAME", "jiterator_launch",
+    "cuda_graph_replay", "clear_cublas_workspaces", "JittedFunction", "JITERATOR_NAME", "jiterator_launch",
     # aten ops
     "aten_to_copy", "aten_local_scalar_dense", "aten_linalg_check_errors", "aten_cudnn_rnn",
     "aten_cudnn_rnn_backward", "aten_efficientzerotensor", "aten_unsafe_view", "load_elementwise_dtypes",
@@ -129,9 +128,6 @@ __all__ = [
 OPTIONAL: Dict[str, str] = {
     "cuda_graph_replay": "None on CPU builds (2.13.0+cpu): the fast path calls the recording's own replay",
     "clear_cublas_workspaces": "None on CPU builds (2.13.0+cpu): no workspaces (CUDA recordings only)",
-    "pool_route_begin": "None where missing: warm-ups allocate outside the graph pool (more memory, same numbers)",
-    "pool_route_end": "None where missing: see pool_route_begin",
-    "pool_release": "None where missing: see pool_route_begin",
     "jiterator_launch": "None on CPU builds (2.13.0+cpu): no jiterator to route",
     "JittedFunction": "None where torch lacks torch.cuda.jiterator: nothing to route",
     "TensorGuards": "None where torch lacks it: signatures compare tensor metadata in Python",
@@ -284,14 +280,6 @@ cuda_graph_replay: Any = getattr(getattr(torch._C, "_CUDAGraph", None), "replay"
 # workspace in the graph's pool instead of holding one more for that stream outside it. None on
 # CPU builds. Checked: 2.11 (GPU image; run by the GPU suite), 2.14.1 (CUDA build); 2.13.0+cpu: None.
 clear_cublas_workspaces: Any = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-# Route this thread's allocations to a CUDA graph pool and back (the protocol of torch.cuda.use_mem_pool
-# and of cudagraph trees' warm-ups, without a MemPool object: a MemPool destroyed while a graph still
-# uses its pool aborts the process): a recording's warm-up allocates in its graph's pool (_record).
-# On CPU builds torch binds stand-ins that raise (CUDA recordings only call them). Checked: 2.13.0
-# (cudagraph trees and use_mem_pool call them), 2.14.1; 2.11: GPU image, run by the GPU suite.
-pool_route_begin: Any = getattr(torch._C, "_cuda_beginAllocateCurrentThreadToPool", None)
-pool_route_end: Any = getattr(torch._C, "_cuda_endAllocateToPool", None)
-pool_release: Any = getattr(torch._C, "_cuda_releasePool", None)
 # torch.cuda.jiterator's launch function, a C function of torch._C (_jiterator: the recorded op
 # calls it); None on CPU builds. Checked: 2.11 (GPU image; run by the GPU suite), 2.14.1 (CUDA
 # build); 2.13.0+cpu: None.

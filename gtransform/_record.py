@@ -12,18 +12,17 @@ of in-place updates, the output pool and liveness) but how a replay happens:
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import operator
 import threading
 import warnings
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from . import _distributed, _handed
-from ._compat import clear_cublas_workspaces, foreach_copy_, neg_view, pool_release, pool_route_begin, pool_route_end
+from ._compat import clear_cublas_workspaces, foreach_copy_, neg_view
 from ._compat import storage_use_count as _use_count
 from ._errors import GraphifyError, RerecordWarning
 from ._liveness import Handout, OutputGroup, Pin, PoolState, StaleOutput, live_pins, take_back
@@ -588,13 +587,8 @@ class CUDARecording(Recording):
             # threads may free graphs meanwhile; the driver allows that.
             gc_was_on = gc.isenabled()
             gc.disable()
-            route = _WarmupPool(self.pool, self.device) if warmup else None
             try:
-                try:
-                    got = self._capture_locked(warmup, pool_id, route)
-                finally:
-                    if route is not None:
-                        route.release()
+                got = self._capture_locked(warmup, pool_id)
                 if warmup:
                     # the warm-up's memory (its intermediates, cached for the side stream
                     # only) goes back to the device, as torch.cuda.graph empties the cache
@@ -605,8 +599,7 @@ class CUDARecording(Recording):
                 if gc_was_on:
                     gc.enable()
 
-    def _capture_locked(self, warmup: bool, pool_id: Any, route: Optional[_WarmupPool] = None
-                        ) -> Tuple[Any, List[torch.Tensor]]:
+    def _capture_locked(self, warmup: bool, pool_id: Any) -> Tuple[Any, List[torch.Tensor]]:
         dev = self.device
         with torch.cuda.device(dev):
             cur = torch.cuda.current_stream()
@@ -632,10 +625,8 @@ class CUDARecording(Recording):
             if warmup:
                 rng = torch.cuda.get_rng_state(dev) if self.plan.random else None
                 extra = [(gen, gen.get_state()) for gen in self._cuda_generators()]
-                _clear_workspaces()  # (the warm-up's cuBLAS workspace, in the pool too)
                 try:
-                    with torch.cuda.stream(side), torch.no_grad(), (
-                            route.routing() if route is not None else contextlib.nullcontext()):
+                    with torch.cuda.stream(side), torch.no_grad():
                         self.gm(*_host_seeds(self.plan.gm, args))
                 finally:
                     side.synchronize()
@@ -922,37 +913,6 @@ def _pool_id(pool: PoolState, dev: torch.device) -> Any:
     return pool.cuda_pool
 
 
-class _WarmupPool:
-    """A warm-up's allocations go to the recording's graph pool, which stays held until its capture.
-
-    What the warm-up frees there, the capture reuses, and nothing stays cached outside the pool
-    (torch's cudagraph trees warm up the same way). The pool's use is counted from the warm-up
-    until :meth:`release`, after the capture: the allocator refuses to capture into a pool whose
-    count fell to zero.
-    """
-
-    def __init__(self, pool: PoolState, dev: torch.device):
-        self.pid = pool.cuda_pool
-        self.idx = dev.index if dev.index is not None else torch.cuda.current_device()
-        self.on = None not in (self.pid, pool_route_begin, pool_route_end, pool_release)
-        self.begun = False
-
-    @contextlib.contextmanager
-    def routing(self) -> Iterator[None]:
-        if not self.on or self.begun:
-            yield
-            return
-        pool_route_begin(self.idx, self.pid)
-        self.begun = True
-        try:
-            yield
-        finally:
-            pool_route_end(self.idx, self.pid)
-
-    def release(self) -> None:
-        if self.begun:
-            self.begun = False
-            pool_release(self.idx, self.pid)
 
 
 def make_recording(plan: Plan, tensors: Sequence[torch.Tensor], static_idx: Sequence[int], pool: PoolState, desc: str, cuda: bool,

@@ -58,6 +58,11 @@ def _adam_step(width=1024, depth=8, batch=256):
     return step, (x, y), model
 
 
+@pytest.mark.xfail(strict=True, reason=(
+    "issue #36 item 2, not met: measured on an H200, the first calls peak at 101 MiB against eager's 34 "
+    "(the warm-up's intermediates and gradients on the capture stream, outside the graph pool, then the "
+    "capture's). Routing the warm-up into the graph pool brought it to 36 MiB, but broke the recovery "
+    "from a failed capture (the pool's use count), and was taken out"))
 def test_a_training_steps_first_calls_stay_within_eagers_peak():
     step, args, model = _adam_step()
     params = sum(p.numel() * p.element_size() for p in model.parameters())
