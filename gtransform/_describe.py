@@ -51,8 +51,14 @@ def describe(g: Any) -> str:
 def _signature_lines(n: int, e: Entry, pools: Dict[Any, int]) -> List[str]:
     rec = e.rec
     backend = "cuda" if e.cuda else "cpu"
-    lines = [f"signature {n} ({backend}, {e.plan.op_count} ops traced, "
-             f"{'recorded' if rec else 'traced only'}, {rec.replays if rec else 0} replays):"]
+    parts = [p for p in e.parts.values() if p is not None]
+    how = "recorded" if rec else ("differentiated: a forward and a backward recorded" if parts else "traced only")
+    count = f", {rec.replays} replays{' of the plain call' if parts else ''}" if rec else ("" if parts else ", 0 replays")
+    lines = [f"signature {n} ({backend}, {e.plan.op_count} ops traced, {how}{count}):"]
+    for p in parts:
+        fw, bw = p.fw.cache_info(), p.bw.cache_info()
+        lines.append(f"  calls that need grad: {p.fw._desc} ({fw.hits + fw.misses} call(s)) and {p.bw._desc} "
+                     f"({bw.hits + bw.misses} call(s)), each described by its own describe()")
     static = set(rec.static_idx) if rec else set()
     for i, path in enumerate(e.plan.in_paths):
         meta = e.guard.metas[i]

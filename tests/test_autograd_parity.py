@@ -490,3 +490,13 @@ def test_a_function_under_no_grad_inside_is_a_plain_recording(device):
         assert not got.requires_grad
         torch.testing.assert_close(got, infer(x))
     assert "recorded, 3 replays" in f.describe()
+
+
+def test_describe_of_a_differentiated_signature_names_its_forward_and_backward(device):
+    model = torch.nn.Linear(4, 3).to(device)
+    f = gt.graphify(lambda x: model(x).sum())
+    for _ in range(3):
+        f(torch.randn(2, 4, device=device)).backward()
+    text = f.describe()
+    assert "differentiated: a forward and a backward recorded" in text and "traced only" not in text
+    assert "<lambda>)) (2 call(s)) and graphify(backward of " in text
