@@ -56,12 +56,14 @@ def sized_call(g: Any, sz: Sizes, args: Tuple[Any, ...], kwargs: Dict[str, Any])
         return g._fn(*args, **kwargs)
     if sz.dropped:
         _drop_sizes(g, sz)
+    st = thread_state(g) if sz.top is not None else None
+    before = st.last if st is not None else None
     out = run(g, b, False)
     sz.went_usual_way(n, g._hits)
-    if n is not None and sz.top is not None:
-        last = thread_state(g).last
-        if last is not None:
-            sz.keys.setdefault(n, set()).add(last.key)
+    if st is not None and n is not None and st.last is not None and st.last is not before:
+        # the signature this call recorded or replayed (a call that ran eagerly, the first of a
+        # signature that touches state, left another size's as the last: not this size's)
+        sz.keys.setdefault(n, set()).add(st.last.key)
     return out
 
 

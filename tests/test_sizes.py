@@ -151,6 +151,22 @@ def test_record_sizes_int_closes_the_recording_of_a_size_that_gives_way(device):
     assert_close(f(x), x + 1)
 
 
+def test_record_sizes_int_gives_way_without_closing_another_sizes_recording(device):
+    # a closed-over model: each size's first recorded call runs eagerly (it touches state), a call
+    # after which the thread's last signature is still another size's
+    model = _mlp(device)
+    f = gt.graphify(model, record_sizes=2)
+    with torch.no_grad():
+        for n in [3] * 10 + [4] * 3 + [7] * 7:
+            x = torch.randn(n, 8, device=device)
+            assert_close(f(x), model(x))
+        assert "recorded: [3, 7]" in f.describe()
+        misses = f.cache_info().misses
+        x = torch.randn(3, 8, device=device)
+        assert_close(f(x), model(x))  # 3's recording survived 4 giving way to 7
+        assert f.cache_info().misses == misses
+
+
 # -- buckets=, pad=
 
 def test_buckets_mlp_every_size_equals_eager(device):
