@@ -21,8 +21,6 @@ Each test runs on the CPU and, under ``-m cuda``, on a GPU (the ``device`` fixtu
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 import torch.nn as nn
@@ -30,6 +28,8 @@ import torch.nn.functional as F
 from conftest import assert_close
 
 import gtransform as gt
+from benchmarks.workloads.host import RL_MAX_T as MAX_T
+from benchmarks.workloads.host import cartpole_step  # the benchmark's environment, as measured
 
 # --------------------------------------------------------------------------------------------
 # torchdiffeq: a neural ODE on a fixed grid (rk4) and adaptive (dopri5)
@@ -358,24 +358,6 @@ def test_training_loop_logging_loss_item_splits(device):
 
 # --------------------------------------------------------------------------------------------
 # An RL rollout in a cartpole-like torch environment, stopping when the episode ends
-
-MAX_T = 200
-
-
-def cartpole_step(s, action):
-    """Cart-pole dynamics (Barto, Sutton & Anderson), Euler step of 0.02 s; s = (x, x_dot, theta, theta_dot)."""
-    gravity, masscart, masspole, length, force_mag, tau = 9.8, 1.0, 0.1, 0.5, 10.0, 0.02
-    total_mass, polemass_length = masscart + masspole, masspole * length
-    x, x_dot, theta, theta_dot = s.unbind(-1)
-    force = torch.where(action == 1, force_mag, -force_mag)
-    cos, sin = torch.cos(theta), torch.sin(theta)
-    temp = (force + polemass_length * theta_dot**2 * sin) / total_mass
-    theta_acc = (gravity * sin - cos * temp) / (length * (4.0 / 3.0 - masspole * cos**2 / total_mass))
-    x_acc = temp - polemass_length * theta_acc * cos / total_mass
-    s = torch.stack([x + tau * x_dot, x_dot + tau * x_acc, theta + tau * theta_dot, theta_dot + tau * theta_acc], -1)
-    done = (s[..., 0].abs() > 2.4) | (s[..., 2].abs() > 12 * 2 * math.pi / 360)
-    return s, done
-
 
 def _rollout_setup(device):
     torch.manual_seed(0)
