@@ -120,12 +120,11 @@ def _mib(n: int) -> str:
 def _bytes_line(rec: Any, pools: Dict[Any, int]) -> str:
     """What a recording holds: static buffers, its output generations, the pools they live in."""
     buf = sum(b.untyped_storage().nbytes() for b in getattr(rec, "full_bufs", rec.bufs))
-    gens = list(rec.ring) or [None]
     per_gen = sum(grp.base.untyped_storage().nbytes() for grp in rec.groups)
     line = (f"  bytes: static input buffers {_mib(buf)}; outputs {_mib(per_gen)} per generation, "
-            f"{len(gens)} generation(s)")
+            f"{len(rec.ring) or 1} generation(s)")
     if rec.backend == "cuda":
-        own = sum(pools.get(tuple(s.pool_id), 0) for s in rec.ring if s is not None and s.pool_id is not None)
+        own = sum(pools.get(tuple(s.pool_id), 0) for s in rec.ring if s.pool_id is not None)
         shared = pools.get(tuple(rec.pool.cuda_pool), 0) if rec.pool.cuda_pool is not None else 0
         line += (f" (later generations' own pools: {_mib(own)}); the function's graph pool, intermediates "
                  f"included, shared by its signatures: {_mib(shared)} reserved")

@@ -913,8 +913,6 @@ def _pool_id(pool: PoolState, dev: torch.device) -> Any:
     return pool.cuda_pool
 
 
-
-
 def make_recording(plan: Plan, tensors: Sequence[torch.Tensor], static_idx: Sequence[int], pool: PoolState, desc: str, cuda: bool,
                    fuse: bool = False, donate: Any = (), reuse: Any = None) -> Recording:
     """Build the recording of ``plan`` for the given backend (``donate``, ``reuse``: see ``_handed``)."""
