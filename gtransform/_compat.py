@@ -106,7 +106,7 @@ __all__ = [
     # containers
     "torch_pytree",
     # CUDA graphs and the jiterator
-    "cuda_graph_replay", "clear_cublas_workspaces", "JittedFunction", "JITERATOR_NAME", "jiterator_launch",
+    "cuda_graph_replay", "clear_cublas_workspaces", "route_to_pool", "end_route_to_pool", "release_pool", "JittedFunction", "JITERATOR_NAME", "jiterator_launch",
     # aten ops
     "aten_to_copy", "aten_local_scalar_dense", "aten_linalg_check_errors", "aten_cudnn_rnn",
     "aten_cudnn_rnn_backward", "aten_efficientzerotensor", "aten_unsafe_view", "load_elementwise_dtypes",
@@ -128,6 +128,9 @@ __all__ = [
 OPTIONAL: Dict[str, str] = {
     "cuda_graph_replay": "None on CPU builds (2.13.0+cpu): the fast path calls the recording's own replay",
     "clear_cublas_workspaces": "None on CPU builds (2.13.0+cpu): no workspaces (CUDA recordings only)",
+    "route_to_pool": "None where missing: the warm-up allocates outside the graph pool (more memory on the first call)",
+    "end_route_to_pool": "None where missing: see route_to_pool",
+    "release_pool": "None where missing: see route_to_pool",
     "jiterator_launch": "None on CPU builds (2.13.0+cpu): no jiterator to route",
     "JittedFunction": "None where torch lacks torch.cuda.jiterator: nothing to route",
     "TensorGuards": "None where torch lacks it: signatures compare tensor metadata in Python",
@@ -280,6 +283,15 @@ cuda_graph_replay: Any = getattr(getattr(torch._C, "_CUDAGraph", None), "replay"
 # workspace in the graph's pool instead of holding one more for that stream outside it. None on
 # CPU builds. Checked: 2.11 (GPU image; run by the GPU suite), 2.14.1 (CUDA build); 2.13.0+cpu: None.
 clear_cublas_workspaces: Any = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+# A thread's CUDA allocations routed to a graph pool and back (torch's cudagraph trees route their
+# warm-ups so, torch.cuda.use_mem_pool its pools): the warm-up (_record) allocates in the pool its
+# capture then reuses, instead of beside it. begin counts a use of the pool and release drops it; the
+# pool must be held by a graph captured into it before (at a use count of 0 the allocator frees it
+# and asserts on its next use). Present on CPU builds as placeholders that raise. Checked: 2.11
+# (GPU image; run by the GPU suite), 2.13.0+cpu (placeholders), 2.14.1.
+route_to_pool: Any = getattr(torch._C, "_cuda_beginAllocateCurrentThreadToPool", None)
+end_route_to_pool: Any = getattr(torch._C, "_cuda_endAllocateToPool", None)
+release_pool: Any = getattr(torch._C, "_cuda_releasePool", None)
 # torch.cuda.jiterator's launch function, a C function of torch._C (_jiterator: the recorded op
 # calls it); None on CPU builds. Checked: 2.11 (GPU image; run by the GPU suite), 2.14.1 (CUDA
 # build); 2.13.0+cpu: None.

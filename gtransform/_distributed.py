@@ -851,25 +851,25 @@ def _renew_keeper(pool: Any, dev: Any) -> None:
     old = getattr(pool, "keeper", None)
     if old is None:
         return
-    try:
-        old.reset()
-    except Exception:
-        pass
     pool.keeper = None
     pid = getattr(pool, "cuda_pool", None)
-    if pid is None or dev is None:
-        return
-    try:
-        import warnings
+    if pid is not None and dev is not None:
+        # the new keeper first: the old one still holds the pool while it is captured into
+        try:
+            import warnings
 
-        with torch.cuda.device(dev), warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="The CUDA Graph is empty")
-            s = torch.cuda.Stream()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.stream(s):
-                g.capture_begin(pool=pid)
-                g.capture_end()
-            pool.keeper = g  # keeps the pool id usable for later captures
+            with torch.cuda.device(dev), warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="The CUDA Graph is empty")
+                s = torch.cuda.Stream()
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.stream(s):
+                    g.capture_begin(pool=pid)
+                    g.capture_end()
+                pool.keeper = g  # keeps the pool id usable for later captures
+        except Exception:
+            pass  # (no keeper: the next recording takes a new pool, see _record._function_pool)
+    try:
+        old.reset()
     except Exception:
         pass
 

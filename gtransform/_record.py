@@ -12,6 +12,7 @@ of in-place updates, the output pool and liveness) but how a replay happens:
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import operator
 import threading
@@ -22,7 +23,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from . import _distributed, _handed
-from ._compat import clear_cublas_workspaces, foreach_copy_, neg_view
+from ._compat import clear_cublas_workspaces, end_route_to_pool, foreach_copy_, neg_view, release_pool, route_to_pool
 from ._compat import storage_use_count as _use_count
 from ._errors import GraphifyError, RerecordWarning
 from ._liveness import Handout, OutputGroup, Pin, PoolState, StaleOutput, live_pins, take_back
@@ -550,7 +551,7 @@ class CUDARecording(Recording):
         # Output generations (see Recording._maybe_retire): the first is captured in
         # the function's pool, later ones each in a private pool of their own,
         # so that no generation's intermediates overlap another's outputs.
-        g, outs = self._capture(warmup=True, pool_id=_pool_id(self.pool, self.device))
+        g, outs = self._capture(warmup=True)
         slot = _Slot(g, outs)
         self._activate(slot)
         self._bind_outputs(outs)
@@ -568,8 +569,6 @@ class CUDARecording(Recording):
         with torch.cuda.device(self.device):
             pool_id = torch.cuda.graph_pool_handle()
         g, outs = self._capture(warmup=False, pool_id=pool_id)
-        if replacing is not None and replacing.pool_id is None:
-            self.pool.keeper = replacing.graph  # keeps the function's pool id usable
         slot = _Slot(g, outs, pool_id)
         self._slot_groups(slot, [outs[k].untyped_storage() for k in self.group_keys])
         return slot
@@ -579,7 +578,8 @@ class CUDARecording(Recording):
         self.outs = slot.outs
         self.last_outs = slot.outs
 
-    def _capture(self, warmup: bool, pool_id: Any) -> Tuple[Any, List[torch.Tensor]]:
+    def _capture(self, warmup: bool, pool_id: Any = None) -> Tuple[Any, List[torch.Tensor]]:
+        """Capture the graph into ``pool_id`` (None: the function's pool), after a warm-up if ``warmup``."""
         with _CAPTURE_LOCK:
             # Destroying a CUDA graph (a dead recording in a reference cycle)
             # inside a capture on this thread is not permitted and invalidates
@@ -588,6 +588,8 @@ class CUDARecording(Recording):
             gc_was_on = gc.isenabled()
             gc.disable()
             try:
+                if pool_id is None:
+                    pool_id = _function_pool(self.pool, self.device)
                 got = self._capture_locked(warmup, pool_id)
                 if warmup:
                     # the warm-up's memory (its intermediates, cached for the side stream
@@ -621,12 +623,17 @@ class CUDARecording(Recording):
                 # the first call needs (measured: 197 MiB against eager's 34).
                 with torch.no_grad():
                     saved = [(args[i], args[i].detach().to("cpu")) for i in sorted(self.plan.mutated)]
+                _drop_replaced_grads(self.escapes, args)
+                # the workspaces of the first call's eager run go before the warm-up makes its own
+                _clear_workspaces()
             side.wait_stream(cur)
             if warmup:
                 rng = torch.cuda.get_rng_state(dev) if self.plan.random else None
                 extra = [(gen, gen.get_state()) for gen in self._cuda_generators()]
                 try:
-                    with torch.cuda.stream(side), torch.no_grad():
+                    # its intermediates in the pool the capture then reuses, not beside it
+                    # (the first call's peak memory is then about eager's)
+                    with torch.cuda.stream(side), torch.no_grad(), _routed_to(dev, pool_id, self.pool):
                         self.gm(*_host_seeds(self.plan.gm, args))
                 finally:
                     side.synchronize()
@@ -648,6 +655,7 @@ class CUDARecording(Recording):
             # the graph's pool (freed there afterwards, as intermediates are), not kept
             # for that stream outside every pool (torch's cudagraph trees do the same)
             _clear_workspaces()
+            _end_stale_routing(dev, pool_id)
             try:
                 try:
                     with torch.cuda.stream(side), torch.no_grad():
@@ -661,6 +669,8 @@ class CUDARecording(Recording):
                                 warnings.filterwarnings("ignore", message="The CUDA Graph is empty")
                                 g.capture_end()
                 except Exception as e:  # driver-level failure
+                    _end_stale_routing(dev, pool_id)
+                    _abandon_pool(self.pool, pool_id)
                     # a failed capture never ran the generators' capture
                     # epilogue: put back states that are not "capturing"
                     _restore_generators(dev, rng_states)
@@ -680,12 +690,7 @@ class CUDARecording(Recording):
 
     def close(self) -> None:
         super().close()
-        if self.ring and self.ring[0].pool_id is None:
-            # The allocators drop a graph pool once no graph refers to it and
-            # then refuse to capture into its id again: the pool's last
-            # closed graph is kept alive to keep the id usable. (Slots in
-            # private pools go with the recording.)
-            self.pool.keeper = self.ring[0].graph
+        # (the function's pool stays usable: its keeper holds it, see _function_pool)
         self.ring = []
         self.graph = None
 
@@ -726,6 +731,25 @@ _STREAMS: Dict[int, Any] = {}
 def _clear_workspaces() -> None:
     if clear_cublas_workspaces is not None:
         clear_cublas_workspaces()
+
+
+def _drop_replaced_grads(esc: Optional[EscapeWriter], args: Sequence[Any]) -> None:
+    """Empty the ``.grad`` slots the call replaces and the graph does not read, before the warm-up.
+
+    Their old tensors (the first call's eager gradients) would otherwise stay alive
+    through the warm-up and the capture beside the new ones: an optimizer step's
+    first calls needed twice its gradients' memory. The call replaces them anyway,
+    as eager's ``zero_grad()`` drops them first.
+    """
+    if esc is None:
+        return
+    read = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
+    for slot in esc.slots:
+        if slot.kind != "grad":
+            continue
+        old = slot.get()
+        if isinstance(old, torch.Tensor) and old.untyped_storage().data_ptr() not in read:
+            slot.set(None)
 
 
 def _capture_stream(dev: torch.device) -> Any:
@@ -859,10 +883,11 @@ def _failing_node(gm: Any, args: Sequence[Any], stream: Any, dev: torch.device) 
 
     snap = _snapshot_generators(dev)
     g = torch.cuda.CUDAGraph()
+    pool_id = torch.cuda.graph_pool_handle()
     failed = None
     try:
         with torch.cuda.stream(stream), torch.no_grad():
-            g.capture_begin(capture_error_mode="thread_local")
+            g.capture_begin(pool=pool_id, capture_error_mode="thread_local")
             try:
                 _Run(gm).run(*args)
             except Exception:
@@ -871,6 +896,7 @@ def _failing_node(gm: Any, args: Sequence[Any], stream: Any, dev: torch.device) 
                 try:
                     g.capture_end()
                 except Exception:
+                    _end_stale_routing(dev, pool_id)
                     if failed is None:
                         failed = current[0] if current[0] is not None and current[0].op != "output" else None
     except Exception:  # pragma: no cover - the search itself failed: say what torch said
@@ -905,12 +931,84 @@ def _restore_generators(dev: torch.device, snap: Any) -> None:
         pass
 
 
-def _pool_id(pool: PoolState, dev: torch.device) -> Any:
-    """The CUDA memory pool id of ``pool`` (made on first use)."""
-    if pool.cuda_pool is None:
-        with torch.cuda.device(dev):
-            pool.cuda_pool = torch.cuda.graph_pool_handle()
+def _function_pool(pool: PoolState, dev: torch.device) -> Any:
+    """The CUDA graph pool id of ``pool``, made on first use with an empty graph captured into it.
+
+    The allocator frees a graph pool once no graph holds it and then refuses
+    to capture into its id, or to route allocations to it, again (an assert
+    that ends the process). The empty graph (``pool.keeper``) holds it for
+    the function's life, as torch's cudagraph trees hold theirs, so the
+    warm-up can route its allocations there before the first capture, and
+    a closed recording's pool stays usable. (Called under _CAPTURE_LOCK,
+    with the cyclic collector off.)
+    """
+    if pool.cuda_pool is None or pool.keeper is None:
+        # (no keeper: a new pool, since the old id's pool may be freed already)
+        with torch.cuda.device(dev), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The CUDA Graph is empty")
+            pid = torch.cuda.graph_pool_handle()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.stream(_capture_stream(dev)):
+                g.capture_begin(pool=pid, capture_error_mode="thread_local")
+                g.capture_end()
+        pool.cuda_pool, pool.keeper = pid, g
     return pool.cuda_pool
+
+
+def _end_stale_routing(dev: torch.device, pool_id: Any) -> None:
+    """End the allocation routing a failed capture left on for ``pool_id``.
+
+    torch's ``capture_end`` raises before it ends the routing of the capture's
+    allocations to its pool: every later capture into that pool, and the
+    warm-up's routing to it, then failed with "beginAllocateToPool: already
+    recording" (a function's other signatures, once one failed to capture).
+    """
+    if end_route_to_pool is None:
+        return
+    idx = dev.index if dev.index is not None else torch.cuda.current_device()
+    for _ in range(8):
+        try:
+            end_route_to_pool(idx, pool_id)
+        except RuntimeError:  # none (left): ended by capture_end already
+            return
+
+
+_ABANDONED: List[Any] = []  # keepers of pools a failed capture left unusable (kept: see _abandon_pool)
+
+
+def _abandon_pool(pool: PoolState, pool_id: Any) -> None:
+    """After a failed capture into the function's pool, its next recordings take a new one.
+
+    torch 2.11 refuses every later capture into a pool whose capture failed
+    ("beginAllocateToPool: already recording to mempool_id", seen on an H200
+    even with no routing left to end): the function's other signatures, and
+    the same one after a fix, could never record again. Recordings already
+    in the pool keep it; its keeper is kept too (dropping the last hold of a
+    pool in that state is not something to try at a failure).
+    """
+    if pool.cuda_pool is not None and tuple(pool.cuda_pool) == tuple(pool_id):
+        _ABANDONED.append(pool.keeper)
+        pool.cuda_pool = pool.keeper = None
+
+
+@contextlib.contextmanager
+def _routed_to(dev: torch.device, pool_id: Any, pool: PoolState) -> Any:
+    """This thread's CUDA allocations go to the graph pool ``pool_id`` (the warm-up's).
+
+    Only a pool a graph holds (its keeper, see _function_pool) is routed to: the
+    routing's own use of the pool ends with it, whatever the warm-up raised.
+    """
+    if route_to_pool is None or end_route_to_pool is None or release_pool is None or pool.keeper is None:
+        yield
+        return
+    _end_stale_routing(dev, pool_id)
+    idx = dev.index if dev.index is not None else torch.cuda.current_device()
+    route_to_pool(idx, pool_id)
+    try:
+        yield
+    finally:
+        end_route_to_pool(idx, pool_id)
+        release_pool(idx, pool_id)
 
 
 def make_recording(plan: Plan, tensors: Sequence[torch.Tensor], static_idx: Sequence[int], pool: PoolState, desc: str, cuda: bool,
