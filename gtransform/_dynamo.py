@@ -63,6 +63,7 @@ class GraphBackend:
             recompile()
         piece = self.make(gm)
         piece._keep_held = self.keep  # its outputs held across its next call keep their values
+        piece._dynamo_piece = True  # (its tensors' Python attributes are dynamo's to guard: see _lookup)
         self.pieces.append(weakref.ref(piece))
         return _Piece(piece, gm)
 

@@ -416,7 +416,7 @@ CHECKS: List[Check] = [
     Check("environment", "module training flags, hooks and attributes read, optimizer hyperparameters and "
           "structure, containers' lengths, name bindings", lambda e: e.env is not None, _env_code, _env_explain),
     Check("tensor attributes", "the Python attributes set on tensor arguments (read by the trace)",
-          lambda e: e.n_user > 0, _attrs_code, _attrs_explain),
+          lambda e: e.n_user > 0 and e.reads_attrs, _attrs_code, _attrs_explain),
     Check("grads read", "the .grad of arguments the function read as None", lambda e: bool(e.plan.grad_idx),
           _grads_read_code, _grads_read_explain),
     Check("layouts read", "arguments whose storage offset or layout the function reads own their storage",

@@ -37,7 +37,7 @@ class Entry:
     __slots__ = (
         "key", "spec", "tpos", "consts", "statics", "guard", "plan", "rec", "first_refs",
         "calls", "cuda", "any_rg", "must_static", "alias", "same", "n_leaves", "bwd", "const_vals", "parts",
-        "state_src", "env", "env_val", "n_user", "state_static", "glob", "orders", "attrs", "grad_none",
+        "state_src", "env", "env_val", "n_user", "state_static", "glob", "orders", "attrs", "reads_attrs", "grad_none",
         "bits", "_checks", "_match", "handed", "donated",
     )
 
@@ -70,6 +70,7 @@ class Entry:
         # Python attributes of the caller's tensors (read by the trace): None when none has any
         attrs = tuple(attrs_key(t) for t in tensors[: len(tpos)])
         self.attrs = attrs if any(attrs) else None
+        self.reads_attrs = True  # False: the attributes are no part of the signature (see _lookup.new_entry)
         self.alias = alias_pattern(tensors) if plan.mutated else ()
         self.same = same_objects(tensors[: len(tpos)])
         self.bits = key[2][2]  # type: ignore[index]
