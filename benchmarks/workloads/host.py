@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from ..core import Instance, need, seeded
 
-HOST_METHODS = ("eager", "compile", "gt_same", "gt_split", "compile_gt")
+HOST_METHODS = ("eager", "compile", "gt_same", "gt_split", "compile_gt", "gt_fused")
 
 # torchdiffeq: a small MLP vector field ----------------------------------------------------
 
