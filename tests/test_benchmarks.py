@@ -58,7 +58,7 @@ def test_report_reads_a_saved_run(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_only_host_selects_the_host_read_rows_and_their_columns(monkeypatch: pytest.MonkeyPatch) -> None:
     """`--only host` (issue #35): the seven programs that read values on the host, each declaring the
-    five columns it runs; neither `synthetic` nor `real` picks them up."""
+    six columns it runs; neither `synthetic` nor `real` picks them up."""
     monkeypatch.syspath_prepend(str(ROOT))
     import torch
 
@@ -70,7 +70,7 @@ def test_only_host_selects_the_host_read_rows_and_their_columns(monkeypatch: pyt
     host = select_workloads(cpu, "host")
     assert [w.name for w in host] == list(HOST_ROWS) == [
         "ode_rk4", "ode_dopri5", "gcn", "gat", "gpt2_greedy", "train_log", "rl_episode"]
-    assert HOST_METHODS == ("eager", "compile", "gt_same", "gt_split", "compile_gt")
+    assert HOST_METHODS == ("eager", "compile", "gt_same", "gt_split", "compile_gt", "gt_fused")
     for w in host:
         assert w.host_reads and w.factory is not None and w.only_methods == HOST_METHODS, w.name
     others = {w.name for w in select_workloads(cpu, "synthetic,real")}

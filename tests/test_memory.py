@@ -27,12 +27,13 @@ def _settle():
     return torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
 
 
-def _measure(f, args, calls):
+def _measure(f, args, calls, same=False):
     """Peak allocated and reserved above what was in use before ``calls`` calls; the last output.
 
-    Each call gets a new batch (copies of ``args``, made beforehand), as in a training loop.
+    Each call gets a new batch (copies of ``args``, made beforehand), as in a training loop, or
+    with ``same`` the very same tensors (their second call records again, to read them in place).
     """
-    batches = [tuple(a.clone() for a in args) for _ in range(calls)]
+    batches = [args if same else tuple(a.clone() for a in args) for _ in range(calls)]
     base_a, base_r = _settle()
     torch.cuda.reset_peak_memory_stats()
     out = None
@@ -62,12 +63,15 @@ def _adam_step(width=1024, depth=8, batch=256):
     return step, (x, y), model
 
 
-def test_a_training_steps_first_calls_stay_within_eagers_peak():
+@pytest.mark.parametrize("same", [False, True], ids=["new-batches", "same-tensors"])
+def test_a_training_steps_first_calls_stay_within_eagers_peak(same):
     step, args, model = _adam_step()
     params = sum(p.numel() * p.element_size() for p in model.parameters())
-    eager_peak, eager_reserved, _ = _measure(step, args, 3)
+    eager_peak, eager_reserved, _ = _measure(step, args, 3, same)
     f = gt.graphify(step)
-    peak, reserved, out = _measure(f, args, 3)
+    # (same tensors: the second recording's capture reuses the first's gradients' memory, which
+    # it replaces; before, both recordings' gradients were reserved: 64 MiB against eager's 30)
+    peak, reserved, out = _measure(f, args, 3, same)
     assert f.cache_info().currsize == 1 and out is not None
     bufs = sum(a.numel() * a.element_size() for a in args) + out.numel() * out.element_size()
     # without the warm-up's host snapshot, its device copies of the parameters and both moments

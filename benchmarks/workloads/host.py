@@ -18,7 +18,8 @@ the same seed) whose Python reads tensor values:
   `done.item()` (split); one call is one episode.
 
 The columns (`HOST_METHODS`): eager, torch.compile reduce-overhead, gt default (frozen reads),
-gt `on_break="split"`, `torch.compile(backend="gtransform")`. Until the frozen-reads and
+gt `on_break="split"`, `torch.compile(backend="gtransform")`, gt `fuse=True` (frozen reads; the
+split rows report the error the default raises). Until the frozen-reads and
 graph-break features land, the gt columns report the error they raise.
 """
 
