@@ -475,30 +475,8 @@ class Recording:
         the caller still holds of ``old``'s outputs; ``old`` is closed then.
         """
         self._pending_adopt = old
-
-    def release_escapes(self) -> None:
-        """Let go of the memory of the outputs left in Python state (``p.grad``): this recording is being replaced.
-
-        Called before its successor is recorded, so that the successor's capture reuses
-        that memory instead of holding a second copy beside it (an optimizer step's
-        gradients: twice their memory reserved). Never replayed again afterwards: the
-        caller drops it whatever the successor's recording does (see _replay._rerecord).
-        What the caller still holds (``g = p.grad``) keeps its memory, as any held output.
-        """
-        idx = {e.index for e in self.plan.escape_entries if e.kind == "pool"}
-        if not idx:
-            return
-        if self.escapes is not None:
-            self.escapes.last = [None] * len(self.escapes.last)
-        for slot in self.ring:
-            if slot.outs:
-                slot.outs = [None if i in idx else t for i, t in enumerate(slot.outs)]  # type: ignore[misc]
-        self._forget_outs(idx)
-
-    def _forget_outs(self, idx: set) -> None:
-        """Backend: drop the references to the outputs ``idx`` beyond the ring's."""
-        if self.last_outs:
-            self.last_outs = [None if i in idx else t for i, t in enumerate(self.last_outs)]  # type: ignore[misc]
+        if old.escapes is not None and self.escapes is not None:
+            self.escapes.last = old.escapes.last
 
     def _adopt_now(self) -> None:
         old = self._pending_adopt
@@ -599,10 +577,6 @@ class CUDARecording(Recording):
         self.graph = slot.graph
         self.outs = slot.outs
         self.last_outs = slot.outs
-
-    def _forget_outs(self, idx: set) -> None:
-        super()._forget_outs(idx)
-        self.outs = [None if i in idx else t for i, t in enumerate(self.outs)]  # type: ignore[misc]
 
     def _capture(self, warmup: bool, pool_id: Any = None) -> Tuple[Any, List[torch.Tensor]]:
         """Capture the graph into ``pool_id`` (None: the function's pool), after a warm-up if ``warmup``."""

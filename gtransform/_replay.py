@@ -150,19 +150,11 @@ def _rerecord(g: Any, e: Entry, st: ThreadState, old: Recording, tensors: List[t
         log.info("%s: re-recording a signature: inputs read in place now %s (were %s)",
                  g._desc, [e.plan.in_paths[i] for i in sorted(static)],
                  [e.plan.in_paths[i] for i in old.static_idx])
-    if st.fast_rec is old:
-        st.drop_fast()
-    # old's outputs left in state (p.grad) are replaced by new's: their memory goes to new's
-    # capture. old is never replayed again: if new's recording fails, the next call records afresh.
-    old.release_escapes()
-    e.rec = None
-    try:
-        new = _record(g, e, st, tensors, static)
-    except BaseException:
-        old.close()
-        raise
+    new = _record(g, e, st, tensors, static)
     new.moved_once = old.moved_once
     new.adopt_outputs(old)  # old is closed after new's first replay
+    if st.fast_rec is old:
+        st.drop_fast()
     return new
 
 
