@@ -327,3 +327,26 @@ def test_split_cpu_state_in_a_cuda_piece():
             x = torch.randn(8, 4, device="cuda")
             assert_close(g(x), e(x))
             assert_close(list(m.parameters()), list(ref.parameters()))
+
+
+def test_python_attributes_of_tensors_the_code_reads_between_breaks_are_followed(device):
+    # the pieces' own signatures leave tensor attributes to dynamo, which guards those the
+    # Python reads: a changed attribute of closed-over state or of an argument is seen
+    w = torch.randn(4, device=device)
+    w.scale = 2.0
+
+    def fn(x):
+        y = x * w.scale + w * getattr(x, "k", 1.0)
+        if y.sum().item() > 1e9:  # a read of the call's own data
+            return y
+        return y * w.scale
+
+    f = gt.graphify(fn, on_break="split")
+    for scale, k in [(2.0, 1.0), (2.0, 1.0), (3.0, 1.0), (3.0, 4.0), (3.0, 4.0), (5.0, 0.5)]:
+        w.scale = scale
+        x = torch.randn(4, device=device)
+        x.k = k
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            got = f(x)
+        assert_close(got, fn(x))
