@@ -586,8 +586,8 @@ class PoolState:
     this pool; the next such call poisons the objects still held.
     """
 
-    __slots__ = ("outstanding", "calls", "lock", "cuda_pool", "keeper", "last_desc", "keep_held", "kept_gen",
-                 "__weakref__")
+    __slots__ = ("outstanding", "calls", "lock", "cuda_pool", "keeper", "abandoned", "last_desc", "keep_held",
+                 "kept_gen", "__weakref__")
 
     def __init__(self, lock: Any = None) -> None:
         # held outputs keep their values (Handout._keep_held) instead of going stale: False,
@@ -599,6 +599,7 @@ class PoolState:
         self.lock = lock
         self.cuda_pool: Optional[Any] = None  # the CUDA graph pool's id
         self.keeper: Optional[Any] = None
+        self.abandoned: List[Any] = []  # keepers of pools a failed capture left unusable (_record._abandon_pool)
         self.last_desc = ""
 
     def begin_call(self, desc: str) -> None:

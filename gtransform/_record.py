@@ -973,7 +973,7 @@ def _end_stale_routing(dev: torch.device, pool_id: Any) -> None:
             return
 
 
-_ABANDONED: List[Any] = []  # keepers of pools a failed capture left unusable (kept: see _abandon_pool)
+_MAX_ABANDONED = 2  # new pools a function takes after failed captures (each keeps its memory)
 
 
 def _abandon_pool(pool: PoolState, pool_id: Any) -> None:
@@ -983,11 +983,16 @@ def _abandon_pool(pool: PoolState, pool_id: Any) -> None:
     ("beginAllocateToPool: already recording to mempool_id", seen on an H200
     even with no routing left to end): the function's other signatures, and
     the same one after a fix, could never record again. Recordings already
-    in the pool keep it; its keeper is kept too (dropping the last hold of a
-    pool in that state is not something to try at a failure).
+    in the pool keep it; its keeper is kept too, with the pool's memory
+    (dropping the last hold of a pool in that state is not something to try
+    at a failure). So a function that keeps failing (a loop that catches the
+    error) does not take a new pool per call: after _MAX_ABANDONED, its later
+    captures go to the last one, and fail there as they did before.
     """
+    if len(pool.abandoned) >= _MAX_ABANDONED:
+        return
     if pool.cuda_pool is not None and tuple(pool.cuda_pool) == tuple(pool_id):
-        _ABANDONED.append(pool.keeper)
+        pool.abandoned.append(pool.keeper)
         pool.cuda_pool = pool.keeper = None
 
 

@@ -141,3 +141,26 @@ def test_capture_failure_is_graphify_error_and_leaves_no_half_state():
     x16 = torch.randn(16, device="cuda")
     for _ in range(2):
         assert_close(h(x16).cpu(), x16.cpu() * 2)
+
+
+def test_a_function_that_keeps_failing_to_capture_takes_at_most_two_new_pools():
+    # (the bookkeeping of _record._abandon_pool, without a GPU: each abandoned pool keeps its
+    # memory, so a loop that catches the capture error must not take a new pool per call)
+    from gtransform._liveness import PoolState
+    from gtransform._record import _MAX_ABANDONED, _abandon_pool
+
+    pool = PoolState()
+    keepers = []
+    for n in range(5):
+        pool.cuda_pool, pool.keeper = (0, 100 + n), object()
+        keepers.append(pool.keeper)
+        _abandon_pool(pool, (0, 100 + n))
+        if n < _MAX_ABANDONED:
+            assert pool.cuda_pool is None and pool.keeper is None  # the next recording takes a new pool
+        else:
+            assert pool.cuda_pool == (0, 100 + n) and pool.keeper is keepers[-1]  # kept: no new pool
+    assert pool.abandoned == keepers[:_MAX_ABANDONED]  # held with their memory, never dropped
+    other = PoolState()
+    other.cuda_pool, other.keeper = (0, 7), object()
+    _abandon_pool(other, (0, 8))  # a private pool (an output generation's): the function's stays
+    assert other.cuda_pool == (0, 7) and not other.abandoned
