@@ -110,14 +110,20 @@ class Ctx:
                        if tuple(s.get("segment_pool_id", (0, 0))) != (0, 0)}
         except Exception:
             private = None
+        # the most allocated since the last mem() (the window a mem_delta spans), then a new window
+        peak = torch.cuda.max_memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
         return {"allocated": torch.cuda.memory_allocated(), "reserved": torch.cuda.memory_reserved(),
-                "private": private}
+                "private": private, "peak": peak}
 
     @staticmethod
     def mem_delta(a: Optional[Dict[str, Any]], b: Optional[Dict[str, Any]]) -> Optional[Dict[str, int]]:
+        """From ``a`` to ``b``: allocated and reserved change, new pool segments, and the peak between them above ``a``."""
         if a is None or b is None:
             return None
         out = {f"{k}_delta_bytes": b[k] - a[k] for k in ("allocated", "reserved")}
+        if b.get("peak") is not None:
+            out["peak_bytes"] = b["peak"] - a["allocated"]
         if a["private"] is not None and b["private"] is not None:
             out["new_pool_bytes"] = sum(v for addr, v in b["private"].items() if addr not in a["private"])
         return out

@@ -170,24 +170,27 @@ def memory_table(results: Dict[str, Any]) -> str:
     mem_cols = [m for m in ("graph_copy", "mgc", "compile", "gt_same", "gt_new") if m in methods]
     heads = {**METHODS, "graph_copy": "CUDA graph"}
     lines = ["| workload | eager: peak beyond inputs | eager: output | "
-             + " | ".join(f"{heads[m]}: pool / alloc Δ" for m in mem_cols) + " |",
+             + " | ".join(f"{heads[m]}: peak / held / reserved / pool" for m in mem_cols) + " |",
              "|---|---|---|" + "---|" * len(mem_cols)]
     for name, wr in wls.items():
         e = wr["cells"].get("eager", {}).get("memory") or {}
         row = [fmt_mib(e.get("peak_extra_bytes")), fmt_mib(e.get("output_bytes"))]
         for m in mem_cols:
             mm = wr["cells"][m].get("memory") or {}
-            row.append(f"{fmt_mib(mm.get('new_pool_bytes'))} / {fmt_mib(mm.get('allocated_delta_bytes'))}"
+            row.append(" / ".join(fmt_mib(mm.get(k)) for k in
+                                  ("peak_bytes", "allocated_delta_bytes", "reserved_delta_bytes", "new_pool_bytes"))
                        if mm else "")
         lines.append(f"| {name} | " + " | ".join(row) + " |")
     return (
         "Memory, MiB (CUDA only). Eager: torch.cuda.max_memory_allocated during one call minus what was allocated "
-        "before it, and its output. Others, measured before and after building and warming up the method (each "
-        "time after gc.collect() and torch.cuda.empty_cache()): pool = size of the private-pool segments "
-        "(CUDA graph memory pools, from torch.cuda.memory_snapshot) that appeared; alloc Δ = change of "
-        "torch.cuda.memory_allocated (static input buffers and live outputs, plus cuBLAS workspaces of new "
-        "streams, 32 MiB each on Hopper; torch.compile's cudagraph trees free the existing cuBLAS workspaces, "
-        "which can make its Δ negative). Inputs made beforehand are not counted; JSON has reserved too.\n\n"
+        "before it, and its output. Others, measured before and after building and warming up the method (its "
+        "first calls; each time after gc.collect() and torch.cuda.empty_cache()): peak = the most allocated "
+        "in between, above what was allocated before (runs before 2026-11-28 did not record it: blank); held "
+        "= change of torch.cuda.memory_allocated (static input buffers and live outputs, plus cuBLAS "
+        "workspaces of new streams, 32 MiB each on Hopper; torch.compile's cudagraph trees free the existing "
+        "cuBLAS workspaces, which can make it negative); reserved = change of torch.cuda.memory_reserved; "
+        "pool = size of the private-pool segments (CUDA graph memory pools, from torch.cuda.memory_snapshot) "
+        "that appeared. Inputs made beforehand are not counted.\n\n"
         + "\n".join(lines))
 
 
