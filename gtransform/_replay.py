@@ -71,6 +71,12 @@ def _run(g: Any, e: Entry, st: ThreadState, tensors: List[torch.Tensor]) -> Any:
         same = [i for i in rec.copy_idx if refs[i]() is tensors[i] and not (e.donated and i in e.donated)]
         if same or not rec.statics_ok(tensors):
             rec = e.rec = _rerecord(g, e, st, rec, tensors, set(same) | _kept(e, rec, tensors))
+        elif e.look_again and any(refs[i]() is None and not (e.handed and i in e.handed) for i in rec.copy_idx):
+            # The first call's tensor is gone, so this one cannot be compared with it: compare the
+            # next call's with this one instead, once. (The output of the piece before a graph break,
+            # whose own second call recorded it again: it hands out its output objects again from then on.)
+            e.look_again = False
+            e.first_refs = _refs(e, tensors)
     elif rec.static_idx and not rec.statics_ok(tensors):
         rec = e.rec = _rerecord(g, e, st, rec, tensors, _kept(e, rec, tensors))
     out = rec.run_flat(tensors)
@@ -89,9 +95,13 @@ def _first_record(g: Any, e: Entry, st: ThreadState, tensors: List[torch.Tensor]
     # weak for the caller's tensors (a batch is not kept alive); the state's and
     # parameters (held by their modules anyway) directly: a weak reference would
     # forbid swapping them (torch.utils.swap_tensors, module.to() with swapping)
-    e.first_refs = [Held(t) if i >= e.n_user or type(t) is _Parameter else weakref.ref(t)
-                    for i, t in enumerate(tensors)]
+    e.first_refs = _refs(e, tensors)
     return rec
+
+
+def _refs(e: Entry, tensors: List[torch.Tensor]) -> List[Any]:
+    """References to a call's tensors, for the next call to compare its own with (see _run)."""
+    return [Held(t) if i >= e.n_user or type(t) is _Parameter else weakref.ref(t) for i, t in enumerate(tensors)]
 
 
 def hand_out(g: Any, e: Entry, st: ThreadState, tensors: List[torch.Tensor]) -> Recording:

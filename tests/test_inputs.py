@@ -624,3 +624,24 @@ def test_an_input_updated_in_place_and_passed_again_is_updated_once_per_call(dev
             assert_close(h(b), ref(b))
         assert_close(bn.running_mean, ref.running_mean)
         assert_close(bn.running_var, ref.running_var)
+
+
+def test_another_functions_output_is_read_in_place_once_its_producer_records_again(device):
+    # f records again on its second call (w passed again: read in place), so its output moves
+    # then; g, fed f's output, compares its third call's input with its second's and reads it in
+    # place from then on instead of copying it every call
+    w = torch.randn(3, 3, device=device)
+    f = gt.graphify(lambda x, w: (x @ w).sin())
+    g = gt.graphify(lambda y: y.cos() * 2)
+    for _ in range(6):
+        x = torch.randn(2, 3, device=device)
+        assert_close(g(f(x, w)), ((x @ w).sin()).cos() * 2)
+    rec = next(iter(g._tls.state.cache.values())).rec
+    assert rec.copy_idx == () and rec.static_idx == (0,)
+    # a new tensor each call (the usual batch) is still copied, and read right
+    h = gt.graphify(lambda y: y.cos() * 2)
+    for _ in range(4):
+        y = torch.randn(2, 3, device=device)
+        assert_close(h(y), y.cos() * 2)
+    rec = next(iter(h._tls.state.cache.values())).rec
+    assert rec.copy_idx == (0,) and rec.static_idx == ()

@@ -64,13 +64,12 @@ def test_split_branches_both_ways(device):
     assert "split by TorchDynamo" in f.explain(x, w)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "the first call's output of the piece before the read stays referenced past that call (by the "
-    "compile of the piece after it, it seems), so the piece hands out a new object on its second call "
-    "and the piece after it, which compares its second call's input with its first's, copies it from then "
-    "on; where the piece after the read is compiled again later (a second branch), it reads in place"))
 def test_split_pieces_read_each_others_outputs_in_place():
-    """The output of the piece before the read, passed to the piece after it, is not copied each call."""
+    """The output of the piece before the read, passed to the piece after it, is not copied each call.
+
+    (The piece before it records again on its second call, to read `w` in place, so its output
+    moves then: the piece after it compares its third call's input with its second's.)
+    """
     f = gt.graphify(branchy, on_break="split")
     w = torch.randn(3, 3)
     x = torch.ones(2, 3)  # one branch, every call

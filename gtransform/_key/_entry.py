@@ -38,7 +38,7 @@ class Entry:
         "key", "spec", "tpos", "consts", "statics", "guard", "plan", "rec", "first_refs",
         "calls", "cuda", "any_rg", "must_static", "alias", "same", "n_leaves", "bwd", "const_vals", "parts",
         "state_src", "env", "env_val", "n_user", "state_static", "glob", "orders", "attrs", "reads_attrs", "grad_none",
-        "bits", "_checks", "_match", "handed", "donated",
+        "bits", "_checks", "_match", "handed", "donated", "look_again",
     )
 
     def __init__(self, key: Hashable, spec: Any, leaves: Sequence[Any], tpos: List[int], statics: Any, plan: Plan, cuda: bool):
@@ -79,6 +79,7 @@ class Entry:
         self.plan = plan
         self.rec: Optional[Recording] = None
         self.first_refs: Optional[List[Any]] = None
+        self.look_again = True  # (see _replay._run)
         self.calls = 0
         self.handed: Any = None  # {input index: static buffer} handed out by input_buffers (see _buffers)
         self.donated: Any = None  # the donated inputs' indices, found at the first recording (see _buffers)
