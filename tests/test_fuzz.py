@@ -164,3 +164,24 @@ def test_a_function_that_keeps_failing_to_capture_takes_at_most_two_new_pools():
     other.cuda_pool, other.keeper = (0, 7), object()
     _abandon_pool(other, (0, 8))  # a private pool (an output generation's): the function's stays
     assert other.cuda_pool == (0, 7) and not other.abandoned
+
+
+def test_the_warm_up_drops_only_the_grads_its_call_replaces_and_does_not_read():
+    # (_record._drop_replaced_grads, without a GPU: before a CUDA warm-up the first call's eager
+    # .grad tensors go, as zero_grad() drops them, so the warm-up and the capture do not hold
+    # them beside the new ones; a .grad the graph reads, and other slots, stay)
+    from gtransform._record import _drop_replaced_grads
+    from gtransform._state import EscapeWriter, Slot
+
+    a, b = torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(3))
+    a.grad, b.grad = torch.randn(3), torch.randn(3)
+    holder = {"cache": torch.randn(2)}
+    slots = [Slot("grad", a, None, "a.grad"), Slot("grad", b, None, "b.grad"),
+             Slot("item", holder, "cache", "holder['cache']")]
+    kept_b, kept_cache = b.grad, holder["cache"]
+    args = [a.detach(), b.grad[1:]]  # the graph reads a's value and a view of b's gradient
+    _drop_replaced_grads(EscapeWriter(slots, "f"), args)
+    assert a.grad is None  # replaced by the call, not read: dropped
+    assert b.grad is kept_b  # read by the graph: kept
+    assert holder["cache"] is kept_cache  # not a .grad: untouched
+    _drop_replaced_grads(None, args)  # no escapes: nothing to do
