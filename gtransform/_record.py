@@ -655,7 +655,6 @@ class CUDARecording(Recording):
             # the graph's pool (freed there afterwards, as intermediates are), not kept
             # for that stream outside every pool (torch's cudagraph trees do the same)
             _clear_workspaces()
-            _end_stale_routing(dev, pool_id)
             try:
                 try:
                     with torch.cuda.stream(side), torch.no_grad():
@@ -752,6 +751,11 @@ def _drop_replaced_grads(esc: Optional[EscapeWriter], args: Sequence[Any]) -> No
             slot.set(None)
 
 
+def _index(dev: torch.device) -> int:
+    """The device index of ``dev`` (the current device where it names none)."""
+    return dev.index if dev.index is not None else torch.cuda.current_device()
+
+
 def _capture_stream(dev: torch.device) -> Any:
     """One side stream per device for every warm-up and capture.
 
@@ -759,7 +763,7 @@ def _capture_stream(dev: torch.device) -> Any:
     keep a workspace per stream, so a new stream per recording would cost
     memory.
     """
-    idx = dev.index if dev.index is not None else torch.cuda.current_device()
+    idx = _index(dev)
     s = _STREAMS.get(idx)
     if s is None:
         s = _STREAMS[idx] = torch.cuda.Stream(device=idx)
@@ -914,7 +918,7 @@ def _failing_node(gm: Any, args: Sequence[Any], stream: Any, dev: torch.device) 
 def _snapshot_generators(dev: torch.device) -> Any:
     """Copies of the device's default CUDA generator state (cheap, host side)."""
     try:
-        idx = dev.index if dev.index is not None else torch.cuda.current_device()
+        idx = _index(dev)
         gen = torch.cuda.default_generators[idx]
         return gen, gen.clone_state()
     except Exception:  # pragma: no cover - old torch
@@ -965,12 +969,10 @@ def _end_stale_routing(dev: torch.device, pool_id: Any) -> None:
     """
     if end_route_to_pool is None:
         return
-    idx = dev.index if dev.index is not None else torch.cuda.current_device()
-    for _ in range(8):
-        try:
-            end_route_to_pool(idx, pool_id)
-        except RuntimeError:  # none (left): ended by capture_end already
-            return
+    try:
+        end_route_to_pool(_index(dev), pool_id)
+    except RuntimeError:  # none: ended by capture_end already
+        pass
 
 
 _MAX_ABANDONED = 2  # new pools a function takes after failed captures (each keeps its memory)
@@ -1006,8 +1008,7 @@ def _routed_to(dev: torch.device, pool_id: Any, pool: PoolState) -> Any:
     if route_to_pool is None or end_route_to_pool is None or release_pool is None or pool.keeper is None:
         yield
         return
-    _end_stale_routing(dev, pool_id)
-    idx = dev.index if dev.index is not None else torch.cuda.current_device()
+    idx = _index(dev)
     route_to_pool(idx, pool_id)
     try:
         yield
