@@ -15,6 +15,8 @@ through one of the methods:
 
     eager             the plain function
     gt_buckets        gt.graphify(serve, buckets=(1, 2, 4, 8, 16, 32, 64), pad=0): padded to the next bucket
+    gt_all            gt.graphify(serve): every size recorded (traced once symbolically: a new size costs a
+                      recording, not a trace)
     gt_record         gt.graphify(serve, record_sizes=8): the 8 most frequent sizes recorded, the others eager
     compile_dynamic   torch.compile(serve, mode="reduce-overhead", dynamic=True)
 
@@ -30,8 +32,8 @@ Figures per method: the time spent serving (the sum of the requests' latencies);
 samples/s over it; latency p50, p99 and max over every request, and throughput, p50 and p99 over
 the steady state (the last 500 requests, or the last half of a shorter stream); the books:
 recordings (gtransform: the signatures kept, ``cache_info().currsize``; torch.compile: its CUDA
-graph recordings, counted by torch._dynamo's callback handler), traces (gtransform: the cache's
-misses; torch.compile: dynamo's frame compiles) and replays (gtransform: the cache's hits); on
+graph recordings, counted by torch._dynamo's callback handler), traces (gtransform: its tracer's
+calls; torch.compile: dynamo's frame compiles) and replays (gtransform: the cache's hits); on
 CUDA, the memory above the baseline (allocated once the model, inputs and references are built):
 peak allocated during the stream, allocated still held after it, and reserved after it; and the
 largest difference of the outputs for batch sizes 1, 7 and 64 from eager's, after the stream.
@@ -61,8 +63,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 MODELS = ("gpt2", "resnet18")
-METHODS = ("eager", "gt_buckets", "gt_record", "compile_dynamic")
-CPU_DEFAULT_METHODS = ("eager", "gt_buckets", "gt_record")
+METHODS = ("eager", "gt_all", "gt_buckets", "gt_record", "compile_dynamic")
+CPU_DEFAULT_METHODS = ("eager", "gt_all", "gt_buckets", "gt_record")
 MAX_BATCH = 64
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 RECORD_TOP = 8  # gt_record: record_sizes=8
@@ -124,26 +126,44 @@ def build_method(method: str, fn: Callable[[torch.Tensor], torch.Tensor]) -> Tup
     """The callable ``method`` serves with, and a function giving its books once the stream is served."""
     if method == "eager":
         return fn, lambda: {"recordings": None, "traces": None, "replays": None}
-    if method in ("gt_buckets", "gt_record"):
+    if method in ("gt_buckets", "gt_record", "gt_all"):
         import gtransform as gt
 
-        opts: Dict[str, Any] = {"buckets": BUCKETS, "pad": 0} if method == "gt_buckets" else {"record_sizes": RECORD_TOP}
+        opts: Dict[str, Any] = ({"buckets": BUCKETS, "pad": 0} if method == "gt_buckets"
+                                else {"record_sizes": RECORD_TOP} if method == "gt_record" else {})
         g = gt.graphify(fn, **opts)
-        return g, lambda: graphify_books(g)
+        traced = count_traces()
+        return g, lambda: graphify_books(g, traced)
     if method == "compile_dynamic":
         return torch.compile(fn, mode="reduce-overhead", dynamic=True), compile_books()
     raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
 
 
-def graphify_books(g: Any) -> Dict[str, Optional[int]]:
-    """A graphified function's books, from ``cache_info()``.
+def count_traces() -> List[int]:
+    """Count gtransform's traces from now on (its tracer wrapped in this process): ``[count]``."""
+    import gtransform._lookup as lookup
+
+    made = [0]
+    real = lookup.trace
+
+    def counted(*a: Any, **kw: Any) -> Any:
+        made[0] += 1
+        return real(*a, **kw)
+
+    lookup.trace = counted
+    return made
+
+
+def graphify_books(g: Any, traced: List[int]) -> Dict[str, Optional[int]]:
+    """A graphified function's books, from ``cache_info()`` and the tracer.
 
     recordings: the signatures kept (``currsize``; none is evicted: at most 64 sizes, ``maxsize=64``);
-    traces: the signatures traced (``misses``: a signature that reads the model's parameters runs
-    its first call eagerly and records at its second, two misses); replays: ``hits``.
+    traces: the traces made (a signature that reads the model's parameters runs its first call
+    eagerly and records at its second; a size recorded from a symbolic trace is not traced);
+    replays: ``hits``.
     """
     info = g.cache_info()
-    return {"recordings": info.currsize, "traces": info.misses, "replays": info.hits}
+    return {"recordings": info.currsize, "traces": traced[0], "replays": info.hits}
 
 
 def compile_books() -> Books:

@@ -14,6 +14,7 @@ from typing import Any, Callable, Dict, Hashable, List, NamedTuple, Optional
 
 from ._key import Entry
 from ._liveness import PoolState
+from ._symbolic import Families
 
 __all__ = ["ThreadState", "CacheInfo", "cache_info", "cache_clear", "new_thread_state"]
 
@@ -123,7 +124,7 @@ class ThreadState:
 
     __slots__ = ("cache", "last", "pool", "fast", "fast_rec", "warmed", "eager_only", "pending",
                  "clear_requested", "alts", "pending_limit", "raised", "raised_what", "eager_now", "frozen_args",
-                 "broken", "broke_now", "__weakref__")
+                 "broken", "broke_now", "families", "__weakref__")
 
     ALTS = 3  # alternates kept per key (see alts)
 
@@ -158,6 +159,8 @@ class ThreadState:
         # arguments read on the host by a call that ran eagerly for it (path -> weak reference):
         # passed again as the very same tensor, their reads are frozen (see _frozen)
         self.frozen_args: Dict[str, Any] = {}
+        # calls that differ only in sizes, and the symbolic trace they share (see _symbolic)
+        self.families = Families()
 
     def clear(self) -> None:
         self.clear_requested = False
@@ -174,6 +177,7 @@ class ThreadState:
         self.eager_only.clear()
         self.broken.clear()
         self.pending.clear()
+        self.families.clear()
         self.last = None
         self.drop_fast()
 
@@ -220,6 +224,7 @@ class ThreadState:
         limit = None if maxsize is None else max(2 * maxsize, 8)
         self.warmed.limit = self.eager_only.limit = self.broken.limit = limit
         self.pending_limit = None if maxsize is None else max(maxsize, 4)
+        self.families.limit = limit
 
     def keep_pending(self, key: Hashable, e: Entry) -> None:
         """Keep the first call's trace of a signature for its second call (bounded)."""

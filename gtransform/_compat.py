@@ -122,7 +122,7 @@ __all__ = [
     "c10d_allgather_base", "c10d_reduce_scatter_base",
     # inductor (gtransform.fuse)
     "load_inductor_config", "load_maybe_warm_pool", "load_compile_fx", "load_tracing_context",
-    "load_set_triton_ptxas_path", "load_static_launcher_class",
+    "load_set_triton_ptxas_path", "load_static_launcher_class", "load_dim_source",
 ]
 
 OPTIONAL: Dict[str, str] = {
@@ -567,3 +567,17 @@ def load_static_launcher_class() -> Any:
     except ImportError:  # torch before the launcher served XPU too (2.8 to 2.10)
         from torch._inductor.runtime import static_cuda_launcher as module  # type: ignore[no-redef,attr-defined]
     return module.StaticallyLaunchedCudaKernel
+
+
+# -- symbolic sizes (``_trace``: one trace for every size of a dimension that varies) ---------------------------------
+def load_dim_source() -> Callable[[str], Any]:
+    """A named source for a symbolic size: ``torch._dynamo.source.ConstantSource(source_name=...)``.
+
+    ``ShapeEnv.create_symbol`` takes a ``torch._guards.Source``; the base class's interface
+    changed between versions (``name`` a method, then a cached property), so a source of
+    dynamo's own is used. Imported on the first symbolic trace (it loads dynamo).
+    Checked: 2.11 (GPU image; run by the GPU suite), 2.13.0.
+    """
+    from torch._dynamo.source import ConstantSource
+
+    return lambda name: ConstantSource(source_name=name)

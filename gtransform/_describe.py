@@ -20,6 +20,7 @@ from ._lookup import lookup, thread_state
 from ._sized import describe_lines as size_lines
 from ._sized import explain_line as size_line
 from ._sized import pad_size
+from ._symbolic import sizes_line
 
 __all__ = ["trace", "describe", "explain"]
 
@@ -43,6 +44,8 @@ def describe(g: Any) -> str:
     for what, count in g._eager_calls.items():
         lines.append(f"ran eagerly, not recorded: {count} call(s) {what}")
     lines += describe_lines(g) + size_lines(g)
+    if st is not None:
+        lines += st.families.lines()
     for h in list(g._vmapped.values()):
         lines.append("calls under torch.func.vmap, recorded as " + h.describe().replace("\n", "\n  "))
     return "\n".join(lines)
@@ -92,8 +95,12 @@ def _signature_lines(n: int, e: Entry, pools: Dict[Any, int]) -> List[str]:
         lines.append(f"  written back after each call: {slot.path}")
     for c in e.plan.py_changes:
         lines.append(f"  Python value changed while tracing (not replayed): {c.path}: {c.old!r} -> {c.new!r}")
+    if e.plan.sizes is not None:
+        lines.append(f"  sizes: {sizes_line(e.plan)}"
+                     + ("; this signature was not traced, only recorded" if e.plan.shared else ""))
     if e.plan.touches_state:
-        lines.append("  first call: ran eagerly (the signature touches state); recorded on the second call")
+        if not e.plan.shared:
+            lines.append("  first call: ran eagerly (the signature touches state); recorded on the second call")
         if e.env is not None:
             lines.append(f"  also keyed on: {getattr(e.env, 'describe', 'module and optimizer settings')}")
     if rec:

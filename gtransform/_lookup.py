@@ -32,6 +32,7 @@ from ._key import Call, Entry, call_key, env_key_fn, global_key, reusable_after_
 from ._key._call import CallKey
 from ._log import log
 from ._state import change_error, find_roots, lazy_error, uninitialized_modules
+from ._symbolic import TRIES, dim_names, family_key, shareable, shared_plan
 from ._trace import trace
 from ._tree import unflatten
 
@@ -175,10 +176,17 @@ def _new_signature(g: Any, st: ThreadState, ck: CallKey, call: Call,
 
         warm_pool()  # inductor's compile workers start while the function is traced
     in_paths = [paths[i] for i in ck.tpos]
+    fam = dims = None
+    if record and not any(t.requires_grad for t in tensors):  # (differentiated calls: a joint trace per size)
+        fam = st.families.get(family_key(ck.key, ck.tpos, tensors), tensors)
+        found = _family_plan(g, st, ck, call, fam, tensors, cuda)
+        if found is not None:
+            return found
+        dims = fam.dims_to_trace(tensors)
     seen = st.frozen_args
     stable = [k for k, (p, t) in enumerate(zip(in_paths, tensors)) if p in seen and seen[p]() is t]
     try:
-        plan = trace(g._fn, rebuild, tensors, in_paths, g._desc, cuda, roots, extra, stable)
+        plan = _trace_sizes(g, fam, dims, rebuild, tensors, in_paths, cuda, roots, extra, stable)
     except GraphifyError as err:
         if _reads_new_arguments(g, st, ck.key, err, in_paths, tensors, record):
             return None
@@ -201,7 +209,52 @@ def _new_signature(g: Any, st: ThreadState, ck: CallKey, call: Call,
         seen.pop(in_paths[k], None)
     if ck.device is None and plan.uses_cuda and torch.cuda.is_available():
         cuda = True
-    return _settle(g, st, ck, call, plan, cuda, record)
+    found = _settle(g, st, ck, call, plan, cuda, record)
+    e = st.cache.get(ck.key) or st.pending.get(ck.key)
+    if fam is not None and plan.sizes is not None and e is not None:
+        # (no entry: an eager first call whose trace is not kept; the next call's trace is adopted)
+        fam.adopt(plan, plan.sizes.dims, not e.any_rg and shareable(plan), g._desc)
+    return found
+
+
+def _trace_sizes(g: Any, fam: Any, dims: Any, rebuild: Any, tensors: List[torch.Tensor], in_paths: List[str],
+                 cuda: bool, roots: Any, extra: Any, stable: List[int]) -> Any:
+    """The trace of a new signature: symbolic over ``dims`` (see ``_symbolic``) where given, else as is.
+
+    A symbolic trace that fails is not the function's failure: the call is traced as is,
+    which raises what the function does wrong, and the family takes no more symbolic traces.
+    """
+    if dims:
+        try:
+            return trace(g._fn, rebuild, tensors, in_paths, g._desc, cuda, roots, extra, stable, dims)
+        except Exception as err:
+            fam.tries = TRIES
+            fam.why = f"the symbolic trace failed ({type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else ''})"
+            log.info("%s: %s; traced per size", g._desc, fam.why)
+    return trace(g._fn, rebuild, tensors, in_paths, g._desc, cuda, roots, extra, stable)
+
+
+def _family_plan(g: Any, st: ThreadState, ck: CallKey, call: Call, fam: Any, tensors: List[torch.Tensor],
+                 cuda: bool) -> Optional[Tuple[Entry, List[torch.Tensor]]]:
+    """A new size of a family whose symbolic plan holds for it: a new signature, not traced.
+
+    Recorded on this call (the family's first size ran the eager first call that makes lazy
+    state); where the state it reads is no longer the plan's (a module's tensors replaced),
+    the plan is dropped and the call traced.
+    """
+    plan = fam.plan_for(tensors)
+    if plan is None:
+        return None
+    e = new_entry(g, ck, call, shared_plan(plan, g._fuse and cuda), cuda)
+    state = e.match(call)
+    if state is None or e.any_rg:
+        fam.plan, fam.dims = None, frozenset()
+        return None
+    st.warmed.add(ck.key)
+    st.insert(ck.key, e, g._maxsize, g._storm.note_evicted)
+    log.info("%s: a new size of %s, recorded from the symbolic trace", g._desc,
+             ", ".join(dim_names(plan, fam.dims)))
+    return e, state
 
 
 def _name_the_arguments(err: GraphifyError, paths: List[str]) -> None:

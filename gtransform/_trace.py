@@ -76,7 +76,7 @@ try:  # torch >= 2.1
 except ImportError:  # pragma: no cover
     GuardOnDataDependentSymNode = DataDependentOutputException  # type: ignore[misc,assignment]
 
-__all__ = ["Plan", "OutEntry", "trace", "TRACE_LOCK", "tracing", "plain_layout"]
+__all__ = ["Plan", "OutEntry", "SymbolicSizes", "trace", "TRACE_LOCK", "tracing", "plain_layout"]
 
 TRACE_LOCK = threading.RLock()
 _ACTIVE = threading.local()
@@ -277,6 +277,9 @@ class Plan:
     # on: input index -> (reference to the tensor, its version counter when read)
     frozen: List[Any] = field(default_factory=list)
     frozen_guard: Dict[int, Tuple[Any, int, int]] = field(default_factory=dict)
+    # traced with symbolic sizes (see _symbolic): the sizes it holds for, or None
+    sizes: Optional[SymbolicSizes] = None
+    shared: bool = False  # this signature's copy of another's symbolic plan: not traced
 
     def __post_init__(self) -> None:
         self.tensor_entries = [e for e in self.out_entries if e.kind != "const"]
@@ -291,12 +294,14 @@ class Plan:
 
         Inductor's own CUDA graphs are off (gtransform records the result),
         and random ops use eager's generator (``fallback_random``) so that
-        they keep following ``torch.manual_seed`` exactly.
+        they keep following ``torch.manual_seed`` exactly. A plan traced with symbolic
+        sizes is compiled once for all of them (its copies for other sizes share it: see
+        ``_symbolic.shared_plan``).
         """
         if self._fused is None:
             from .fuse import compiled  # the fused backend: loaded for fuse=True alone
 
-            self._fused = compiled(self.gm)
+            self._fused = compiled(self.gm, self.sizes.dims if self.sizes is not None else None)
         return self._fused
 
     def assemble(self, flat: Sequence[Any]) -> Any:
@@ -305,6 +310,64 @@ class Plan:
         leaves = [(e.value if e.fresh is None else e.fresh(e.value)) if e.kind == "const" else next(it)
                   for e in self.out_entries]
         return unflatten(self.out_spec, leaves)
+
+
+@dataclass
+class SymbolicSizes:
+    """A plan traced with symbolic sizes: the dimensions left symbolic and the guards on them.
+
+    ``dims``: ``(input, dim)`` of the caller's tensor inputs traced as symbols; ``code``:
+    the shape environment's guards over the inputs (``None``: none), evaluated on a call's
+    tensors by :meth:`holds` (their sizes only: no device work).
+    """
+
+    dims: FrozenSet[Tuple[int, int]]
+    env: Any
+    code: Optional[str]
+
+    def holds(self, tensors: Sequence[torch.Tensor]) -> bool:
+        """Whether the plan is right for these inputs (of the family's other sizes)."""
+        return self.code is None or bool(self.env.evaluate_guards_expression(self.code, list(tensors)))
+
+
+def _symbolic_fakes(env: Any, specs: Sequence[Tuple[Any, ...]], dims: FrozenSet[Tuple[int, int]],
+                    paths: Sequence[str]) -> List[Tuple[List[Any], List[Any]]]:
+    """The sizes and strides of the stand-ins: a symbol for each dimension of ``dims`` (a contiguous input's)."""
+    from torch.fx.experimental.symbolic_shapes import DimDynamic
+
+    from ._compat import load_dim_source
+
+    source = load_dim_source()
+    out = []
+    for i, (size, stride, *_rest) in enumerate(specs):
+        sizes: List[Any] = list(size)
+        strides: List[Any] = list(stride)
+        if any((i, d) in dims for d in range(len(size))):
+            for d in range(len(size)):
+                if (i, d) in dims:
+                    src = source(f"{paths[i]}.size({d})")
+                    sym = env.create_symbol(size[d], src, DimDynamic.DYNAMIC)
+                    sizes[d] = env.create_symintnode(sym, hint=size[d], source=src)
+            acc: Any = 1
+            for d in reversed(range(len(size))):  # (the input is contiguous: see _symbolic.family_key)
+                strides[d] = acc
+                acc = acc * sizes[d]
+        out.append((sizes, strides))
+    return out
+
+
+def _holds_for_sizes(env: Any, fakes: Sequence[torch.Tensor], dims: FrozenSet[Tuple[int, int]]) -> Optional[SymbolicSizes]:
+    """The symbolic plan's sizes, or None where the trace pinned a symbol to its value.
+
+    A symbol the function compared with a constant (``if x.shape[0] == 8``), or converted to
+    a Python int, is pinned: the plan holds for that size alone. So is the size of an output
+    that is a view of an input (rebuilt from concrete sizes at call time: see ``_entry``).
+    """
+    for i, d in dims:
+        s = fakes[i].shape[d]
+        if not isinstance(s, torch.SymInt) or env.replace(s.node.expr).is_number:
+            return None
+    return SymbolicSizes(frozenset(dims), env, env.produce_guards_expression(list(fakes)))
 
 
 class _TraceMode(FakeTensorMode):
@@ -770,6 +833,7 @@ def trace(
     roots: Sequence[Root] = (),
     extra: Sequence[Tuple[str, Any]] = (),
     stable: Sequence[int] = (),
+    dims: FrozenSet[Tuple[int, int]] = frozenset(),
 ) -> Plan:
     """Trace ``fn`` for one signature.
 
@@ -788,6 +852,8 @@ def trace(
             passed in are watched like those the function closes over.
         stable: indices of the tensor inputs passed as the very same tensor as in the call
             before: host reads of them (and of unwritten state) are frozen (see ``_frozen``).
+        dims: ``(input, dim)`` traced as symbolic sizes (see ``_symbolic``): the plan's
+            ``sizes`` says whether it holds for other sizes of them.
 
     Returns:
         The :class:`Plan` of the signature.
@@ -803,7 +869,8 @@ def trace(
     try:
         while True:
             try:
-                plan = _Tracing(fn, rebuild, inputs, list(in_paths), desc, cuda, roots, snap, real, no_freeze).plan()
+                plan = _Tracing(fn, rebuild, inputs, list(in_paths), desc, cuda, roots, snap, real, no_freeze,
+                                dims).plan()
                 break
             except Refreeze as again:
                 # a frozen read of a tensor the function writes: not unchanged; traced again
@@ -826,13 +893,26 @@ class _Tracing:
 
     def __init__(self, fn: Callable[..., Any], rebuild: Callable[..., Any], inputs: _Inputs, paths: List[str],
                  desc: str, cuda: bool, roots: Sequence[Root], snap: Snapshot,
-                 stable: Optional[Dict[int, torch.Tensor]] = None, no_freeze: FrozenSet[int] = frozenset()):
+                 stable: Optional[Dict[int, torch.Tensor]] = None, no_freeze: FrozenSet[int] = frozenset(),
+                 dims: FrozenSet[Tuple[int, int]] = frozenset()):
         self.fn, self.rebuild, self.inputs, self.paths = fn, rebuild, inputs, paths
         self.desc, self.cuda, self.roots, self.snap = desc, cuda, roots, snap
-        self.mode = mode = _TraceMode(allow_non_fake_inputs=True)
+        self.dims = dims
+        if dims:  # (a shape environment: sizes as symbols; state and constants keep theirs)
+            from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+            # (reads of values and data-dependent shapes stay refused, as without one)
+            self.env: Any = ShapeEnv(duck_shape=False, allow_scalar_outputs=False,
+                                     allow_dynamic_output_shape_ops=False)
+            self.mode = mode = _TraceMode(allow_non_fake_inputs=True, shape_env=self.env, static_shapes=True)
+            shapes = _symbolic_fakes(self.env, inputs.specs, dims, paths)
+        else:
+            self.env = None
+            self.mode = mode = _TraceMode(allow_non_fake_inputs=True)
+            shapes = [(list(sp[0]), list(sp[1])) for sp in inputs.specs]
         with mode:
-            self.fakes = [torch.empty_strided(size, stride, dtype=dtype, device=device).requires_grad_(rg)
-                          for size, stride, dtype, device, rg in inputs.specs]
+            self.fakes = [torch.empty_strided(size, stride, dtype=sp[2], device=sp[3]).requires_grad_(sp[4])
+                          for (size, stride), sp in zip(shapes, inputs.specs)]
         self.box: Dict[str, Any] = {}
         self.storages: Dict[Any, int] = {}
         self.index = StateIndex(roots)
@@ -1014,7 +1094,8 @@ class _Tracing:
                     "from the caller's tensor, which needs the same dtype.\n"
                     "Fix: return .clone() of that output."
                 )
-            ent = OutEntry("input", index=src, size=tuple(val.shape), stride=val.stride(),
+            # (int(): a symbolic size is pinned to this call's, and the plan serves this size alone)
+            ent = OutEntry("input", index=src, size=tuple(map(int, val.shape)), stride=tuple(map(int, val.stride())),
                            rel_offset=int(val.storage_offset() - inp.storage_offset()), identical=val is inp,
                            conj=val.is_conj() != inp.is_conj(), neg=val.is_neg() != inp.is_neg())
         ent.requires_grad = bool(val.requires_grad)
@@ -1065,6 +1146,7 @@ class _Tracing:
             cuda=self.cuda,
             frozen=list(frozen.reads) if frozen is not None else [],
             frozen_guard=guard_refs(frozen) if frozen is not None else {},
+            sizes=_holds_for_sizes(self.env, self.fakes, self.dims) if self.dims else None,
         )
 
 

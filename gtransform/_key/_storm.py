@@ -58,7 +58,9 @@ def explain_storm(desc: str, log: List[Any]) -> str:
     """The warning text: which part of the signature keeps changing, and the fix."""
     n = len(log)
     specs = {id(x[0]): x[0] for x in log}
-    lines = [f"{desc} has recorded {n} new signatures (more than {STORM_THRESHOLD}); each costs a trace and a recording."]
+    lines = [f"{desc} has recorded {n} new signatures (more than {STORM_THRESHOLD}); each costs a recording (a "
+             "capture and its memory), and a trace unless it differs from an earlier one only in sizes (a "
+             "dimension that varies is traced once, symbolically)."]
     same = [x for x in log if x[0] == log[-1][0]]
     if len({str(s) for s in specs.values()}) > 1 and len(same) < n // 2:
         lines.append("The structure of the arguments keeps changing (different containers, keys or lengths). "
@@ -77,7 +79,9 @@ def explain_storm(desc: str, log: List[Any]) -> str:
                 if len({p[i][j] for p in parts}) > 1:
                     what.append(name)
             lines.append(f"{path} (a tensor) changed {', '.join(what) or 'layout'} {len(values)} times. "
-                         "Fix: pad or bucket inputs to a few fixed shapes, and keep dtypes and layouts fixed.")
+                         "Fix: pad or bucket inputs to a few fixed shapes (graphify(fn, buckets=(1, 2, 4, 8, "
+                         "...), pad=...)), or record only the most frequent batch sizes (record_sizes=N: the "
+                         "others run eagerly); keep dtypes and layouts fixed.")
         elif _objects(values):
             lines.append(f"{path} (a {_leaf_kind(values)} object) was {len(values)} different objects: an object "
                          "argument is part of the signature by identity (the recording reads its tensors), so "

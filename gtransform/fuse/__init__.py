@@ -37,11 +37,12 @@ from ._inductor import _Inductor, warm_pool
 __all__ = ["compiled", "warm_pool"]
 
 
-def compiled(gm: torch.fx.GraphModule) -> Callable[..., Any]:
+def compiled(gm: torch.fx.GraphModule, dims: Any = None) -> Callable[..., Any]:
     """``gm`` as a callable that TorchInductor compiles on its first call.
 
     That call's tensors are the examples inductor compiles for; the graph is not
     touched (inductor compiles a copy). Made once per signature by
-    ``_trace.Plan.fused``.
+    ``_trace.Plan.fused``, or once per family of sizes for a plan traced with symbolic
+    sizes: ``dims``, the ``(input, dim)`` compiled as symbols (inductor's dynamic shapes).
     """
-    return _Inductor(gm)
+    return _Inductor(gm, dims)

@@ -20,6 +20,7 @@ from .._compat import (
     FakeTensorMode,
     aten_to_copy,
     load_compile_fx,
+    load_dim_source,
     load_inductor_config,
     load_maybe_warm_pool,
     load_tracing_context,
@@ -88,25 +89,43 @@ class _Inductor:
     copy of the graph: its passes rewrite the graph they are given.
     """
 
-    __slots__ = ("gm", "fn")
+    __slots__ = ("gm", "dims", "fn", "guards", "env", "by_size")
 
-    def __init__(self, gm: torch.fx.GraphModule):
+    def __init__(self, gm: torch.fx.GraphModule, dims: Any = None):
         self.gm = gm
+        # (input, dim) compiled as symbolic sizes (a plan traced symbolically: see
+        # gtransform._symbolic): one compile serves every size whose guards hold
+        self.dims = frozenset(dims or ())
         self.fn: Any = None
+        self.guards: Any = None  # the symbolic compile's guards (code over the inputs), checked per size
+        self.env: Any = None
+        self.by_size: dict = {}  # sizes the symbolic compile's guards refuse: one static compile each
 
     def __call__(self, *args: Any) -> Any:
         fn = self.fn
         if fn is None:
-            from torch.fx.experimental.symbolic_shapes import ShapeEnv
+            fn = self.fn = self._compile(args, self.dims)
+        elif self.dims and self.guards is not None and not self.env.evaluate_guards_expression(self.guards, args):
+            shapes = tuple(tuple(a.shape) for a in args if isinstance(a, torch.Tensor))
+            fn = self.by_size.get(shapes)
+            if fn is None:
+                log.info("fuse=True: the symbolic compile's guards (%s) refuse these sizes: compiled for them",
+                         self.guards)
+                fn = self.by_size[shapes] = self._compile(args, frozenset())
+        return fn(*args)
 
-            TracingContext, tracing = load_tracing_context()
-            compile_fx = load_compile_fx()
+    def _compile(self, args: Any, dims: Any) -> Any:
+        from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-            gm = torch.fx.GraphModule(self.gm, copy.deepcopy(self.gm.graph))
-            _keep_narrowing_casts(gm)
+        TracingContext, tracing = load_tracing_context()
+        compile_fx = load_compile_fx()
+
+        gm = torch.fx.GraphModule(self.gm, copy.deepcopy(self.gm.graph))
+        _keep_narrowing_casts(gm)
+        building: list = []
+        if not dims:  # (our kernels' launch plans are made for static sizes)
             groups: list = []
             small = _gemv.rewrite(gm, launches=groups)  # x @ w.t() of a few rows (_gemm leaves them alone)
-            building: list = []
             if small["gemv"]:
                 log.info("fuse=True: %s", _gemv.describe(small))
                 building += _gemv.precompile(groups)  # in threads, while inductor compiles
@@ -115,14 +134,29 @@ class _Inductor:
             if counts["gemm"]:
                 log.info("fuse=True: %s", _gemm.describe(counts))
                 building += _gemm.precompile(launches)
-            fake = FakeTensorMode(shape_env=ShapeEnv(), static_shapes=True, allow_non_fake_inputs=True)
-            examples = [fake.from_tensor(a, static_shapes=True) if isinstance(a, torch.Tensor) else a for a in args]
-            with tracing(TracingContext(fake)), load_inductor_config().patch(config()):
-                fn = self.fn = compile_fx(gm, examples)
-            for job in building:
-                if job.exception() is not None:  # waits; the launch will compile it and report
-                    log.debug("fuse=True: precompiling a kernel failed: %r", job.exception())
-        return fn(*args)
+        env = ShapeEnv()
+        fake = FakeTensorMode(shape_env=env, static_shapes=True, allow_non_fake_inputs=True)
+        examples = [_example(fake, i, a, dims) if isinstance(a, torch.Tensor) else a for i, a in enumerate(args)]
+        with tracing(TracingContext(fake)), load_inductor_config().patch(config()):
+            fn = compile_fx(gm, examples)
+        if dims:
+            self.env, self.guards = env, env.produce_guards_expression(examples)
+        for job in building:
+            if job.exception() is not None:  # waits; the launch will compile it and report
+                log.debug("fuse=True: precompiling a kernel failed: %r", job.exception())
+        return fn
+
+
+def _example(fake: Any, i: int, a: torch.Tensor, dims: Any) -> Any:
+    """Inductor's example of input ``i``: static sizes, or a symbol for each of its dimensions in ``dims``."""
+    if not any((i, d) in dims for d in range(a.dim())):
+        return fake.from_tensor(a, static_shapes=True)
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, StatelessSymbolicContext
+
+    ctx: Any = StatelessSymbolicContext(
+        dynamic_sizes=[DimDynamic.DYNAMIC if (i, d) in dims else DimDynamic.STATIC for d in range(a.dim())],
+        constraint_sizes=[None] * a.dim())
+    return fake.from_tensor(a, static_shapes=False, symbolic_context=ctx, source=load_dim_source()(f"t{i}"))
 
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)

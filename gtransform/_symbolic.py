@@ -1,0 +1,179 @@
+"""Sizes that vary: one symbolic trace for every size of a dimension seen to vary.
+
+A graphified function is traced per signature, and a signature holds every size. When a
+call differs from an earlier signature only in the sizes of some dimensions (a batch
+that grows, a prompt of another length), those dimensions are traced once more with
+symbolic sizes (``_trace``, a shape environment of torch's, as ``torch.compile``'s
+automatic dynamic shapes do); each later size whose guards hold takes that plan as it
+is: a new size costs a recording (warm-up and capture), not a trace.
+
+The calls of one *family* are those whose keys agree but for the sizes of contiguous
+tensor inputs. A family takes a symbolic trace only where:
+
+* the sizes that vary are 2 or more on both calls (0 and 1 are specialised, as torch does);
+* the calls are not differentiated through gtransform's autograd wrapper (its joint
+  trace is made per size): inference, ``torch.no_grad()``, and functions that run their
+  own backward (a whole training step) are;
+* the function did not pin a symbol (``if x.shape[0] == 8``, an ``int(x.shape[0])`` that
+  decides something), return a view of an input with a symbolic shape, freeze a host read or change Python
+  values while tracing.
+
+Anything else, or a trace that fails symbolically, is traced per size as before (the
+family tries at most :data:`TRIES` symbolic traces). This module keeps the families'
+books; ``_lookup`` consults it before it traces.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from collections import OrderedDict
+from typing import Any, FrozenSet, Hashable, List, Optional, Sequence, Tuple
+
+import torch
+
+from ._log import log
+
+__all__ = ["Family", "Families", "TRIES", "family_key", "shared_plan", "sizes_line", "dim_names", "shareable"]
+
+TRIES = 2  # symbolic traces a family may take (a new dimension that varies later: the second)
+
+
+def family_key(key: Tuple[Any, ...], tpos: Sequence[int], tensors: Sequence[torch.Tensor]) -> Hashable:
+    """A call's key with the sizes of its contiguous tensor inputs left out (their number of dims kept)."""
+    spec, parts, *rest = key
+    general = list(parts)
+    for p, t in zip(tpos, tensors):
+        if t.is_contiguous():
+            typ, _shape, _stride, dtype, device, rg = parts[p]
+            general[p] = (typ, t.dim(), dtype, device, rg)
+    return (spec, tuple(general), *rest)
+
+
+class Family:
+    """The calls of one family key: the first call's sizes, the symbolic plan and its dimensions."""
+
+    __slots__ = ("shapes", "dims", "plan", "tries", "why")
+
+    def __init__(self, shapes: List[Tuple[int, ...]]):
+        self.shapes = shapes  # the tensor inputs' sizes of the first call
+        self.dims: FrozenSet[Tuple[int, int]] = frozenset()  # the symbolic plan's (input, dim)
+        self.plan: Any = None  # the symbolic plan (a _trace.Plan whose ``sizes`` is set)
+        self.tries = 0
+        self.why = ""  # why the last symbolic trace is not shared (for describe/logs)
+
+    def varying(self, tensors: Sequence[torch.Tensor]) -> FrozenSet[Tuple[int, int]]:
+        """The ``(input, dim)`` whose size differs from the first call's."""
+        return frozenset((k, d) for k, (a, t) in enumerate(zip(self.shapes, tensors))
+                         for d, (x, y) in enumerate(zip(a, t.shape)) if x != y)
+
+    def plan_for(self, tensors: Sequence[torch.Tensor]) -> Any:
+        """The symbolic plan where it holds for these tensors' sizes, else None."""
+        plan = self.plan
+        if plan is None or not self.varying(tensors) <= self.dims:
+            return None
+        if any(tensors[k].shape[d] < 2 for k, d in self.dims):
+            return None  # (0 and 1 are specialised: a trace of their own)
+        return plan if plan.sizes.holds(tensors) else None
+
+    def dims_to_trace(self, tensors: Sequence[torch.Tensor]) -> FrozenSet[Tuple[int, int]]:
+        """The dimensions a symbolic trace of this call would take, or none (trace it as is)."""
+        if self.tries >= TRIES:
+            return frozenset()
+        dims = self.dims | self.varying(tensors)
+        if not dims or dims == self.dims or any(
+                self.shapes[k][d] < 2 or tensors[k].shape[d] < 2 for k, d in dims):
+            return frozenset()
+        return dims
+
+    def adopt(self, plan: Any, dims: FrozenSet[Tuple[int, int]], shared: bool, desc: str) -> None:
+        """The result of a symbolic trace over ``dims``: kept for the family's next sizes where ``shared``."""
+        self.tries += 1
+        why = "" if shared else _not_shared(plan)
+        if not why:
+            self.plan, self.dims, self.why = plan, dims, ""
+            log.info("%s: traced once for every size of %s", desc, ", ".join(dim_names(plan, dims)))
+        else:
+            self.why = why
+            log.info("%s: the symbolic trace over %s is kept for this size alone: %s", desc,
+                     ", ".join(dim_names(plan, dims)), why)
+
+
+def _not_shared(plan: Any) -> str:
+    if plan.sizes is None:
+        return ("the function fixed a size that varies (compared it with a number, or made a Python int "
+                "of it), or returned a view of an input of a varying size")
+    if plan.frozen:
+        return "the trace froze a host read"
+    if plan.py_changes:
+        return "the trace changed Python values"
+    return "the call is differentiated through gtransform's autograd wrapper (its joint trace is per size)"
+
+
+def dim_names(plan: Any, dims: FrozenSet[Tuple[int, int]]) -> List[str]:
+    """``x.size(0)`` for each dimension, by the input's leaf path."""
+    return [f"{plan.in_paths[k]}.size({d})" for k, d in sorted(dims)]
+
+
+def sizes_line(plan: Any) -> str:
+    """describe(): the symbolic dimensions of a plan and its guards, by the inputs' leaf paths."""
+    code = plan.sizes.code
+    if code:
+        code = re.sub(r"L\['t(\d+)'\]", lambda m: plan.in_paths[int(m.group(1))], code)
+    return f"one symbolic trace for every size of {', '.join(dim_names(plan, plan.sizes.dims))} " \
+           f"(guards: {code or 'none'})"
+
+
+def shareable(plan: Any) -> bool:
+    """Whether a symbolic plan (not yet known to be differentiated) can serve other sizes."""
+    return plan.sizes is not None and not plan.frozen and not plan.py_changes
+
+
+def shared_plan(plan: Any, fuse: bool) -> Any:
+    """The family's plan for one more signature: its own copy of the per-signature caches.
+
+    The graph, the output rules and the state are shared, and so is the fused graph
+    (``fuse``: compiled once, with symbolic sizes); what a plan caches for the signature
+    that runs it (the collectives' bookkeeping) starts empty.
+    """
+    if fuse:
+        plan.fused()  # (made now, compiled on its first call: one compile for the family)
+    p = copy.copy(plan)
+    p.__dict__ = {k: v for k, v in plan.__dict__.items() if not k.startswith("_gt_")}
+    p.shared = True
+    return p
+
+
+class Families:
+    """One thread's families of a graphified function (bounded, least recently used first out)."""
+
+    __slots__ = ("d", "limit")
+
+    def __init__(self) -> None:
+        self.d: OrderedDict[Hashable, Family] = OrderedDict()
+        self.limit: Optional[int] = 64
+
+    def get(self, key: Hashable, tensors: Sequence[torch.Tensor]) -> Family:
+        """The family of ``key`` (made with these tensors' sizes on its first call)."""
+        f = self.d.get(key)
+        if f is None:
+            f = self.d[key] = Family([tuple(t.shape) for t in tensors])
+            if self.limit is not None and len(self.d) > self.limit:
+                del self.d[next(iter(self.d))]
+        else:
+            self.d.move_to_end(key)
+        return f
+
+    def clear(self) -> None:
+        self.d.clear()
+
+    def lines(self) -> List[str]:
+        """describe(): each family's symbolic plan, or why its symbolic trace serves one size."""
+        out = []
+        for f in self.d.values():
+            if f.plan is not None:
+                out.append(f"sizes that vary: {sizes_line(f.plan)}")
+            elif f.why:
+                out.append(f"sizes that vary: a symbolic trace kept for one size: {f.why}")
+        return out
+

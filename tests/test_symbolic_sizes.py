@@ -1,0 +1,229 @@
+"""A dimension seen to vary is traced once symbolically (issue #36 item 1).
+
+A call that differs from an earlier signature only in the sizes of some dimensions is
+traced once more with those sizes as symbols; every later size whose guards hold is
+recorded from that trace without tracing. Each call is compared with eager; traces are
+counted by wrapping ``gtransform._lookup.trace``; the suite turns warnings into errors.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import assert_close, stale
+from hypothesis import given, settings
+from hypothesis import strategies as hst
+
+import gtransform as gt
+import gtransform._lookup as lookup
+
+
+@pytest.fixture
+def traces(monkeypatch: pytest.MonkeyPatch) -> list:
+    """The ``dims`` of every trace made (``frozenset()``: traced as is)."""
+    made: list = []
+    real = lookup.trace
+
+    def counting(*a, **kw):
+        made.append(a[9] if len(a) > 9 else kw.get("dims", frozenset()))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(lookup, "trace", counting)
+    return made
+
+
+def _mlp(device: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)).to(device).eval()
+
+
+def test_a_new_batch_size_is_recorded_without_a_trace(device, traces):
+    m = _mlp(device)
+    f = gt.graphify(lambda x: m(x).softmax(-1) * x.shape[0])
+    with torch.no_grad():
+        for n in (4, 4, 8, 8, 5, 5, 7, 12, 33, 12):
+            x = torch.randn(n, 8, device=device)
+            assert_close(f(x), m(x).softmax(-1) * n)
+    # 4: as is; 8: symbolic over args[0].size(0); 5, 7, 12, 33: recorded from it
+    assert traces == [frozenset(), frozenset({(0, 0)})]
+    assert f.cache_info().currsize == 6
+    d = f.describe()
+    assert "one symbolic trace for every size of args[0].size(0)" in d
+    assert d.count("this signature was not traced, only recorded") == 4
+
+
+def test_outputs_of_a_size_recorded_from_the_symbolic_trace_go_stale(device):
+    m = _mlp(device)
+
+    def head(x):
+        return m(x)
+
+    f = gt.graphify(head)
+    with torch.no_grad():
+        for n in (4, 4, 6, 6):
+            f(torch.randn(n, 8, device=device))
+        a = f(torch.randn(9, 8, device=device))  # recorded from the symbolic trace
+        a2 = a.clone()
+        b = f(torch.randn(9, 8, device=device))
+        with pytest.raises(gt.OverwrittenOutputError, match=stale("head")):
+            a + 1
+        assert not torch.equal(a2, b)
+
+
+def test_several_dimensions_vary(device, traces):
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(50, 16).to(device)
+    att = torch.nn.MultiheadAttention(16, 2, batch_first=True).to(device).eval()
+
+    def f(ids):
+        h = emb(ids)
+        causal = torch.triu(torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool, device=ids.device), 1)
+        return att(h, h, h, attn_mask=causal, need_weights=False)[0].mean(1)
+
+    g = gt.graphify(f)
+    with torch.no_grad():
+        for b, s in ((2, 8), (2, 8), (3, 8), (3, 8), (5, 8), (4, 12), (4, 12), (6, 5), (7, 9)):
+            ids = torch.randint(0, 50, (b, s), device=device)
+            assert_close(g(ids), f(ids))
+    # (2, 8) as is; (3, 8) symbolic over dim 0; (4, 12) over both; (6, 5), (7, 9) recorded
+    assert traces == [frozenset(), frozenset({(0, 0)}), frozenset({(0, 0), (0, 1)})]
+
+
+def test_a_branch_on_a_size_is_guarded(device, traces):
+    def f(x):
+        return x * 2 if x.shape[0] > 6 else x * 3
+
+    g = gt.graphify(f)
+    for n in (4, 5, 3, 9, 10, 6, 2):
+        x = torch.randn(n, 3, device=device)
+        assert_close(g(x), f(x))
+    # 4 as is; 5 symbolic (guard: size <= 6), 3, 6 and 2 recorded from it; 9 fails the guard: a
+    # second symbolic trace would not widen the dims, so it is traced as is, and so is 10
+    assert traces[:2] == [frozenset(), frozenset({(0, 0)})]
+    assert len(traces) == 4 and not traces[2] and not traces[3]
+
+
+def test_a_size_the_function_pins_is_not_shared(device, traces):
+    def f(x):
+        if x.shape[0] == 5:
+            return x + 100
+        return x - 1
+
+    g = gt.graphify(f)
+    for n in (4, 5, 6, 7, 5, 8):
+        x = torch.randn(n, 2, device=device)
+        assert_close(g(x), f(x))
+    # 5: the symbolic trace pins the size (kept for 5 alone); 6: a second symbolic trace
+    # (guard: size != 5) serves 7 and 8
+    assert traces == [frozenset(), frozenset({(0, 0)}), frozenset({(0, 0)})]
+    assert "one symbolic trace for every size of args[0].size(0)" in g.describe()
+
+
+def test_sizes_zero_and_one_are_traced_on_their_own(device, traces):
+    f = gt.graphify(lambda x: x.sum(0) + x.shape[0])
+    for n in (3, 4, 1, 0, 5, 1):
+        x = torch.randn(n, 2, device=device)
+        assert_close(f(x), x.sum(0) + n)
+    assert traces == [frozenset(), frozenset({(0, 0)}), frozenset(), frozenset()]
+
+
+def test_a_returned_view_of_an_input_is_rebuilt_per_size(device):
+    f = gt.graphify(lambda x: (x[:, :2], x.relu()))
+    for n in (3, 4, 5, 6):
+        x = torch.randn(n, 4, device=device)
+        v, r = f(x)
+        assert v.data_ptr() == x.data_ptr() and v.shape == (n, 2)
+        assert_close(r, x.relu())
+
+
+def test_differentiated_calls_are_traced_per_size(device, traces):
+    m = _mlp(device)
+    f = gt.graphify(lambda x: m(x).square().mean())
+    for n in (4, 6, 7):
+        x = torch.randn(n, 8, device=device, requires_grad=True)
+        f(x).backward()
+        g_ref = torch.autograd.grad(m(x).square().mean(), x)[0]
+        assert_close(x.grad, g_ref)
+    assert all(not d for d in traces)
+
+
+def test_a_training_step_with_a_varying_batch_matches_eager(device, traces):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)).to(device)
+    ref = copy.deepcopy(model)
+    kw = {"capturable": True} if device == "cuda" else {"fused": True}  # (the step count on the device)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2, **kw)
+    opt_ref = torch.optim.Adam(ref.parameters(), lr=1e-2, **kw)
+
+    def step(m, o, x, y):
+        o.zero_grad()
+        loss = torch.nn.functional.mse_loss(m(x), y)
+        loss.backward()
+        o.step()
+        return loss.detach()
+
+    g = gt.graphify(lambda x, y: step(model, opt, x, y))
+    for n in (4, 4, 6, 6, 5, 9, 7, 9):
+        x, y = torch.randn(n, 8, device=device), torch.randn(n, 1, device=device)
+        assert_close(g(x, y), step(ref, opt_ref, x, y))
+        for p, q in zip(model.parameters(), ref.parameters()):
+            assert_close(p, q)
+    # 4 and 6: the optimizer's first call of each runs eagerly, and the next one traces
+    # (6: symbolically over x and y's dim 0); 5, 9 and 7 are recorded from it
+    both = frozenset({(0, 0), (1, 0)})
+    assert traces == [frozenset(), frozenset(), both, both]
+
+
+def test_cache_clear_forgets_the_symbolic_trace(device, traces):
+    f = gt.graphify(lambda x: x * 2)
+    for n in (3, 4, 5):
+        f(torch.randn(n, device=device))
+    f.cache_clear()
+    for n in (6, 7):
+        assert_close(f(torch.ones(n, device=device)), torch.full((n,), 2.0, device=device))
+    assert traces == [frozenset(), frozenset({(0, 0)}), frozenset(), frozenset({(0, 0)})]
+
+
+@settings(max_examples=15, deadline=None, derandomize=True)
+@given(sizes=hst.lists(hst.tuples(hst.integers(0, 9), hst.integers(1, 6)), min_size=1, max_size=10))
+def test_any_sequence_of_sizes_matches_eager(sizes):
+    torch.manual_seed(0)
+    w = torch.randn(6, 3)
+
+    def f(x, y):
+        h = x @ w[: x.shape[-1]]
+        return h.tanh().sum(0) * y.shape[0] + y.mean()
+
+    g = gt.graphify(f)
+    for n, k in sizes:
+        x, y = torch.randn(n, k), torch.randn(k + 1)
+        assert_close(g(x, y), f(x, y))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_fuse_compiles_once_for_every_size(monkeypatch):
+    from gtransform.fuse import _inductor
+
+    compiles: list = []
+    real = _inductor._Inductor._compile
+
+    def counting(self, args, dims):
+        compiles.append(dims)
+        return real(self, args, dims)
+
+    monkeypatch.setattr(_inductor._Inductor, "_compile", counting)
+
+    def chain(x):
+        for _ in range(10):
+            x = (x * 1.01 + 0.1).sin()
+        return x.sum(-1)
+
+    f = gt.graphify(chain, fuse=True)
+    for n in (16, 16, 24, 24, 40, 100, 40):
+        x = torch.randn(n, 32, device="cuda")
+        assert_close(f(x), chain(x))
+    # 16: a static compile; 24: the symbolic one, which 40 and 100 reuse
+    assert compiles == [frozenset(), frozenset({(0, 0)})]
