@@ -53,6 +53,8 @@ to import); gtransform reads these:
   ``fuse/_gemv``); OpOverloadPacket: ``_qualified_op_name`` (``_trace``: sparse makers).
 * torch.fx: ``Graph._root``, ``Node._prev``, ``Node._next`` (``_watch``: the nodes an op
   recorded, for their source lines).
+* ``torch.fx.experimental.symbolic_shapes.SymNode``: ``_expr`` (``_trace``: the symbol a size
+  was made with, to name the guard that fixed it; ``getattr`` with a default).
 * autograd's ``BackwardCFunction``: ``_forward_cls`` (``_trace``: names in messages, ``getattr``
   with a default).
 * the module ``torch.autograd.forward_ad``: ``_current_level`` (-1 unless a dual level is open),
@@ -122,7 +124,7 @@ __all__ = [
     "c10d_allgather_base", "c10d_reduce_scatter_base",
     # inductor (gtransform.fuse)
     "load_inductor_config", "load_maybe_warm_pool", "load_compile_fx", "load_tracing_context",
-    "load_set_triton_ptxas_path", "load_static_launcher_class", "load_dim_source",
+    "load_set_triton_ptxas_path", "load_static_launcher_class", "load_dim_source", "load_enable_python_dispatcher",
 ]
 
 OPTIONAL: Dict[str, str] = {
@@ -581,3 +583,16 @@ def load_dim_source() -> Callable[[str], Any]:
     from torch._dynamo.source import ConstantSource
 
     return lambda name: ConstantSource(source_name=name)
+
+
+def load_enable_python_dispatcher() -> Callable[[], Any]:
+    """``torch._dispatch.python.enable_python_dispatcher`` (``_trace``: around a symbolic trace).
+
+    With it, composite operations run their Python decompositions, which keep sizes symbolic;
+    without it, some of torch 2.11's C++ composites (``masked_fill``) read concrete sizes and
+    fix the symbol. ``make_fx(tracing_mode="symbolic")`` and AOTAutograd enable it the same way.
+    Checked: 2.11 (GPU image; run by the GPU suite), 2.13.0.
+    """
+    from torch._dispatch.python import enable_python_dispatcher
+
+    return enable_python_dispatcher

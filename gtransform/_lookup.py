@@ -211,9 +211,10 @@ def _new_signature(g: Any, st: ThreadState, ck: CallKey, call: Call,
         cuda = True
     found = _settle(g, st, ck, call, plan, cuda, record)
     e = st.cache.get(ck.key) or st.pending.get(ck.key)
-    if fam is not None and plan.sizes is not None and e is not None:
-        # (no entry: an eager first call whose trace is not kept; the next call's trace is adopted)
-        fam.adopt(plan, plan.sizes.dims, not e.any_rg and shareable(plan), g._desc)
+    if fam is not None and (plan.sizes is not None or plan.sizes_pinned) and (e is not None or plan.sizes is None):
+        # (traced symbolically; no entry: an eager first call whose trace is not kept, and the
+        # next call's trace is adopted)
+        fam.adopt(plan, dims, e is not None and not e.any_rg and shareable(plan), g._desc)
     return found
 
 

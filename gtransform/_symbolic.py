@@ -101,8 +101,8 @@ class Family:
 
 def _not_shared(plan: Any) -> str:
     if plan.sizes is None:
-        return ("the function fixed a size that varies (compared it with a number, or made a Python int "
-                "of it), or returned a view of an input of a varying size")
+        return (f"{plan.sizes_pinned or 'a size that varies was fixed'} (compared with a number, made a "
+                "Python int, or the size of a returned view of an input)")
     if plan.frozen:
         return "the trace froze a host read"
     if plan.py_changes:

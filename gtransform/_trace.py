@@ -13,6 +13,7 @@ for ``fuse=True``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import sys
@@ -280,6 +281,7 @@ class Plan:
     # traced with symbolic sizes (see _symbolic): the sizes it holds for, or None
     sizes: Optional[SymbolicSizes] = None
     shared: bool = False  # this signature's copy of another's symbolic plan: not traced
+    sizes_pinned: str = ""  # traced symbolically, but a size was fixed: which, and where
 
     def __post_init__(self) -> None:
         self.tensor_entries = [e for e in self.out_entries if e.kind != "const"]
@@ -356,18 +358,30 @@ def _symbolic_fakes(env: Any, specs: Sequence[Tuple[Any, ...]], dims: FrozenSet[
     return out
 
 
-def _holds_for_sizes(env: Any, fakes: Sequence[torch.Tensor], dims: FrozenSet[Tuple[int, int]]) -> Optional[SymbolicSizes]:
-    """The symbolic plan's sizes, or None where the trace pinned a symbol to its value.
+def _holds_for_sizes(env: Any, fakes: Sequence[torch.Tensor], dims: FrozenSet[Tuple[int, int]],
+                     paths: Sequence[str]) -> Tuple[Optional[SymbolicSizes], str]:
+    """The symbolic plan's sizes, or None and where the trace pinned a symbol to its value.
 
     A symbol the function compared with a constant (``if x.shape[0] == 8``), or converted to
     a Python int, is pinned: the plan holds for that size alone. So is the size of an output
     that is a view of an input (rebuilt from concrete sizes at call time: see ``_entry``).
     """
-    for i, d in dims:
+    for i, d in sorted(dims):
         s = fakes[i].shape[d]
         if not isinstance(s, torch.SymInt) or env.replace(s.node.expr).is_number:
-            return None
-    return SymbolicSizes(frozenset(dims), env, env.produce_guards_expression(list(fakes)))
+            return None, f"{paths[i]}.size({d}) was fixed to its value{_pin_site(env, s)}"
+    return SymbolicSizes(frozenset(dims), env, env.produce_guards_expression(list(fakes))), ""
+
+
+def _pin_site(env: Any, s: Any) -> str:
+    """Where the shape environment's guard that fixed symbol ``s`` was made (best effort)."""
+    node = getattr(s, "node", None)
+    sym = getattr(node, "_expr", None)  # (its .expr reads through the replacement: the value)
+    for g in getattr(env, "guards", ()):
+        expr = getattr(g, "expr", None)
+        if sym is not None and expr is not None and sym in getattr(expr, "free_symbols", ()):
+            return f" ({expr}, at {getattr(g, 'sloc', '?')})"
+    return ""
 
 
 class _TraceMode(FakeTensorMode):
@@ -974,6 +988,14 @@ class _Tracing:
         outs = [x for x in leaves if isinstance(x, torch.Tensor)] + [f for _, f in scan.escapes]
         return tuple(_resolved(outs, list(tensors) + list(watch.state_fakes)))
 
+    def dispatcher(self) -> Any:
+        """A symbolic trace runs composites' Python decompositions (sizes kept symbolic), as torch's own do."""
+        if self.env is None:
+            return contextlib.nullcontext()
+        from ._compat import load_enable_python_dispatcher
+
+        return load_enable_python_dispatcher()()
+
     def make_fx(self) -> Tuple[torch.fx.GraphModule, List[str]]:
         """``make_fx`` of :meth:`flat_fn`, its failures told as the user's; and what it drew on the host."""
         desc, cuda = self.desc, self.cuda
@@ -983,7 +1005,7 @@ class _Tracing:
             try:
                 # fx tracing keeps global state (its patcher): one trace at a time. What the
                 # trace changes in torch, for this thread only: see _patches
-                with TRACE_LOCK, trace_scope(), _no_seeding(desc), self.mode:
+                with TRACE_LOCK, trace_scope(), _no_seeding(desc), self.mode, self.dispatcher():
                     _ACTIVE.depth = _ACTIVE.__dict__.get("depth", 0) + 1
                     try:
                         gm = make_fx(self.flat_fn, tracing_mode="real", _allow_non_fake_inputs=True)(*self.fakes)
@@ -1112,6 +1134,7 @@ class _Tracing:
         entries, esc_entries = self.outputs()
         watch, fnwatch, scan, paths = self.watch, self.fnwatch, self.box["scan"], self.paths
         state_slots = [self.index.slot_of(t) for t in watch.state]
+        sizes, pinned = _holds_for_sizes(self.env, self.fakes, self.dims, paths) if self.dims else (None, "")
         return Plan(
             gm=gm,
             in_paths=paths,
@@ -1146,7 +1169,8 @@ class _Tracing:
             cuda=self.cuda,
             frozen=list(frozen.reads) if frozen is not None else [],
             frozen_guard=guard_refs(frozen) if frozen is not None else {},
-            sizes=_holds_for_sizes(self.env, self.fakes, self.dims) if self.dims else None,
+            sizes=sizes,
+            sizes_pinned=pinned,
         )
 
 
