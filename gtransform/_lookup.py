@@ -214,7 +214,7 @@ def _new_signature(g: Any, st: ThreadState, ck: CallKey, call: Call,
     if fam is not None and (plan.sizes is not None or plan.sizes_pinned) and (e is not None or plan.sizes is None):
         # (traced symbolically; no entry: an eager first call whose trace is not kept, and the
         # next call's trace is adopted)
-        fam.adopt(plan, dims, e is not None and not e.any_rg and shareable(plan), g._desc)
+        fam.adopt(plan, dims or frozenset(), e is not None and not e.any_rg and shareable(plan), g._desc)
     return found
 
 
