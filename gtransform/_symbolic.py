@@ -7,7 +7,7 @@ symbolic sizes (``_trace``, a shape environment of torch's, as ``torch.compile``
 automatic dynamic shapes do); each later size whose guards hold takes that plan as it
 is: a new size costs a recording (warm-up and capture), not a trace.
 
-The calls of one *family* are those whose keys agree but for the sizes of contiguous
+The calls of one *family* are those whose keys agree but for the sizes of row-major
 tensor inputs. A family takes a symbolic trace only where:
 
 * the sizes that vary are 2 or more on both calls (0 and 1 are specialised, as torch does);
@@ -40,14 +40,27 @@ TRIES = 2  # symbolic traces a family may take (a new dimension that varies late
 
 
 def family_key(key: Tuple[Any, ...], tpos: Sequence[int], tensors: Sequence[torch.Tensor]) -> Hashable:
-    """A call's key with the sizes of its contiguous tensor inputs left out (their number of dims kept)."""
+    """A call's key with the sizes of its row-major tensor inputs left out (their number of dims kept).
+
+    Only inputs whose strides are exactly the row-major ones of their sizes (what the symbolic
+    trace's stand-ins have, size-1 dimensions included) lose their sizes; the others keep
+    their whole entry, and calls that differ in them are of different families.
+    """
     spec, parts, *rest = key
     general = list(parts)
     for p, t in zip(tpos, tensors):
-        if t.is_contiguous():
+        if t.stride() == _row_major(t.shape):
             typ, _shape, _stride, dtype, device, rg = parts[p]
             general[p] = (typ, t.dim(), dtype, device, rg)
     return (spec, tuple(general), *rest)
+
+
+def _row_major(shape: Sequence[int]) -> Tuple[int, ...]:
+    out, acc = [], 1
+    for n in reversed(shape):
+        out.append(acc)
+        acc *= n
+    return tuple(reversed(out))
 
 
 class Family:

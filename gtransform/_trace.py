@@ -351,7 +351,7 @@ def _symbolic_fakes(env: Any, specs: Sequence[Tuple[Any, ...]], dims: FrozenSet[
                     sym = env.create_symbol(size[d], src, DimDynamic.DYNAMIC)
                     sizes[d] = env.create_symintnode(sym, hint=size[d], source=src)
             acc: Any = 1
-            for d in reversed(range(len(size))):  # (the input is contiguous: see _symbolic.family_key)
+            for d in reversed(range(len(size))):  # (the input is row-major: see _symbolic.family_key)
                 strides[d] = acc
                 acc = acc * sizes[d]
         out.append((sizes, strides))

@@ -229,3 +229,26 @@ def test_fuse_compiles_once_for_every_size(monkeypatch):
         assert_close(f(x), chain(x))
     # 16: a static compile; 24: the symbolic one, which 40 and 100 reuse
     assert compiles == [frozenset(), frozenset({(0, 0)})]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_fuse_compiles_each_size_where_the_symbolic_compile_fails(monkeypatch):
+    from gtransform.fuse import _inductor
+
+    compiles: list = []
+    real = _inductor._Inductor._compile
+
+    def failing(self, args, dims):
+        compiles.append(dims)
+        if dims:
+            raise RuntimeError("inductor cannot compile these dynamic shapes")
+        return real(self, args, dims)
+
+    monkeypatch.setattr(_inductor._Inductor, "_compile", failing)
+    f = gt.graphify(lambda x: (x * 3).cos().sum(-1), fuse=True)
+    for n in (8, 8, 12, 12, 20, 12):
+        x = torch.randn(n, 16, device="cuda")
+        assert_close(f(x), (x * 3).cos().sum(-1))
+    # 8: static; 12: the symbolic compile fails once, then 12 and 20 each compile on their own
+    assert compiles == [frozenset(), frozenset({(0, 0)}), frozenset(), frozenset()]

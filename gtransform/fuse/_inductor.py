@@ -89,29 +89,41 @@ class _Inductor:
     copy of the graph: its passes rewrite the graph they are given.
     """
 
-    __slots__ = ("gm", "dims", "fn", "guards", "env", "by_size")
+    __slots__ = ("gm", "dims", "fn", "guards", "env", "by_size", "failed")
 
     def __init__(self, gm: torch.fx.GraphModule, dims: Any = None):
         self.gm = gm
-        # (input, dim) compiled as symbolic sizes (a plan traced symbolically: see
-        # gtransform._symbolic): one compile serves every size whose guards hold
+        # (input, dim) compiled as symbolic sizes (a plan traced symbolically, shared by the
+        # signatures of every size: see gtransform._symbolic): one compile serves every size
+        # whose guards hold
         self.dims = frozenset(dims or ())
         self.fn: Any = None
         self.guards: Any = None  # the symbolic compile's guards (code over the inputs), checked per size
         self.env: Any = None
-        self.by_size: dict = {}  # sizes the symbolic compile's guards refuse: one static compile each
+        self.by_size: dict = {}  # sizes the symbolic compile does not serve: one static compile each
+        self.failed = False  # the symbolic compile raised: every size compiled on its own
 
     def __call__(self, *args: Any) -> Any:
-        fn = self.fn
+        if not self.dims:  # (one signature: its sizes only)
+            if self.fn is None:
+                self.fn = self._compile(args, frozenset())
+            return self.fn(*args)
+        if self.fn is None and not self.failed:
+            try:
+                self.fn = self._compile(args, self.dims)
+            except Exception as err:  # (inductor's dynamic shapes: each size compiled on its own instead)
+                self.failed = True
+                log.warning("fuse=True: compiling for every size failed (%s: %s); each size is compiled "
+                            "on its own", type(err).__name__, str(err).splitlines()[0][:200] if str(err) else "")
+        if self.fn is not None and (self.guards is None or self.env.evaluate_guards_expression(self.guards, args)):
+            return self.fn(*args)
+        shapes = tuple(tuple(a.shape) for a in args if isinstance(a, torch.Tensor))
+        fn = self.by_size.get(shapes)
         if fn is None:
-            fn = self.fn = self._compile(args, self.dims)
-        elif self.dims and self.guards is not None and not self.env.evaluate_guards_expression(self.guards, args):
-            shapes = tuple(tuple(a.shape) for a in args if isinstance(a, torch.Tensor))
-            fn = self.by_size.get(shapes)
-            if fn is None:
+            if self.fn is not None:
                 log.info("fuse=True: the symbolic compile's guards (%s) refuse these sizes: compiled for them",
                          self.guards)
-                fn = self.by_size[shapes] = self._compile(args, frozenset())
+            fn = self.by_size[shapes] = self._compile(args, frozenset())
         return fn(*args)
 
     def _compile(self, args: Any, dims: Any) -> Any:
