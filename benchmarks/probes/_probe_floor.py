@@ -1,6 +1,7 @@
 """Issue #36 item 4, "no cliff": gt's per call against the same work captured and replayed by hand.
 
-    python benchmarks/probes/_probe_floor.py [rl] [train]     (both by default; CUDA)
+    python benchmarks/probes/_probe_floor.py [rl] [train] [prof]     (both by default; CUDA; prof: a
+                                                                   profile of gt's RL calls)
 
 rl     the RL policy step of the benchmark (benchmarks/workloads/synthetic.py: 2x64 tanh MLP, gaussian
        sample, batch 16) with ``fuse=True``: the recording's own fused callable (inductor's kernels)
@@ -97,6 +98,15 @@ def rl() -> None:
 
     r = per_call({"floor": floor, "floor+copy": floor_copy, "gt_same": gt_same, "gt_new": gt_new,
                   "gt_held": gt_held}, 3000)
+    if "prof" in sys.argv:  # where gt's call spends its host time
+        import cProfile
+        import pstats
+
+        pr = cProfile.Profile()
+        pr.enable()
+        gt_same(3000)
+        pr.disable()
+        pstats.Stats(pr).sort_stats("tottime").print_stats(12)
     print("rl fused (µs):", " ".join(f"{k} {v:.2f}" for k, v in r.items()),
           f"| gt_same/floor {r['gt_same'] / r['floor']:.3f} gt_held/floor {r['gt_held'] / r['floor']:.3f} "
           f"gt_new/floor+copy {r['gt_new'] / r['floor+copy']:.3f}", flush=True)
@@ -164,7 +174,7 @@ def train() -> None:
 
 
 if __name__ == "__main__":
-    which = sys.argv[1:] or ["rl", "train"]
+    which = [a for a in sys.argv[1:] if a != "prof"] or ["rl", "train"]
     if "rl" in which:
         rl()
     if "train" in which:
