@@ -252,3 +252,26 @@ def test_fuse_compiles_each_size_where_the_symbolic_compile_fails(monkeypatch):
         assert_close(f(x), (x * 3).cos().sum(-1))
     # 8: static; 12: the symbolic compile fails once, then 12 and 20 each compile on their own
     assert compiles == [frozenset(), frozenset({(0, 0)}), frozenset(), frozenset()]
+
+
+def test_a_fixed_size_is_named_with_its_guard_and_line(device):
+    def f(x):
+        return x.reshape(int(x.shape[0]), -1) + 1  # int(): the symbolic size is fixed here
+
+    g = gt.graphify(f)
+    for n in (3, 4):
+        x = torch.randn(n, 2, device=device)
+        assert_close(g(x), f(x))
+    d = g.describe()
+    assert "a symbolic trace kept for one size: args[0].size(0) was fixed to its value (Eq(" in d
+    assert "in f)" in d  # (where the guard was made: the function's line)
+
+
+def test_many_sizes_warn_once_with_the_options_that_bound_them(device):
+    f = gt.graphify(lambda x: x + 1)
+    with pytest.warns(gt.RerecordWarning) as caught:
+        for n in range(2, 20):
+            f(torch.ones(n, device=device))
+    text = str(caught[0].message)
+    assert "a trace unless it differs from an earlier one only in sizes" in text
+    assert "record_sizes=N" in text and "buckets=" in text
