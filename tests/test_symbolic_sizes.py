@@ -275,3 +275,12 @@ def test_many_sizes_warn_once_with_the_options_that_bound_them(device):
     text = str(caught[0].message)
     assert "a trace unless it differs from an earlier one only in sizes" in text
     assert "record_sizes=N" in text and "buckets=" in text
+
+
+def test_explain_says_a_new_size_is_recorded_without_a_trace(device):
+    f = gt.graphify(lambda x: x * 2)
+    for n in (3, 4, 5):
+        f(torch.ones(n, 2, device=device))
+    assert f.explain(torch.ones(9, 2, device=device)).endswith(
+        "args[0]: shape (3, 2) -> (9, 2) (recorded from the symbolic trace of its sizes, not traced)")
+    assert "symbolic" not in f.explain(torch.ones(1, 2, device=device))  # (size 1: a trace of its own)
