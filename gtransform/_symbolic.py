@@ -180,7 +180,7 @@ class Families:
     def clear(self) -> None:
         self.d.clear()
 
-    def shared_for(self, key: Hashable, tpos: Sequence[int], tensors: Sequence[torch.Tensor]) -> bool:
+    def shared_for(self, key: Tuple[Any, ...], tpos: Sequence[int], tensors: Sequence[torch.Tensor]) -> bool:
         """explain(): whether a call of this key would be recorded from its family's symbolic trace."""
         f = self.d.get(family_key(key, tpos, tensors))
         return f is not None and f.plan_for(tensors) is not None
