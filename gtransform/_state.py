@@ -530,6 +530,32 @@ class Snapshot:
                 seen.add(id(obj))
                 self.items.append(("object", r.name, obj, dict(vars(obj))))
 
+    def concretize(self, is_symbolic: Callable[[Any], bool], concrete: Callable[[Any], Any]) -> None:
+        """Replace the symbolic sizes a symbolic trace left in the roots' Python values by numbers.
+
+        (``self.n = x.shape[0]`` in a module, ``cache["n"] = ...``, an optimizer's group:
+        eager leaves the call's number there; a symbol would outlive its trace.)
+        """
+        for kind, _path, obj, _saved in self.items:
+            if kind == "list":
+                d: Any = dict(enumerate(obj))
+            elif kind == "dict":
+                d = obj
+            elif kind in ("module", "object"):
+                d = vars(obj)
+            elif kind == "optimizer":
+                for g in obj.param_groups:
+                    for k in [k for k, v in g.items() if is_symbolic(v)]:
+                        g[k] = concrete(g[k])
+                d = vars(obj)
+            else:
+                continue
+            for k in [k for k, v in d.items() if is_symbolic(v)]:
+                if kind == "list":
+                    obj[k] = concrete(obj[k])
+                else:
+                    d[k] = concrete(d[k])
+
     def scan(self, is_fake: Callable[[Any], bool]) -> ScanResult:
         """What the trace left in the roots: fakes (escapes) and changed Python numbers."""
         res = ScanResult()

@@ -373,6 +373,30 @@ def _holds_for_sizes(env: Any, fakes: Sequence[torch.Tensor], dims: FrozenSet[Tu
     return SymbolicSizes(frozenset(dims), env, env.produce_guards_expression(list(fakes))), ""
 
 
+_SYM_TYPES = (torch.SymInt, torch.SymFloat, torch.SymBool)
+
+
+def _concrete(v: Any) -> Any:
+    """A value of a symbolic trace with its sizes made this call's numbers (``int()``: which pins them).
+
+    An output ``x.shape[0]``, a ``torch.Size`` or a Python value the function stored: a
+    replay hands out constants, so the trace holds for this size alone (see ``_holds_for_sizes``).
+    """
+    if isinstance(v, torch.SymInt):
+        return int(v)
+    if isinstance(v, torch.SymFloat):
+        return float(v)
+    if isinstance(v, torch.SymBool):
+        return bool(v)
+    if isinstance(v, torch.Size) and any(isinstance(d, torch.SymInt) for d in v):
+        return torch.Size(int(d) for d in v)
+    return v
+
+
+def _symbolic_value(v: Any) -> bool:
+    return isinstance(v, _SYM_TYPES) or (isinstance(v, torch.Size) and any(isinstance(d, torch.SymInt) for d in v))
+
+
 def _pin_site(env: Any, s: Any) -> str:
     """Where the shape environment's guard that fixed symbol ``s`` was made (best effort)."""
     node = getattr(s, "node", None)
@@ -1091,6 +1115,7 @@ class _Tracing:
             if isinstance(leaf, _AsIs):
                 entries.append(OutEntry("const", value=leaf.t))
             elif not isinstance(leaf, torch.Tensor):
+                leaf = _concrete(leaf) if self.env is not None else leaf
                 c = fresh_copier(leaf)  # (a copy of its own: the first call may hand out the traced one)
                 entries.append(OutEntry("const", value=leaf if c is None else c(leaf), fresh=c))
             else:
@@ -1134,6 +1159,11 @@ class _Tracing:
         entries, esc_entries = self.outputs()
         watch, fnwatch, scan, paths = self.watch, self.fnwatch, self.box["scan"], self.paths
         state_slots = [self.index.slot_of(t) for t in watch.state]
+        if self.env is not None:  # (Python values the function stored: this call's numbers, as eager's)
+            self.snap.concretize(_symbolic_value, _concrete)
+            for c in scan.changes:
+                if _symbolic_value(c.new):
+                    c.new = _concrete(c.new)
         sizes, pinned = _holds_for_sizes(self.env, self.fakes, self.dims, paths) if self.dims else (None, "")
         return Plan(
             gm=gm,

@@ -284,3 +284,21 @@ def test_explain_says_a_new_size_is_recorded_without_a_trace(device):
     assert f.explain(torch.ones(9, 2, device=device)).endswith(
         "args[0]: shape (3, 2) -> (9, 2) (recorded from the symbolic trace of its sizes, not traced)")
     assert "symbolic" not in f.explain(torch.ones(1, 2, device=device))  # (size 1: a trace of its own)
+
+
+def test_sizes_returned_or_stored_are_this_calls_numbers(device):
+    f = gt.graphify(lambda x: (x * 2, x.shape[0], x.shape, x.shape[0] / 2))
+    cache: dict = {}
+
+    def g(x):
+        cache["n"] = x.shape[0]
+        return x + 1
+
+    h = gt.graphify(g)
+    for n in (3, 4, 5, 6):
+        x = torch.ones(n, 2, device=device)
+        y, k, s, half = f(x)
+        assert (k, s, half) == (n, torch.Size([n, 2]), n / 2)
+        assert type(k) is int and all(type(d) is int for d in s) and type(half) is float
+        h(x)
+        assert cache["n"] == n and type(cache["n"]) is int
