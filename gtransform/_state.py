@@ -556,6 +556,23 @@ class Snapshot:
                 else:
                     d[k] = concrete(d[k])
 
+    def find(self, pred: Callable[[Any], bool]) -> Optional[str]:
+        """The path of a value ``pred`` accepts anywhere in the roots' Python values (trace-time only), or None."""
+        for kind, path, obj, _saved in self.items:
+            if kind == "list":
+                d: Any = dict(enumerate(obj))
+            elif kind == "dict":
+                d = obj
+            elif kind in ("module", "object", "optimizer"):
+                d = vars(obj)
+            else:
+                continue
+            for k, v in list(d.items()):
+                found = _inside(v, pred)
+                if found is not None:
+                    return f"{path}.{k}{found[0]}" if kind in ("module", "object", "optimizer") else f"{path}[{k!r}]{found[0]}"
+        return None
+
     def scan(self, is_fake: Callable[[Any], bool]) -> ScanResult:
         """What the trace left in the roots: fakes (escapes) and changed Python numbers."""
         res = ScanResult()
@@ -736,6 +753,11 @@ def _inside(v: Any, pred: Callable[[Any], bool], depth: int = _INSIDE_DEPTH) -> 
         return None
 
     return walk(v, depth)
+
+
+def contains(v: Any, pred: Callable[[Any], bool]) -> bool:
+    """Whether ``pred`` accepts ``v`` or a value inside it (see :func:`_inside`; trace-time only)."""
+    return _inside(v, pred) is not None
 
 
 def _members(x: Any) -> List[Tuple[str, Any]]:

@@ -54,6 +54,7 @@ from ._state import (
     Slot,
     Snapshot,
     StateIndex,
+    contains,
     dynamic_cache_error,
     escape_error,
     is_dynamic_cache,
@@ -391,6 +392,10 @@ def _concrete(v: Any) -> Any:
     if isinstance(v, torch.Size) and any(isinstance(d, torch.SymInt) for d in v):
         return torch.Size(int(d) for d in v)
     return v
+
+
+class SymbolicLeak(Exception):
+    """A symbolic trace left a size inside an object it returned or stored: the call is traced as is."""
 
 
 def _symbolic_value(v: Any) -> bool:
@@ -1115,7 +1120,10 @@ class _Tracing:
             if isinstance(leaf, _AsIs):
                 entries.append(OutEntry("const", value=leaf.t))
             elif not isinstance(leaf, torch.Tensor):
-                leaf = _concrete(leaf) if self.env is not None else leaf
+                if self.env is not None:
+                    leaf = _concrete(leaf)
+                    if contains(leaf, _symbolic_value):  # (inside an object: traced as is instead)
+                        raise SymbolicLeak(f"a symbolic size inside output {len(entries)} ({type(leaf).__name__})")
                 c = fresh_copier(leaf)  # (a copy of its own: the first call may hand out the traced one)
                 entries.append(OutEntry("const", value=leaf if c is None else c(leaf), fresh=c))
             else:
@@ -1164,6 +1172,9 @@ class _Tracing:
             for c in scan.changes:
                 if _symbolic_value(c.new):
                     c.new = _concrete(c.new)
+            deep = self.snap.find(_symbolic_value)
+            if deep is not None:  # (inside an object the function stored: traced as is instead)
+                raise SymbolicLeak(f"a symbolic size stored in {deep}")
         sizes, pinned = _holds_for_sizes(self.env, self.fakes, self.dims, paths) if self.dims else (None, "")
         return Plan(
             gm=gm,

@@ -302,3 +302,27 @@ def test_sizes_returned_or_stored_are_this_calls_numbers(device):
         assert type(k) is int and all(type(d) is int for d in s) and type(half) is float
         h(x)
         assert cache["n"] == n and type(cache["n"]) is int
+
+
+def test_a_size_inside_a_returned_or_stored_object_is_a_number(device):
+    class Box:
+        def __init__(self, n):
+            self.n = n
+
+    class Tagged(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.meta: dict = {}
+
+        def forward(self, x):
+            self.meta["shape"] = [x.shape[0], 2]
+            return x + 1
+
+    f = gt.graphify(lambda x: (x * 2, Box(x.shape[0])))
+    m = Tagged()
+    g = gt.graphify(m)
+    for n in (3, 4, 5):
+        x = torch.ones(n, device=device)
+        assert f(x)[1].n == n and type(f(x)[1].n) is int
+        assert_close(g(x), x + 1)
+        assert m.meta["shape"] == [n, 2] and type(m.meta["shape"][0]) is int
