@@ -211,6 +211,8 @@ def _new_signature(g: Any, st: ThreadState, ck: CallKey, call: Call,
         cuda = True
     found = _settle(g, st, ck, call, plan, cuda, record)
     e = st.cache.get(ck.key) or st.pending.get(ck.key)
+    if fam is not None and e is not None and e.any_rg:
+        fam.differentiated = True
     if fam is not None and (plan.sizes is not None or plan.sizes_pinned) and (e is not None or plan.sizes is None):
         # (traced symbolically; no entry: an eager first call whose trace is not kept, and the
         # next call's trace is adopted)

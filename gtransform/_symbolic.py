@@ -66,7 +66,7 @@ def _row_major(shape: Sequence[int]) -> Tuple[int, ...]:
 class Family:
     """The calls of one family key: the first call's sizes, the symbolic plan and its dimensions."""
 
-    __slots__ = ("shapes", "dims", "plan", "tries", "why")
+    __slots__ = ("shapes", "dims", "plan", "tries", "why", "differentiated")
 
     def __init__(self, shapes: List[Tuple[int, ...]]):
         self.shapes = shapes  # the tensor inputs' sizes of the first call
@@ -74,6 +74,9 @@ class Family:
         self.plan: Any = None  # the symbolic plan (a _trace.Plan whose ``sizes`` is set)
         self.tries = 0
         self.why = ""  # why the last symbolic trace is not shared (for describe/logs)
+        # its calls go through the autograd wrapper (parameters requiring grad under grad mode):
+        # their joint trace is made per size, so no symbolic trace is taken
+        self.differentiated = False
 
     def varying(self, tensors: Sequence[torch.Tensor]) -> FrozenSet[Tuple[int, int]]:
         """The ``(input, dim)`` whose size differs from the first call's."""
@@ -91,7 +94,7 @@ class Family:
 
     def dims_to_trace(self, tensors: Sequence[torch.Tensor]) -> FrozenSet[Tuple[int, int]]:
         """The dimensions a symbolic trace of this call would take, or none (trace it as is)."""
-        if self.tries >= TRIES:
+        if self.tries >= TRIES or self.differentiated:
             return frozenset()
         dims = self.dims | self.varying(tensors)
         if not dims or dims == self.dims or any(

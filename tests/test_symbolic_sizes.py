@@ -326,3 +326,17 @@ def test_a_size_inside_a_returned_or_stored_object_is_a_number(device):
         assert f(x)[1].n == n and type(f(x)[1].n) is int
         assert_close(g(x), x + 1)
         assert m.meta["shape"] == [n, 2] and type(m.meta["shape"][0]) is int
+
+
+def test_a_module_trained_through_the_autograd_wrapper_is_traced_per_size(device, traces):
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2)).to(device)
+    ref = copy.deepcopy(m)
+    f = gt.graphify(lambda x: m(x))
+    for n in (3, 3, 4, 4, 5, 6, 6):
+        x = torch.randn(n, 4, device=device)
+        f(x).square().sum().backward()
+        ref(x).square().sum().backward()
+        for p, q in zip(m.parameters(), ref.parameters()):
+            assert_close(p.grad, q.grad)
+    assert all(not d for d in traces)  # (the first size's entry is differentiated: no symbolic trace)
