@@ -7,7 +7,8 @@ rl     the RL policy step of the benchmark (benchmarks/workloads/synthetic.py: 2
        sample, batch 16) with ``fuse=True``: the recording's own fused callable (inductor's kernels)
        captured into a torch.cuda.CUDAGraph by hand and replayed alone (the floor), and with the
        observation copied in first; against gt called with the same tensors, with a new observation
-       each call, and holding the output.
+       each call (a second graphified function: its recording copies the observation in), and
+       holding the output.
 train  a functional training step of torchvision's resnet18 (batch 8, 3x64x64, 10 classes):
        ``torch.func.grad`` of the loss through ``functional_call``, SGD, the new parameters returned and
        fed back (``params = step(params, buffers, x, y)``); BatchNorm's running statistics updated in
@@ -86,9 +87,15 @@ def rl() -> None:
         for _ in range(n):
             f(p, obs)
 
+    # (a function of its own: passed other observations, a recording copies its observation in,
+    # which the same-tensors loops of `f` must not inherit)
+    f_new = gt.graphify(rl_fn, fuse=True)
+    for i in range(5):
+        f_new(p, news[i & 7])
+
     def gt_new(n: int) -> None:
         for i in range(n):
-            f(p, news[i & 7])
+            f_new(p, news[i & 7])
 
     def gt_held(n: int) -> None:
         out = None
