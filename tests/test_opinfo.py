@@ -1,4 +1,5 @@
-"""Every op of PyTorch's OpInfo database against eager, through graphify (tests/opinfo_sweep.py).
+"""Every op of PyTorch's OpInfo database against eager, through graphify (tests/opinfo_sweep.py),
+and at four sizes through one graphified function (tests/opinfo_sizes.py: one symbolic trace).
 
 CI runs the first three samples of every op with float32 samples in every leg (forward,
 non-contiguous, out=, in-place, gradient) on the CPU, in worker processes (a segfault is
@@ -51,3 +52,36 @@ def test_opinfo_cpu(tmp_path):
 def test_opinfo_cuda(tmp_path):
     pytest.importorskip("expecttest")
     _check(_sweep(tmp_path, "cuda"))
+
+
+def _sizes(tmp_path, device: str) -> list:
+    out = tmp_path / f"opinfo-sizes-{device}.json"
+    cmd = [sys.executable, os.path.join(HERE, "opinfo_sizes.py"), "--device", device, "--samples", "1",
+           "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1500)
+    print(proc.stdout[-6000:])
+    assert out.exists(), proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def _check_sizes(results: list) -> None:
+    """Every op at its sample's size and three others matches eager (tests/opinfo_sizes.py), and most of
+    the later sizes are recorded from one symbolic trace, not traced."""
+    failed = [r for r in results if r["cls"] not in ("match", "refused", "skip")]
+    assert not failed, "\n".join(f"{r['cls']}: {r['op']} [{r['i']}]: {r['note']}" for r in failed[:40])
+    matched = [r for r in results if r["cls"] == "match"]
+    assert len(matched) > 400, len(matched)
+    shared = sum(r["shared"] for r in matched)
+    assert shared > 0.6 * 2 * len(matched), (shared, len(matched))
+
+
+def test_opinfo_sizes_cpu(tmp_path):
+    pytest.importorskip("expecttest")
+    _check_sizes(_sizes(tmp_path, "cpu"))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_opinfo_sizes_cuda(tmp_path):
+    pytest.importorskip("expecttest")
+    _check_sizes(_sizes(tmp_path, "cuda"))
