@@ -224,17 +224,21 @@ def _trace_sizes(g: Any, fam: Any, dims: Any, rebuild: Any, tensors: List[torch.
                  cuda: bool, roots: Any, extra: Any, stable: List[int]) -> Any:
     """The trace of a new signature: symbolic over ``dims`` (see ``_symbolic``) where given, else as is.
 
-    A symbolic trace that fails is not the function's failure: the call is traced as is,
-    which raises what the function does wrong, and the family takes no more symbolic traces.
+    A symbolic trace that fails is traced again as is, which raises what the call does wrong
+    (a size the function refuses: the family may still trace a later size symbolically); where
+    the call traces as is, the failure was the symbolic trace's, and the family takes no more.
     """
-    if dims:
-        try:
-            return trace(g._fn, rebuild, tensors, in_paths, g._desc, cuda, roots, extra, stable, dims)
-        except Exception as err:
-            fam.tries = TRIES
-            fam.why = f"the symbolic trace failed ({type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else ''})"
-            log.info("%s: %s; traced per size", g._desc, fam.why)
-    return trace(g._fn, rebuild, tensors, in_paths, g._desc, cuda, roots, extra, stable)
+    if not dims:
+        return trace(g._fn, rebuild, tensors, in_paths, g._desc, cuda, roots, extra, stable)
+    try:
+        return trace(g._fn, rebuild, tensors, in_paths, g._desc, cuda, roots, extra, stable, dims)
+    except Exception as err:
+        failed = err
+    plan = trace(g._fn, rebuild, tensors, in_paths, g._desc, cuda, roots, extra, stable)
+    fam.tries = TRIES
+    fam.why = f"the symbolic trace failed ({type(failed).__name__}: {str(failed).splitlines()[0][:160] if str(failed) else ''})"
+    log.info("%s: %s; traced per size", g._desc, fam.why)
+    return plan
 
 
 def _family_plan(g: Any, st: ThreadState, ck: CallKey, call: Call, fam: Any, tensors: List[torch.Tensor],
@@ -248,7 +252,7 @@ def _family_plan(g: Any, st: ThreadState, ck: CallKey, call: Call, fam: Any, ten
     plan = fam.plan_for(tensors)
     if plan is None:
         return None
-    e = new_entry(g, ck, call, shared_plan(plan, g._fuse and cuda), cuda)
+    e = new_entry(g, ck, call, shared_plan(plan, g._fuse and cuda, tensors), cuda)
     state = e.match(call)
     if state is None or e.any_rg:
         fam.plan, fam.dims = None, frozenset()

@@ -15,8 +15,9 @@ tensor inputs. A family takes a symbolic trace only where:
   trace is made per size): inference, ``torch.no_grad()``, and functions that run their
   own backward (a whole training step) are;
 * the function did not pin a symbol (``if x.shape[0] == 8``, an ``int(x.shape[0])`` that
-  decides something), return a view of an input with a symbolic shape, freeze a host read or change Python
-  values while tracing.
+  decides something, a size it returns or stores as a number), freeze a host read or change
+  Python values while tracing. Outputs that are views of inputs keep their sizes as
+  expressions of the symbols: each size's signature gets its own (``shared_plan``).
 
 Anything else, or a trace that fails symbolically, is traced per size as before (the
 family tries at most :data:`TRIES` symbolic traces). This module keeps the families'
@@ -26,6 +27,7 @@ books; ``_lookup`` consults it before it traces.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import re
 from collections import OrderedDict
 from typing import Any, FrozenSet, Hashable, List, Optional, Sequence, Tuple
@@ -117,8 +119,8 @@ class Family:
 
 def _not_shared(plan: Any) -> str:
     if plan.sizes is None:
-        return (f"{plan.sizes_pinned or 'a size that varies was fixed'} (compared with a number, made a "
-                "Python int, or the size of a returned view of an input)")
+        return (f"{plan.sizes_pinned or 'a size that varies was fixed'} (compared with a number, or made a "
+                "Python int)")
     if plan.frozen:
         return "the trace froze a host read"
     if plan.py_changes:
@@ -145,17 +147,25 @@ def shareable(plan: Any) -> bool:
     return plan.sizes is not None and not plan.frozen and not plan.py_changes
 
 
-def shared_plan(plan: Any, fuse: bool) -> Any:
-    """The family's plan for one more signature: its own copy of the per-signature caches.
+def shared_plan(plan: Any, fuse: bool, tensors: Sequence[torch.Tensor]) -> Any:
+    """The family's plan for one more signature (of these tensors' sizes).
 
     The graph, the output rules and the state are shared, and so is the fused graph
-    (``fuse``: compiled once, with symbolic sizes); what a plan caches for the signature
-    that runs it (the collectives' bookkeeping) starts empty.
+    (``fuse``: compiled once, with symbolic sizes); the outputs that are views of inputs get
+    this signature's sizes; what a plan caches for the signature that runs it (the
+    collectives' bookkeeping) starts empty.
     """
     if fuse:
         plan.fused()  # (made now, compiled on its first call: one compile for the family)
     p = copy.copy(plan)
     p.__dict__ = {k: v for k, v in plan.__dict__.items() if not k.startswith("_gt_")}
+    views = plan.sizes.views_for(tensors)
+    if views:
+        p.out_entries = [dataclasses.replace(e, size=views[k][0], stride=views[k][1], rel_offset=views[k][2])
+                         if k in views else e for k, e in enumerate(plan.out_entries)]
+        fused = p._fused
+        p.__post_init__()  # (the entries it derives from them)
+        p._fused = fused
     p.shared = True
     return p
 

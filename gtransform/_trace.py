@@ -327,21 +327,39 @@ class SymbolicSizes:
     dims: FrozenSet[Tuple[int, int]]
     env: Any
     code: Optional[str]
+    # each symbol's (input, dim), and the outputs that are views of inputs: output index ->
+    # (size, stride, offset from the input's) as expressions of the symbols (see :meth:`views_for`)
+    symbols: Dict[Any, Tuple[int, int]] = field(default_factory=dict)
+    views: Dict[int, Tuple[Tuple[Any, ...], Tuple[Any, ...], Any]] = field(default_factory=dict)
 
     def holds(self, tensors: Sequence[torch.Tensor]) -> bool:
         """Whether the plan is right for these inputs (of the family's other sizes)."""
         return self.code is None or bool(self.env.evaluate_guards_expression(self.code, list(tensors)))
 
+    def views_for(self, tensors: Sequence[torch.Tensor]) -> Dict[int, Tuple[Tuple[int, ...], Tuple[int, ...], int]]:
+        """The size, stride and offset of each output that is a view of an input, for these inputs' sizes."""
+        values = {sym: int(tensors[i].shape[d]) for sym, (i, d) in self.symbols.items()}
+
+        def num(e: Any) -> int:
+            return e if isinstance(e, int) else int(e.xreplace(values))
+
+        return {k: (tuple(map(num, size)), tuple(map(num, stride)), num(off))
+                for k, (size, stride, off) in self.views.items()}
+
 
 def _symbolic_fakes(env: Any, specs: Sequence[Tuple[Any, ...]], dims: FrozenSet[Tuple[int, int]],
-                    paths: Sequence[str]) -> List[Tuple[List[Any], List[Any]]]:
-    """The sizes and strides of the stand-ins: a symbol for each dimension of ``dims`` (a contiguous input's)."""
+                    paths: Sequence[str], symbols: Dict[Any, Tuple[int, int]]) -> List[Tuple[List[Any], List[Any]]]:
+    """The sizes and strides of the stand-ins: a symbol for each dimension of ``dims`` (a contiguous input's).
+
+    ``symbols`` is filled with each symbol's ``(input, dim)``.
+    """
     from torch.fx.experimental.symbolic_shapes import DimDynamic
 
     from ._compat import load_dim_source
 
     source = load_dim_source()
     out = []
+    symbols.clear()
     for i, (size, stride, *_rest) in enumerate(specs):
         sizes: List[Any] = list(size)
         strides: List[Any] = list(stride)
@@ -350,6 +368,7 @@ def _symbolic_fakes(env: Any, specs: Sequence[Tuple[Any, ...]], dims: FrozenSet[
                 if (i, d) in dims:
                     src = source(f"{paths[i]}.size({d})")
                     sym = env.create_symbol(size[d], src, DimDynamic.DYNAMIC)
+                    symbols[sym] = (i, d)
                     sizes[d] = env.create_symintnode(sym, hint=size[d], source=src)
             acc: Any = 1
             for d in reversed(range(len(size))):  # (the input is row-major: see _symbolic.family_key)
@@ -360,18 +379,30 @@ def _symbolic_fakes(env: Any, specs: Sequence[Tuple[Any, ...]], dims: FrozenSet[
 
 
 def _holds_for_sizes(env: Any, fakes: Sequence[torch.Tensor], dims: FrozenSet[Tuple[int, int]],
-                     paths: Sequence[str]) -> Tuple[Optional[SymbolicSizes], str]:
+                     paths: Sequence[str], symbols: Dict[Any, Tuple[int, int]],
+                     views: Dict[int, Any]) -> Tuple[Optional[SymbolicSizes], str]:
     """The symbolic plan's sizes, or None and where the trace pinned a symbol to its value.
 
     A symbol the function compared with a constant (``if x.shape[0] == 8``), or converted to
-    a Python int, is pinned: the plan holds for that size alone. So is the size of an output
-    that is a view of an input (rebuilt from concrete sizes at call time: see ``_entry``).
+    a Python int, is pinned: the plan holds for that size alone. Outputs that are views of
+    inputs keep their sizes as expressions of the symbols (see ``_Tracing._entry``); one
+    whose expression holds another symbol (the trace's own) is pinned too.
     """
     for i, d in sorted(dims):
         s = fakes[i].shape[d]
         if not isinstance(s, torch.SymInt) or env.replace(s.node.expr).is_number:
             return None, f"{paths[i]}.size({d}) was fixed to its value{_pin_site(env, s)}"
-    return SymbolicSizes(frozenset(dims), env, env.produce_guards_expression(list(fakes))), ""
+    def final(e: Any) -> Any:  # (through the trace's replacements: in the input symbols)
+        return e if isinstance(e, int) else env.replace(e)
+
+    views = {k: (tuple(map(final, size)), tuple(map(final, stride)), final(off))
+             for k, (size, stride, off) in views.items()}
+    known = set(symbols)
+    for k, (size, stride, off) in views.items():
+        for e in (*size, *stride, off):
+            if not isinstance(e, int) and not set(e.free_symbols) <= known:
+                return None, f"output {k}, a view of an input, has a size of the trace's own ({e})"
+    return SymbolicSizes(frozenset(dims), env, env.produce_guards_expression(list(fakes)), dict(symbols), views), ""
 
 
 _SYM_TYPES = (torch.SymInt, torch.SymFloat, torch.SymBool)
@@ -392,6 +423,19 @@ def _concrete(v: Any) -> Any:
     if isinstance(v, torch.Size) and any(isinstance(d, torch.SymInt) for d in v):
         return torch.Size(int(d) for d in v)
     return v
+
+
+def _sym_expr(v: Any) -> Any:
+    """A size of a symbolic trace as an int, or as its expression of the input symbols (no guard made)."""
+    return v.node.expr if isinstance(v, torch.SymInt) else int(v)
+
+
+def _hint(v: Any) -> int:
+    """A size of a symbolic trace, this call's value (no guard made where torch knows it)."""
+    if isinstance(v, torch.SymInt):
+        h = getattr(v.node, "hint", None)
+        return int(h) if h is not None else int(v)
+    return int(v)
 
 
 class SymbolicLeak(Exception):
@@ -941,6 +985,8 @@ class _Tracing:
         self.fn, self.rebuild, self.inputs, self.paths = fn, rebuild, inputs, paths
         self.desc, self.cuda, self.roots, self.snap = desc, cuda, roots, snap
         self.dims = dims
+        self.symbols: Dict[Any, Tuple[int, int]] = {}  # each symbol's (input, dim)
+        self.views: Dict[int, Any] = {}  # outputs that are views of inputs: their symbolic size, stride, offset
         if dims:  # (a shape environment: sizes as symbols; state and constants keep theirs)
             from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
@@ -948,7 +994,7 @@ class _Tracing:
             self.env: Any = ShapeEnv(duck_shape=False, allow_scalar_outputs=False,
                                      allow_dynamic_output_shape_ops=False)
             self.mode = mode = _TraceMode(allow_non_fake_inputs=True, shape_env=self.env, static_shapes=True)
-            shapes = _symbolic_fakes(self.env, inputs.specs, dims, paths)
+            shapes = _symbolic_fakes(self.env, inputs.specs, dims, paths, self.symbols)
         else:
             self.env = None
             self.mode = mode = _TraceMode(allow_non_fake_inputs=True)
@@ -1149,9 +1195,16 @@ class _Tracing:
                     "from the caller's tensor, which needs the same dtype.\n"
                     "Fix: return .clone() of that output."
                 )
-            # (int(): a symbolic size is pinned to this call's, and the plan serves this size alone)
-            ent = OutEntry("input", index=src, size=tuple(map(int, val.shape)), stride=tuple(map(int, val.stride())),
-                           rel_offset=int(val.storage_offset() - inp.storage_offset()), identical=val is inp,
+            size, stride, off = tuple(val.shape), tuple(val.stride()), val.storage_offset() - inp.storage_offset()
+            if self.env is not None and what.startswith("output ") and val is not inp:
+                # (symbolic: kept as expressions, evaluated for each size's signature; this
+                # one's from the hints. An input returned as is needs none.)
+                self.views[len(before)] = (tuple(map(_sym_expr, size)), tuple(map(_sym_expr, stride)), _sym_expr(off))
+                size, stride, off = tuple(map(_hint, size)), tuple(map(_hint, stride)), _hint(off)
+            elif self.env is not None and val is inp:
+                size, stride, off = tuple(map(_hint, size)), tuple(map(_hint, stride)), _hint(off)
+            ent = OutEntry("input", index=src, size=tuple(map(int, size)), stride=tuple(map(int, stride)),
+                           rel_offset=int(off), identical=val is inp,
                            conj=val.is_conj() != inp.is_conj(), neg=val.is_neg() != inp.is_neg())
         ent.requires_grad = bool(val.requires_grad)
         return ent
@@ -1175,7 +1228,8 @@ class _Tracing:
             deep = self.snap.find(_symbolic_value)
             if deep is not None:  # (inside an object the function stored: traced as is instead)
                 raise SymbolicLeak(f"a symbolic size stored in {deep}")
-        sizes, pinned = _holds_for_sizes(self.env, self.fakes, self.dims, paths) if self.dims else (None, "")
+        sizes, pinned = (_holds_for_sizes(self.env, self.fakes, self.dims, paths, self.symbols, self.views)
+                         if self.dims else (None, ""))
         return Plan(
             gm=gm,
             in_paths=paths,

@@ -77,7 +77,7 @@ def run_sample(op: Any, sample: Any, device: str, traced: List[Any]) -> Dict[str
         return op.op(inp, *args, **kwargs)
 
     g = gt.graphify(lambda *tensors: call(tensors))
-    shared = 0
+    shared = refused_by_eager = 0
     for k, new in enumerate([v] + [v + s for s in STEPS]):
         inputs = [t.detach().clone() if new == v else _resized(t, v, new) for t in ts]
         mine = [t.clone() for t in inputs]
@@ -96,6 +96,7 @@ def run_sample(op: Any, sample: Any, device: str, traced: List[Any]) -> Dict[str
             return {"cls": "refused", "note": f"size {new}: {str(e).splitlines()[0][:200]}"}
         except Exception as e:
             if raised is not None:
+                refused_by_eager += k >= 2
                 continue  # (both raised)
             return {"cls": "crash", "note": f"size {new}: {type(e).__name__}: {str(e).splitlines()[0][:200]}"}
         if raised is not None:
@@ -110,7 +111,7 @@ def run_sample(op: Any, sample: Any, device: str, traced: List[Any]) -> Dict[str
             return {"cls": cls, "note": f"size {new}: {str(e).splitlines()[0][:200]}"}
         if k >= 2 and len(traced) == before:
             shared += 1
-    return {"cls": "match", "shared": shared, "note": ""}
+    return {"cls": "match", "shared": shared, "eager_raised": refused_by_eager, "note": ""}
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -160,8 +161,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                 print(f"{r['cls']}: {name} [{i}]: {r['note']}", flush=True)
     counts = collections.Counter(r["cls"] for r in results)
     shared = sum(r.get("shared", 0) for r in results)
-    print(f"{dict(counts)}; sizes recorded from a symbolic trace: {shared} "
-          f"(of {len(STEPS) - 1} per matched sample: {counts['match'] * (len(STEPS) - 1)})")
+    raised = sum(r.get("eager_raised", 0) for r in results)
+    print(f"{dict(counts)}; of the {counts['match'] * (len(STEPS) - 1)} later sizes of matched samples "
+          f"({len(STEPS) - 1} each): {shared} recorded from a symbolic trace, {raised} raised in eager (and here)")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(results, f)

@@ -131,13 +131,18 @@ def test_sizes_zero_and_one_are_traced_on_their_own(device, traces):
     assert traces == [frozenset(), frozenset({(0, 0)}), frozenset(), frozenset()]
 
 
-def test_a_returned_view_of_an_input_is_rebuilt_per_size(device):
-    f = gt.graphify(lambda x: (x[:, :2], x.relu()))
-    for n in (3, 4, 5, 6):
+def test_returned_views_of_an_input_get_each_sizes_layout(device, traces):
+    f = gt.graphify(lambda x: (x[:, :2], x.t(), x.chunk(2)[1], x.relu()))
+    for n in (3, 4, 5, 6, 9):
         x = torch.randn(n, 4, device=device)
-        v, r = f(x)
-        assert v.data_ptr() == x.data_ptr() and v.shape == (n, 2)
+        v, t, c, r = f(x)
+        assert v.data_ptr() == x.data_ptr() and torch.equal(v, x[:, :2])
+        assert t.data_ptr() == x.data_ptr() and torch.equal(t, x.t())
+        want = x.chunk(2)[1]
+        assert c.data_ptr() == want.data_ptr() and c.shape == want.shape and torch.equal(c, want)
         assert_close(r, x.relu())
+    # 3 as is, 4 symbolic; 5, 6 and 9 recorded from it, each with its views' own sizes
+    assert traces == [frozenset(), frozenset({(0, 0)})]
 
 
 def test_differentiated_calls_are_traced_per_size(device, traces):
