@@ -225,8 +225,9 @@ def _trace_sizes(g: Any, fam: Any, dims: Any, rebuild: Any, tensors: List[torch.
     """The trace of a new signature: symbolic over ``dims`` (see ``_symbolic``) where given, else as is.
 
     A symbolic trace that fails is traced again as is, which raises what the call does wrong
-    (a size the function refuses: the family may still trace a later size symbolically); where
-    the call traces as is, the failure was the symbolic trace's, and the family takes no more.
+    (a size the function refuses: one of the family's tries, and a later size may still be
+    traced symbolically); where the call traces as is, the failure was the symbolic trace's,
+    and the family takes no more.
     """
     if not dims:
         return trace(g._fn, rebuild, tensors, in_paths, g._desc, cuda, roots, extra, stable)
@@ -234,6 +235,7 @@ def _trace_sizes(g: Any, fam: Any, dims: Any, rebuild: Any, tensors: List[torch.
         return trace(g._fn, rebuild, tensors, in_paths, g._desc, cuda, roots, extra, stable, dims)
     except Exception as err:
         failed = err
+    fam.tries += 1
     plan = trace(g._fn, rebuild, tensors, in_paths, g._desc, cuda, roots, extra, stable)
     fam.tries = TRIES
     fam.why = f"the symbolic trace failed ({type(failed).__name__}: {str(failed).splitlines()[0][:160] if str(failed) else ''})"

@@ -345,3 +345,12 @@ def test_a_module_trained_through_the_autograd_wrapper_is_traced_per_size(device
         for p, q in zip(m.parameters(), ref.parameters()):
             assert_close(p.grad, q.grad)
     assert all(not d for d in traces)  # (the first size's entry is differentiated: no symbolic trace)
+
+
+def test_a_function_that_refuses_every_size_takes_at_most_two_symbolic_traces(device, traces):
+    f = gt.graphify(lambda x: x * x.sum().item())  # (a host read of the call's data: refused)
+    for n in (3, 4, 5, 6, 7):
+        with pytest.raises(gt.GraphifyError, match="reads a tensor's value on the host"):
+            f(torch.ones(n, device=device))
+    assert traces.count(frozenset({(0, 0)})) == 2  # (then every size is traced as is, once)
+    assert len(traces) == 5 + 2
