@@ -433,7 +433,8 @@ def _sym_expr(v: Any) -> Any:
 def _hint(v: Any) -> int:
     """A size of a symbolic trace, this call's value (no guard made where torch knows it)."""
     if isinstance(v, torch.SymInt):
-        h = getattr(v.node, "hint", None)
+        h = getattr(v.node, "hint", None)  # (a property of SymNode's; a method on another torch)
+        h = h() if callable(h) else h
         return int(h) if h is not None else int(v)
     return int(v)
 
