@@ -354,3 +354,43 @@ def test_a_function_that_refuses_every_size_takes_at_most_two_symbolic_traces(de
             f(torch.ones(n, device=device))
     assert traces.count(frozenset({(0, 0)})) == 2  # (then every size is traced as is, once)
     assert len(traces) == 5 + 2
+
+
+@settings(max_examples=10, deadline=None, derandomize=True)
+@given(sizes=hst.lists(hst.integers(1, 12), min_size=2, max_size=7))
+def test_a_training_step_over_any_sequence_of_batch_sizes_matches_eager(sizes):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, foreach=True)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9, foreach=True)
+
+    def step(m, o, x, y):
+        o.zero_grad()
+        loss = torch.nn.functional.mse_loss(m(x), y)
+        loss.backward()
+        o.step()
+        return loss.detach()
+
+    g = gt.graphify(lambda x, y: step(model, opt, x, y))
+    for k, n in enumerate(sizes):
+        x, y = torch.randn(n, 5), torch.randn(n, 2)
+        assert_close(g(x, y), step(ref, opt_ref, x, y))
+        for p, q in zip(model.parameters(), ref.parameters()):
+            assert_close(p, q)
+
+
+@settings(max_examples=15, deadline=None, derandomize=True)
+@given(sizes=hst.lists(hst.tuples(hst.integers(2, 9), hst.integers(2, 9)), min_size=2, max_size=6),
+       lo=hst.integers(0, 1), step=hst.integers(1, 2))
+def test_returned_views_over_any_sequence_of_sizes_are_eagers(sizes, lo, step):
+    def f(x):
+        return x[lo::step], x.t()[:, lo:], x.unsqueeze(0).expand(2, -1, -1), x * 2
+
+    g = gt.graphify(f)
+    for n, k in sizes:
+        x = torch.randn(n, k)
+        got, want = g(x), f(x)
+        for a, b in zip(got[:3], want[:3]):
+            assert a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+        assert_close(got[3], want[3])
