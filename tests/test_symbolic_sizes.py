@@ -373,7 +373,7 @@ def test_a_training_step_over_any_sequence_of_batch_sizes_matches_eager(sizes):
         return loss.detach()
 
     g = gt.graphify(lambda x, y: step(model, opt, x, y))
-    for k, n in enumerate(sizes):
+    for n in sizes:
         x, y = torch.randn(n, 5), torch.randn(n, 2)
         assert_close(g(x, y), step(ref, opt_ref, x, y))
         for p, q in zip(model.parameters(), ref.parameters()):
