@@ -40,7 +40,7 @@ import re
 import sys
 import types
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -530,47 +530,45 @@ class Snapshot:
                 seen.add(id(obj))
                 self.items.append(("object", r.name, obj, dict(vars(obj))))
 
+    def _values(self) -> Iterator[Tuple[Any, Any, str]]:
+        """Each Python value the roots hold at their top: ``(container, key, path)``.
+
+        Lists by index, dicts by key, modules' and objects' attributes, optimizers' attributes
+        and parameter groups.
+        """
+        for kind, path, obj, _saved in self.items:
+            if kind == "list":
+                places: List[Tuple[Any, str]] = [(obj, f"{path}[{{!r}}]")]
+            elif kind == "dict":
+                places = [(obj, f"{path}[{{!r}}]")]
+            elif kind in ("module", "object"):
+                places = [(vars(obj), f"{path}.{{}}")]
+            elif kind == "optimizer":
+                places = [(vars(obj), f"{path}.{{}}")]
+                places += [(g, f"{path}.param_groups[{i}][{{!r}}]") for i, g in enumerate(obj.param_groups)]
+            else:
+                continue
+            for where, fmt in places:
+                keys = range(len(where)) if isinstance(where, list) else list(where)
+                for k in keys:
+                    yield where, k, fmt.format(k)
+
     def concretize(self, is_symbolic: Callable[[Any], bool], concrete: Callable[[Any], Any]) -> None:
         """Replace the symbolic sizes a symbolic trace left in the roots' Python values by numbers.
 
         (``self.n = x.shape[0]`` in a module, ``cache["n"] = ...``, an optimizer's group:
         eager leaves the call's number there; a symbol would outlive its trace.)
         """
-        for kind, _path, obj, _saved in self.items:
-            if kind == "list":
-                d: Any = dict(enumerate(obj))
-            elif kind == "dict":
-                d = obj
-            elif kind in ("module", "object"):
-                d = vars(obj)
-            elif kind == "optimizer":
-                for g in obj.param_groups:
-                    for k in [k for k, v in g.items() if is_symbolic(v)]:
-                        g[k] = concrete(g[k])
-                d = vars(obj)
-            else:
-                continue
-            for k in [k for k, v in d.items() if is_symbolic(v)]:
-                if kind == "list":
-                    obj[k] = concrete(obj[k])
-                else:
-                    d[k] = concrete(d[k])
+        for where, k, _path in list(self._values()):
+            if is_symbolic(where[k]):
+                where[k] = concrete(where[k])
 
     def find(self, pred: Callable[[Any], bool]) -> Optional[str]:
         """The path of a value ``pred`` accepts anywhere in the roots' Python values (trace-time only), or None."""
-        for kind, path, obj, _saved in self.items:
-            if kind == "list":
-                d: Any = dict(enumerate(obj))
-            elif kind == "dict":
-                d = obj
-            elif kind in ("module", "object", "optimizer"):
-                d = vars(obj)
-            else:
-                continue
-            for k, v in list(d.items()):
-                found = _inside(v, pred)
-                if found is not None:
-                    return f"{path}.{k}{found[0]}" if kind in ("module", "object", "optimizer") else f"{path}[{k!r}]{found[0]}"
+        for where, k, path in list(self._values()):
+            found = _inside(where[k], pred)
+            if found is not None:
+                return path + found[0]
         return None
 
     def scan(self, is_fake: Callable[[Any], bool]) -> ScanResult:
