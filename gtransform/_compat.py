@@ -53,7 +53,7 @@ to import); gtransform reads these:
   ``fuse/_gemv``); OpOverloadPacket: ``_qualified_op_name`` (``_trace``: sparse makers).
 * torch.fx: ``Graph._root``, ``Node._prev``, ``Node._next`` (``_watch``: the nodes an op
   recorded, for their source lines).
-* ``torch.fx.experimental.symbolic_shapes.SymNode``: ``_expr`` (``_trace``: the symbol a size
+* ``torch.fx.experimental.symbolic_shapes.SymNode``: ``_expr`` (``_symbolic``: the symbol a size
   was made with, to name the guard that fixed it; ``getattr`` with a default).
 * autograd's ``BackwardCFunction``: ``_forward_cls`` (``_trace``: names in messages, ``getattr``
   with a default).
@@ -571,7 +571,7 @@ def load_static_launcher_class() -> Any:
     return module.StaticallyLaunchedCudaKernel
 
 
-# -- symbolic sizes (``_trace``: one trace for every size of a dimension that varies) ---------------------------------
+# -- symbolic sizes (``_symbolic``: one trace for every size of a dimension that varies) ---------------------------------
 def load_dim_source() -> Callable[[str], Any]:
     """A named source for a symbolic size: ``torch._dynamo.source.ConstantSource(source_name=...)``.
 
@@ -586,7 +586,7 @@ def load_dim_source() -> Callable[[str], Any]:
 
 
 def load_enable_python_dispatcher() -> Callable[[], Any]:
-    """``torch._dispatch.python.enable_python_dispatcher`` (``_trace``: around a symbolic trace).
+    """``torch._dispatch.python.enable_python_dispatcher`` (``_symbolic``: around a symbolic trace).
 
     With it, composite operations run their Python decompositions, which keep sizes symbolic;
     without it, some of torch 2.11's C++ composites (``masked_fill``) read concrete sizes and

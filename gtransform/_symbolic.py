@@ -21,22 +21,28 @@ tensor inputs. A family takes a symbolic trace only where:
 
 Anything else, or a trace that fails symbolically, is traced per size as before (the
 family tries at most :data:`TRIES` symbolic traces). This module keeps the families'
-books; ``_lookup`` consults it before it traces.
+books (``_lookup`` consults it before it traces) and the symbolic side of one trace
+(``_trace`` uses it): the stand-ins' symbols, what a finished trace holds for
+(:class:`SymbolicSizes`), and the sizes that leave the trace as numbers.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import re
 from collections import OrderedDict
-from typing import Any, FrozenSet, Hashable, List, Optional, Sequence, Tuple
+from dataclasses import dataclass, field
+from typing import Any, Dict, FrozenSet, Hashable, List, Optional, Sequence, Tuple
 
 import torch
 
 from ._log import log
 
-__all__ = ["Family", "Families", "TRIES", "family_key", "shared_plan", "sizes_line", "dim_names", "shareable"]
+__all__ = ["Family", "Families", "TRIES", "family_key", "shared_plan", "sizes_line", "dim_names", "shareable",
+           "SymbolicSizes", "SymbolicLeak", "symbolic_fakes", "holds_for_sizes", "concrete", "sym_expr", "hint",
+           "symbolic_value", "new_shape_env", "symbolic_dispatch"]
 
 TRIES = 2  # symbolic traces a family may take (a new dimension that varies later: the second)
 
@@ -208,3 +214,170 @@ class Families:
                 out.append(f"sizes that vary: a symbolic trace kept for one size: {f.why}")
         return out
 
+
+# -- the symbolic side of one trace (used by _trace) ----------------------------------------
+def new_shape_env() -> Any:
+    """A symbolic trace's shape environment: a symbol per size, no duck sizing.
+
+    Reads of values and data-dependent shapes stay refused, as in a trace without one.
+    """
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    return ShapeEnv(duck_shape=False, allow_scalar_outputs=False, allow_dynamic_output_shape_ops=False)
+
+
+def symbolic_dispatch(env: Any) -> Any:
+    """What runs around a trace: for a symbolic one (``env`` set), torch's Python dispatcher.
+
+    Composites then run their Python decompositions, which keep sizes symbolic (torch 2.11's
+    C++ ``masked_fill`` fixed them), as ``make_fx(tracing_mode="symbolic")`` and AOTAutograd
+    do. A plain trace: nothing.
+    """
+    if env is None:
+        return contextlib.nullcontext()
+    from ._compat import load_enable_python_dispatcher
+
+    return load_enable_python_dispatcher()()
+
+
+@dataclass
+class SymbolicSizes:
+    """A plan traced with symbolic sizes: the dimensions left symbolic and the guards on them.
+
+    ``dims``: ``(input, dim)`` of the caller's tensor inputs traced as symbols; ``code``:
+    the shape environment's guards over the inputs (``None``: none), evaluated on a call's
+    tensors by :meth:`holds` (their sizes only: no device work).
+    """
+
+    dims: FrozenSet[Tuple[int, int]]
+    env: Any
+    code: Optional[str]
+    # each symbol's (input, dim), and the outputs that are views of inputs: output index ->
+    # (size, stride, offset from the input's) as expressions of the symbols (see :meth:`views_for`)
+    symbols: Dict[Any, Tuple[int, int]] = field(default_factory=dict)
+    views: Dict[int, Tuple[Tuple[Any, ...], Tuple[Any, ...], Any]] = field(default_factory=dict)
+
+    def holds(self, tensors: Sequence[torch.Tensor]) -> bool:
+        """Whether the plan is right for these inputs (of the family's other sizes)."""
+        return self.code is None or bool(self.env.evaluate_guards_expression(self.code, list(tensors)))
+
+    def views_for(self, tensors: Sequence[torch.Tensor]) -> Dict[int, Tuple[Tuple[int, ...], Tuple[int, ...], int]]:
+        """The size, stride and offset of each output that is a view of an input, for these inputs' sizes."""
+        values = {sym: int(tensors[i].shape[d]) for sym, (i, d) in self.symbols.items()}
+
+        def num(e: Any) -> int:
+            return e if isinstance(e, int) else int(e.xreplace(values))
+
+        return {k: (tuple(map(num, size)), tuple(map(num, stride)), num(off))
+                for k, (size, stride, off) in self.views.items()}
+
+
+def symbolic_fakes(env: Any, specs: Sequence[Tuple[Any, ...]], dims: FrozenSet[Tuple[int, int]],
+                    paths: Sequence[str], symbols: Dict[Any, Tuple[int, int]]) -> List[Tuple[List[Any], List[Any]]]:
+    """The sizes and strides of the stand-ins: a symbol for each dimension of ``dims`` (a contiguous input's).
+
+    ``symbols`` is filled with each symbol's ``(input, dim)``.
+    """
+    from torch.fx.experimental.symbolic_shapes import DimDynamic
+
+    from ._compat import load_dim_source
+
+    source = load_dim_source()
+    out = []
+    symbols.clear()
+    for i, (size, stride, *_rest) in enumerate(specs):
+        sizes: List[Any] = list(size)
+        strides: List[Any] = list(stride)
+        if any((i, d) in dims for d in range(len(size))):
+            for d in range(len(size)):
+                if (i, d) in dims:
+                    src = source(f"{paths[i]}.size({d})")
+                    sym = env.create_symbol(size[d], src, DimDynamic.DYNAMIC)
+                    symbols[sym] = (i, d)
+                    sizes[d] = env.create_symintnode(sym, hint=size[d], source=src)
+            acc: Any = 1
+            for d in reversed(range(len(size))):  # (the input is row-major: see _symbolic.family_key)
+                strides[d] = acc
+                acc = acc * sizes[d]
+        out.append((sizes, strides))
+    return out
+
+
+def holds_for_sizes(env: Any, fakes: Sequence[torch.Tensor], dims: FrozenSet[Tuple[int, int]],
+                     paths: Sequence[str], symbols: Dict[Any, Tuple[int, int]],
+                     views: Dict[int, Any]) -> Tuple[Optional[SymbolicSizes], str]:
+    """The symbolic plan's sizes, or None and where the trace pinned a symbol to its value.
+
+    A symbol the function compared with a constant (``if x.shape[0] == 8``), or converted to
+    a Python int, is pinned: the plan holds for that size alone. Outputs that are views of
+    inputs keep their sizes as expressions of the symbols (see ``_Tracing._entry``); one
+    whose expression holds another symbol (the trace's own) is pinned too.
+    """
+    for i, d in sorted(dims):
+        s = fakes[i].shape[d]
+        if not isinstance(s, torch.SymInt) or env.replace(s.node.expr).is_number:
+            return None, f"{paths[i]}.size({d}) was fixed to its value{_pin_site(env, s)}"
+    def final(e: Any) -> Any:  # (through the trace's replacements: in the input symbols)
+        return e if isinstance(e, int) else env.replace(e)
+
+    views = {k: (tuple(map(final, size)), tuple(map(final, stride)), final(off))
+             for k, (size, stride, off) in views.items()}
+    known = set(symbols)
+    for k, (size, stride, off) in views.items():
+        for e in (*size, *stride, off):
+            if not isinstance(e, int) and not set(e.free_symbols) <= known:
+                return None, f"output {k}, a view of an input, has a size of the trace's own ({e})"
+    return SymbolicSizes(frozenset(dims), env, env.produce_guards_expression(list(fakes)), dict(symbols), views), ""
+
+
+_SYM_TYPES = (torch.SymInt, torch.SymFloat, torch.SymBool)
+
+
+def concrete(v: Any) -> Any:
+    """A value of a symbolic trace with its sizes made this call's numbers (``int()``: which pins them).
+
+    An output ``x.shape[0]``, a ``torch.Size`` or a Python value the function stored: a
+    replay hands out constants, so the trace holds for this size alone (see ``holds_for_sizes``).
+    """
+    if isinstance(v, torch.SymInt):
+        return int(v)
+    if isinstance(v, torch.SymFloat):
+        return float(v)
+    if isinstance(v, torch.SymBool):
+        return bool(v)
+    if isinstance(v, torch.Size) and any(isinstance(d, torch.SymInt) for d in v):
+        return torch.Size(int(d) for d in v)
+    return v
+
+
+def sym_expr(v: Any) -> Any:
+    """A size of a symbolic trace as an int, or as its expression of the input symbols (no guard made)."""
+    return v.node.expr if isinstance(v, torch.SymInt) else int(v)
+
+
+def hint(v: Any) -> int:
+    """A size of a symbolic trace, this call's value (no guard made where torch knows it)."""
+    if isinstance(v, torch.SymInt):
+        h = getattr(v.node, "hint", None)  # (a property of SymNode's; a method on another torch)
+        h = h() if callable(h) else h
+        return int(h) if h is not None else int(v)
+    return int(v)
+
+
+class SymbolicLeak(Exception):
+    """A symbolic trace left a size inside an object it returned or stored: the call is traced as is."""
+
+
+def symbolic_value(v: Any) -> bool:
+    return isinstance(v, _SYM_TYPES) or (isinstance(v, torch.Size) and any(isinstance(d, torch.SymInt) for d in v))
+
+
+def _pin_site(env: Any, s: Any) -> str:
+    """Where the shape environment's guard that fixed symbol ``s`` was made (best effort)."""
+    node = getattr(s, "node", None)
+    sym = getattr(node, "_expr", None)  # (its .expr reads through the replacement: the value)
+    for g in getattr(env, "guards", ()):
+        expr = getattr(g, "expr", None)
+        if sym is not None and expr is not None and sym in getattr(expr, "free_symbols", ()):
+            return f" ({expr}, at {getattr(g, 'sloc', '?')})"
+    return ""

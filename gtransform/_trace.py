@@ -13,7 +13,6 @@ for ``fuse=True``.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import sys
@@ -61,6 +60,18 @@ from ._state import (
     leaf_grad,
     stored_error,
 )
+from ._symbolic import (
+    SymbolicLeak,
+    SymbolicSizes,
+    concrete,
+    hint,
+    holds_for_sizes,
+    new_shape_env,
+    sym_expr,
+    symbolic_dispatch,
+    symbolic_fakes,
+    symbolic_value,
+)
 from ._tree import has_grad, unflatten
 from ._watch import (
     _AsIs,
@@ -78,7 +89,7 @@ try:  # torch >= 2.1
 except ImportError:  # pragma: no cover
     GuardOnDataDependentSymNode = DataDependentOutputException  # type: ignore[misc,assignment]
 
-__all__ = ["Plan", "OutEntry", "SymbolicSizes", "trace", "TRACE_LOCK", "tracing", "plain_layout"]
+__all__ = ["Plan", "OutEntry", "trace", "TRACE_LOCK", "tracing", "plain_layout"]
 
 TRACE_LOCK = threading.RLock()
 _ACTIVE = threading.local()
@@ -313,149 +324,6 @@ class Plan:
         leaves = [(e.value if e.fresh is None else e.fresh(e.value)) if e.kind == "const" else next(it)
                   for e in self.out_entries]
         return unflatten(self.out_spec, leaves)
-
-
-@dataclass
-class SymbolicSizes:
-    """A plan traced with symbolic sizes: the dimensions left symbolic and the guards on them.
-
-    ``dims``: ``(input, dim)`` of the caller's tensor inputs traced as symbols; ``code``:
-    the shape environment's guards over the inputs (``None``: none), evaluated on a call's
-    tensors by :meth:`holds` (their sizes only: no device work).
-    """
-
-    dims: FrozenSet[Tuple[int, int]]
-    env: Any
-    code: Optional[str]
-    # each symbol's (input, dim), and the outputs that are views of inputs: output index ->
-    # (size, stride, offset from the input's) as expressions of the symbols (see :meth:`views_for`)
-    symbols: Dict[Any, Tuple[int, int]] = field(default_factory=dict)
-    views: Dict[int, Tuple[Tuple[Any, ...], Tuple[Any, ...], Any]] = field(default_factory=dict)
-
-    def holds(self, tensors: Sequence[torch.Tensor]) -> bool:
-        """Whether the plan is right for these inputs (of the family's other sizes)."""
-        return self.code is None or bool(self.env.evaluate_guards_expression(self.code, list(tensors)))
-
-    def views_for(self, tensors: Sequence[torch.Tensor]) -> Dict[int, Tuple[Tuple[int, ...], Tuple[int, ...], int]]:
-        """The size, stride and offset of each output that is a view of an input, for these inputs' sizes."""
-        values = {sym: int(tensors[i].shape[d]) for sym, (i, d) in self.symbols.items()}
-
-        def num(e: Any) -> int:
-            return e if isinstance(e, int) else int(e.xreplace(values))
-
-        return {k: (tuple(map(num, size)), tuple(map(num, stride)), num(off))
-                for k, (size, stride, off) in self.views.items()}
-
-
-def _symbolic_fakes(env: Any, specs: Sequence[Tuple[Any, ...]], dims: FrozenSet[Tuple[int, int]],
-                    paths: Sequence[str], symbols: Dict[Any, Tuple[int, int]]) -> List[Tuple[List[Any], List[Any]]]:
-    """The sizes and strides of the stand-ins: a symbol for each dimension of ``dims`` (a contiguous input's).
-
-    ``symbols`` is filled with each symbol's ``(input, dim)``.
-    """
-    from torch.fx.experimental.symbolic_shapes import DimDynamic
-
-    from ._compat import load_dim_source
-
-    source = load_dim_source()
-    out = []
-    symbols.clear()
-    for i, (size, stride, *_rest) in enumerate(specs):
-        sizes: List[Any] = list(size)
-        strides: List[Any] = list(stride)
-        if any((i, d) in dims for d in range(len(size))):
-            for d in range(len(size)):
-                if (i, d) in dims:
-                    src = source(f"{paths[i]}.size({d})")
-                    sym = env.create_symbol(size[d], src, DimDynamic.DYNAMIC)
-                    symbols[sym] = (i, d)
-                    sizes[d] = env.create_symintnode(sym, hint=size[d], source=src)
-            acc: Any = 1
-            for d in reversed(range(len(size))):  # (the input is row-major: see _symbolic.family_key)
-                strides[d] = acc
-                acc = acc * sizes[d]
-        out.append((sizes, strides))
-    return out
-
-
-def _holds_for_sizes(env: Any, fakes: Sequence[torch.Tensor], dims: FrozenSet[Tuple[int, int]],
-                     paths: Sequence[str], symbols: Dict[Any, Tuple[int, int]],
-                     views: Dict[int, Any]) -> Tuple[Optional[SymbolicSizes], str]:
-    """The symbolic plan's sizes, or None and where the trace pinned a symbol to its value.
-
-    A symbol the function compared with a constant (``if x.shape[0] == 8``), or converted to
-    a Python int, is pinned: the plan holds for that size alone. Outputs that are views of
-    inputs keep their sizes as expressions of the symbols (see ``_Tracing._entry``); one
-    whose expression holds another symbol (the trace's own) is pinned too.
-    """
-    for i, d in sorted(dims):
-        s = fakes[i].shape[d]
-        if not isinstance(s, torch.SymInt) or env.replace(s.node.expr).is_number:
-            return None, f"{paths[i]}.size({d}) was fixed to its value{_pin_site(env, s)}"
-    def final(e: Any) -> Any:  # (through the trace's replacements: in the input symbols)
-        return e if isinstance(e, int) else env.replace(e)
-
-    views = {k: (tuple(map(final, size)), tuple(map(final, stride)), final(off))
-             for k, (size, stride, off) in views.items()}
-    known = set(symbols)
-    for k, (size, stride, off) in views.items():
-        for e in (*size, *stride, off):
-            if not isinstance(e, int) and not set(e.free_symbols) <= known:
-                return None, f"output {k}, a view of an input, has a size of the trace's own ({e})"
-    return SymbolicSizes(frozenset(dims), env, env.produce_guards_expression(list(fakes)), dict(symbols), views), ""
-
-
-_SYM_TYPES = (torch.SymInt, torch.SymFloat, torch.SymBool)
-
-
-def _concrete(v: Any) -> Any:
-    """A value of a symbolic trace with its sizes made this call's numbers (``int()``: which pins them).
-
-    An output ``x.shape[0]``, a ``torch.Size`` or a Python value the function stored: a
-    replay hands out constants, so the trace holds for this size alone (see ``_holds_for_sizes``).
-    """
-    if isinstance(v, torch.SymInt):
-        return int(v)
-    if isinstance(v, torch.SymFloat):
-        return float(v)
-    if isinstance(v, torch.SymBool):
-        return bool(v)
-    if isinstance(v, torch.Size) and any(isinstance(d, torch.SymInt) for d in v):
-        return torch.Size(int(d) for d in v)
-    return v
-
-
-def _sym_expr(v: Any) -> Any:
-    """A size of a symbolic trace as an int, or as its expression of the input symbols (no guard made)."""
-    return v.node.expr if isinstance(v, torch.SymInt) else int(v)
-
-
-def _hint(v: Any) -> int:
-    """A size of a symbolic trace, this call's value (no guard made where torch knows it)."""
-    if isinstance(v, torch.SymInt):
-        h = getattr(v.node, "hint", None)  # (a property of SymNode's; a method on another torch)
-        h = h() if callable(h) else h
-        return int(h) if h is not None else int(v)
-    return int(v)
-
-
-class SymbolicLeak(Exception):
-    """A symbolic trace left a size inside an object it returned or stored: the call is traced as is."""
-
-
-def _symbolic_value(v: Any) -> bool:
-    return isinstance(v, _SYM_TYPES) or (isinstance(v, torch.Size) and any(isinstance(d, torch.SymInt) for d in v))
-
-
-def _pin_site(env: Any, s: Any) -> str:
-    """Where the shape environment's guard that fixed symbol ``s`` was made (best effort)."""
-    node = getattr(s, "node", None)
-    sym = getattr(node, "_expr", None)  # (its .expr reads through the replacement: the value)
-    for g in getattr(env, "guards", ()):
-        expr = getattr(g, "expr", None)
-        if sym is not None and expr is not None and sym in getattr(expr, "free_symbols", ()):
-            return f" ({expr}, at {getattr(g, 'sloc', '?')})"
-    return ""
 
 
 class _TraceMode(FakeTensorMode):
@@ -989,13 +857,9 @@ class _Tracing:
         self.symbols: Dict[Any, Tuple[int, int]] = {}  # each symbol's (input, dim)
         self.views: Dict[int, Any] = {}  # outputs that are views of inputs: their symbolic size, stride, offset
         if dims:  # (a shape environment: sizes as symbols; state and constants keep theirs)
-            from torch.fx.experimental.symbolic_shapes import ShapeEnv
-
-            # (reads of values and data-dependent shapes stay refused, as without one)
-            self.env: Any = ShapeEnv(duck_shape=False, allow_scalar_outputs=False,
-                                     allow_dynamic_output_shape_ops=False)
+            self.env: Any = new_shape_env()
             self.mode = mode = _TraceMode(allow_non_fake_inputs=True, shape_env=self.env, static_shapes=True)
-            shapes = _symbolic_fakes(self.env, inputs.specs, dims, paths, self.symbols)
+            shapes = symbolic_fakes(self.env, inputs.specs, dims, paths, self.symbols)
         else:
             self.env = None
             self.mode = mode = _TraceMode(allow_non_fake_inputs=True)
@@ -1064,14 +928,6 @@ class _Tracing:
         outs = [x for x in leaves if isinstance(x, torch.Tensor)] + [f for _, f in scan.escapes]
         return tuple(_resolved(outs, list(tensors) + list(watch.state_fakes)))
 
-    def dispatcher(self) -> Any:
-        """A symbolic trace runs composites' Python decompositions (sizes kept symbolic), as torch's own do."""
-        if self.env is None:
-            return contextlib.nullcontext()
-        from ._compat import load_enable_python_dispatcher
-
-        return load_enable_python_dispatcher()()
-
     def make_fx(self) -> Tuple[torch.fx.GraphModule, List[str]]:
         """``make_fx`` of :meth:`flat_fn`, its failures told as the user's; and what it drew on the host."""
         desc, cuda = self.desc, self.cuda
@@ -1081,7 +937,7 @@ class _Tracing:
             try:
                 # fx tracing keeps global state (its patcher): one trace at a time. What the
                 # trace changes in torch, for this thread only: see _patches
-                with TRACE_LOCK, trace_scope(), _no_seeding(desc), self.mode, self.dispatcher():
+                with TRACE_LOCK, trace_scope(), _no_seeding(desc), self.mode, symbolic_dispatch(self.env):
                     _ACTIVE.depth = _ACTIVE.__dict__.get("depth", 0) + 1
                     try:
                         gm = make_fx(self.flat_fn, tracing_mode="real", _allow_non_fake_inputs=True)(*self.fakes)
@@ -1168,8 +1024,8 @@ class _Tracing:
                 entries.append(OutEntry("const", value=leaf.t))
             elif not isinstance(leaf, torch.Tensor):
                 if self.env is not None:
-                    leaf = _concrete(leaf)
-                    if contains(leaf, _symbolic_value):  # (inside an object: traced as is instead)
+                    leaf = concrete(leaf)
+                    if contains(leaf, symbolic_value):  # (inside an object: traced as is instead)
                         raise SymbolicLeak(f"a symbolic size inside output {len(entries)} ({type(leaf).__name__})")
                 c = fresh_copier(leaf)  # (a copy of its own: the first call may hand out the traced one)
                 entries.append(OutEntry("const", value=leaf if c is None else c(leaf), fresh=c))
@@ -1197,13 +1053,13 @@ class _Tracing:
                     "Fix: return .clone() of that output."
                 )
             size, stride, off = tuple(val.shape), tuple(val.stride()), val.storage_offset() - inp.storage_offset()
-            if self.env is not None and what.startswith("output ") and val is not inp:
-                # (symbolic: kept as expressions, evaluated for each size's signature; this
-                # one's from the hints. An input returned as is needs none.)
-                self.views[len(before)] = (tuple(map(_sym_expr, size)), tuple(map(_sym_expr, stride)), _sym_expr(off))
-                size, stride, off = tuple(map(_hint, size)), tuple(map(_hint, stride)), _hint(off)
-            elif self.env is not None and val is inp:
-                size, stride, off = tuple(map(_hint, size)), tuple(map(_hint, stride)), _hint(off)
+            if self.env is not None and (val is inp or what.startswith("output ")):
+                # (symbolic: an output view's layout kept as expressions, evaluated for each size's
+                # signature, this one's from the hints; an input returned as is needs none. A view
+                # left in Python state is pinned by int() below: it serves this size alone.)
+                if val is not inp:
+                    self.views[len(before)] = (tuple(map(sym_expr, size)), tuple(map(sym_expr, stride)), sym_expr(off))
+                size, stride, off = tuple(map(hint, size)), tuple(map(hint, stride)), hint(off)
             ent = OutEntry("input", index=src, size=tuple(map(int, size)), stride=tuple(map(int, stride)),
                            rel_offset=int(off), identical=val is inp,
                            conj=val.is_conj() != inp.is_conj(), neg=val.is_neg() != inp.is_neg())
@@ -1222,14 +1078,14 @@ class _Tracing:
         watch, fnwatch, scan, paths = self.watch, self.fnwatch, self.box["scan"], self.paths
         state_slots = [self.index.slot_of(t) for t in watch.state]
         if self.env is not None:  # (Python values the function stored: this call's numbers, as eager's)
-            self.snap.concretize(_symbolic_value, _concrete)
+            self.snap.concretize(symbolic_value, concrete)
             for c in scan.changes:
-                if _symbolic_value(c.new):
-                    c.new = _concrete(c.new)
-            deep = self.snap.find(_symbolic_value)
+                if symbolic_value(c.new):
+                    c.new = concrete(c.new)
+            deep = self.snap.find(symbolic_value)
             if deep is not None:  # (inside an object the function stored: traced as is instead)
                 raise SymbolicLeak(f"a symbolic size stored in {deep}")
-        sizes, pinned = (_holds_for_sizes(self.env, self.fakes, self.dims, paths, self.symbols, self.views)
+        sizes, pinned = (holds_for_sizes(self.env, self.fakes, self.dims, paths, self.symbols, self.views)
                          if self.dims else (None, ""))
         return Plan(
             gm=gm,
