@@ -32,7 +32,7 @@ from ._key import Call, Entry, call_key, env_key_fn, global_key, reusable_after_
 from ._key._call import CallKey
 from ._log import log
 from ._state import change_error, find_roots, lazy_error, uninitialized_modules
-from ._symbolic import TRIES, dim_names, family_key, shareable, shared_plan
+from ._symbolic import dim_names, family_key, shared_plan
 from ._trace import trace
 from ._tree import unflatten
 
@@ -210,13 +210,8 @@ def _new_signature(g: Any, st: ThreadState, ck: CallKey, call: Call,
     if ck.device is None and plan.uses_cuda and torch.cuda.is_available():
         cuda = True
     found = _settle(g, st, ck, call, plan, cuda, record)
-    e = st.cache.get(ck.key) or st.pending.get(ck.key)
-    if fam is not None and e is not None and e.any_rg:
-        fam.differentiated = True
-    if fam is not None and (plan.sizes is not None or plan.sizes_pinned) and (e is not None or plan.sizes is None):
-        # (traced symbolically; no entry: an eager first call whose trace is not kept, and the
-        # next call's trace is adopted)
-        fam.adopt(plan, dims or frozenset(), e is not None and not e.any_rg and shareable(plan), g._desc)
+    if fam is not None:
+        fam.traced(plan, dims or frozenset(), st.cache.get(ck.key) or st.pending.get(ck.key), g._desc)
     return found
 
 
@@ -235,11 +230,9 @@ def _trace_sizes(g: Any, fam: Any, dims: Any, rebuild: Any, tensors: List[torch.
         return trace(g._fn, rebuild, tensors, in_paths, g._desc, cuda, roots, extra, stable, dims)
     except Exception as err:
         failed = err
-    fam.tries += 1
+    fam.failed_once()  # (the call's own failure, if the trace as is raises too)
     plan = trace(g._fn, rebuild, tensors, in_paths, g._desc, cuda, roots, extra, stable)
-    fam.tries = TRIES
-    fam.why = f"the symbolic trace failed ({type(failed).__name__}: {str(failed).splitlines()[0][:160] if str(failed) else ''})"
-    log.info("%s: %s; traced per size", g._desc, fam.why)
+    fam.give_up(failed, g._desc)
     return plan
 
 
@@ -257,7 +250,7 @@ def _family_plan(g: Any, st: ThreadState, ck: CallKey, call: Call, fam: Any, ten
     e = new_entry(g, ck, call, shared_plan(plan, g._fuse and cuda, tensors), cuda)
     state = e.match(call)
     if state is None or e.any_rg:
-        fam.plan, fam.dims = None, frozenset()
+        fam.forget()
         return None
     st.warmed.add(ck.key)
     st.insert(ck.key, e, g._maxsize, g._storm.note_evicted)

@@ -110,6 +110,33 @@ class Family:
             return frozenset()
         return dims
 
+    def traced(self, plan: Any, dims: FrozenSet[Tuple[int, int]], entry: Any, desc: str) -> None:
+        """A trace of one of the family's calls, and the entry it made (None: an eager first call).
+
+        An entry differentiated through the autograd wrapper stops the family's symbolic traces;
+        a symbolic trace is adopted (shared where it can be), except one whose entry was not
+        kept (an eager first call: the next call's trace is adopted).
+        """
+        if entry is not None and entry.any_rg:
+            self.differentiated = True
+        if plan.sizes is not None or plan.sizes_pinned:
+            if entry is not None or plan.sizes is None:
+                self.adopt(plan, dims, entry is not None and not entry.any_rg and shareable(plan), desc)
+
+    def failed_once(self) -> None:
+        """A symbolic trace raised: one of the family's tries (a size the function refuses may raise so)."""
+        self.tries += 1
+
+    def give_up(self, err: BaseException, desc: str) -> None:
+        """A symbolic trace failed where the call traces as is: no more symbolic traces for the family."""
+        self.tries = TRIES
+        self.why = f"the symbolic trace failed ({type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else ''})"
+        log.info("%s: %s; traced per size", desc, self.why)
+
+    def forget(self) -> None:
+        """The symbolic plan no longer serves (the state it reads was replaced)."""
+        self.plan, self.dims = None, frozenset()
+
     def adopt(self, plan: Any, dims: FrozenSet[Tuple[int, int]], shared: bool, desc: str) -> None:
         """The result of a symbolic trace over ``dims``: kept for the family's next sizes where ``shared``."""
         self.tries += 1
