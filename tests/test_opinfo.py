@@ -18,22 +18,30 @@ import pytest
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SWEEP = os.path.join(HERE, "opinfo_sweep.py")
 
 
-def _sweep(tmp_path, device: str, samples: int = 3) -> list:
-    out = tmp_path / f"opinfo-{device}.json"
-    cmd = [sys.executable, SWEEP, "--device", device, "--legs", "all", "--samples", str(samples),
-           "--jobs", str(min(12, max(1, os.cpu_count() or 1))), "--json", str(out)]
+def _results(out, script: str, *args: str) -> list:
+    """Run a sweep script writing its per-sample results to ``out``; the results."""
+    cmd = [sys.executable, os.path.join(HERE, script), *args, "--json", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1500)
     print(proc.stdout[-6000:])
     assert out.exists(), proc.stderr[-3000:]
     return json.loads(out.read_text())
 
 
-def _check(results: list) -> None:
+def _no_failure(results: list) -> None:
     failed = [r for r in results if r["cls"] not in ("match", "refused", "skip")]
-    assert not failed, "\n".join(f"{r['cls']}: {r['op']} [{r['leg']} {r['i']}]: {r['note']}" for r in failed[:40])
+    assert not failed, "\n".join(f"{r['cls']}: {r['op']} [{r.get('leg', 'sizes')} {r['i']}]: {r['note']}"
+                                 for r in failed[:40])
+
+
+def _sweep(tmp_path, device: str, samples: int = 3) -> list:
+    return _results(tmp_path / f"opinfo-{device}.json", "opinfo_sweep.py", "--device", device, "--legs", "all",
+                    "--samples", str(samples), "--jobs", str(min(12, max(1, os.cpu_count() or 1))))
+
+
+def _check(results: list) -> None:
+    _no_failure(results)
     ops = {r["op"] for r in results if r["cls"] != "skip"}
     matched = sum(r["cls"] == "match" for r in results)
     assert len(ops) > 600 and matched > 5000, (len(ops), matched)  # the database was swept, not skipped
@@ -55,20 +63,13 @@ def test_opinfo_cuda(tmp_path):
 
 
 def _sizes(tmp_path, device: str) -> list:
-    out = tmp_path / f"opinfo-sizes-{device}.json"
-    cmd = [sys.executable, os.path.join(HERE, "opinfo_sizes.py"), "--device", device, "--samples", "1",
-           "--json", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1500)
-    print(proc.stdout[-6000:])
-    assert out.exists(), proc.stderr[-3000:]
-    return json.loads(out.read_text())
+    return _results(tmp_path / f"opinfo-sizes-{device}.json", "opinfo_sizes.py", "--device", device, "--samples", "1")
 
 
 def _check_sizes(results: list) -> None:
     """Every op at its sample's size and three others matches eager (tests/opinfo_sizes.py), and most of
     the later sizes are recorded from one symbolic trace, not traced."""
-    failed = [r for r in results if r["cls"] not in ("match", "refused", "skip")]
-    assert not failed, "\n".join(f"{r['cls']}: {r['op']} [{r['i']}]: {r['note']}" for r in failed[:40])
+    _no_failure(results)
     matched = [r for r in results if r["cls"] == "match"]
     assert len(matched) > 400, len(matched)
     shared = sum(r["shared"] for r in matched)

@@ -209,9 +209,8 @@ def test_any_sequence_of_sizes_matches_eager(sizes):
         assert_close(g(x, y), f(x, y))
 
 
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_fuse_compiles_once_for_every_size(monkeypatch):
+def _count_compiles(monkeypatch: pytest.MonkeyPatch, fail_symbolic: bool = False) -> list:
+    """The ``dims`` of every fuse=True compile from now on (``fail_symbolic``: a symbolic one raises)."""
     from gtransform.fuse import _inductor
 
     compiles: list = []
@@ -219,9 +218,18 @@ def test_fuse_compiles_once_for_every_size(monkeypatch):
 
     def counting(self, args, dims):
         compiles.append(dims)
+        if dims and fail_symbolic:
+            raise RuntimeError("inductor cannot compile these dynamic shapes")
         return real(self, args, dims)
 
     monkeypatch.setattr(_inductor._Inductor, "_compile", counting)
+    return compiles
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_fuse_compiles_once_for_every_size(monkeypatch):
+    compiles = _count_compiles(monkeypatch)
 
     def chain(x):
         for _ in range(10):
@@ -239,18 +247,7 @@ def test_fuse_compiles_once_for_every_size(monkeypatch):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_fuse_compiles_each_size_where_the_symbolic_compile_fails(monkeypatch):
-    from gtransform.fuse import _inductor
-
-    compiles: list = []
-    real = _inductor._Inductor._compile
-
-    def failing(self, args, dims):
-        compiles.append(dims)
-        if dims:
-            raise RuntimeError("inductor cannot compile these dynamic shapes")
-        return real(self, args, dims)
-
-    monkeypatch.setattr(_inductor._Inductor, "_compile", failing)
+    compiles = _count_compiles(monkeypatch, fail_symbolic=True)
     f = gt.graphify(lambda x: (x * 3).cos().sum(-1), fuse=True)
     for n in (8, 8, 12, 12, 20, 12):
         x = torch.randn(n, 16, device="cuda")
