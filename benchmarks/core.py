@@ -29,6 +29,7 @@ METHODS: Dict[str, str] = {
     "gt_views": "gt: same, views of 4 calls held",
     "gt_fused": "gt fuse=True: same tensors",
     "gt_split": "gt on_break=split: same tensors",
+    "gt_split_fused": "gt on_break=split, fuse=True",
     "compile_gt": "torch.compile backend=gtransform",
 }
 CUDA_ONLY = {"graph_copy", "graph_replay", "mgc"}

@@ -114,7 +114,7 @@ def first_call_table(results: Dict[str, Any]) -> str:
                                               or "first_call_warm_error" in wr["cells"].get(m, {})
                                               for wr in wls.values())]
     # the first three calls (compile, warm-up, record for torch.compile), where a column measured them
-    three = [m for m in ("compile", "gt_split", "compile_gt") if m in methods
+    three = [m for m in ("compile", "gt_split", "gt_split_fused", "compile_gt") if m in methods
              and any(wr["cells"].get(m, {}).get("first_calls_s") for wr in wls.values())]
     extra_heads = ["gt same: 2nd call"] + (["gt fuse=True: 2nd call"] if "gt_fused" in methods else []) \
         + [f"{METHODS[m]}: first 3 calls" for m in three] \

@@ -35,7 +35,17 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(1, os.path.dirname(HERE))
 
-from opinfo_sweep import RNG_STATE_OPS, UNINITIALISED, _fill, _ops, _samples, _split, compare  # noqa: E402
+from opinfo_sweep import (  # noqa: E402
+    RNG_STATE_OPS,
+    UNINITIALISED,
+    _fill,
+    _Nondeterministic,
+    _ops,
+    _samples,
+    _split,
+    _watching,
+    compare,
+)
 
 STEPS = (1, 2, 5)  # the sizes tried after the sample's own: v + step
 
@@ -77,6 +87,7 @@ def run_sample(op: Any, sample: Any, device: str, traced: List[Any]) -> Dict[str
         return op.op(inp, *args, **kwargs)
 
     g = gt.graphify(lambda *tensors: call(tensors))
+    where = argparse.Namespace(device=device)  # (what _watching reads)
     shared = refused_by_eager = 0
     for k, new in enumerate([v] + [v + s for s in STEPS]):
         inputs = [t.detach().clone() if new == v else _resized(t, v, new) for t in ts]
@@ -85,8 +96,10 @@ def run_sample(op: Any, sample: Any, device: str, traced: List[Any]) -> Dict[str
         before = len(traced)
         torch.manual_seed(k)
         try:
-            want = call(theirs)
+            want = _watching(where, lambda: call(theirs))
             raised: Optional[BaseException] = None
+        except _Nondeterministic as e:
+            return {"cls": "skip", "note": f"size {new}: a kernel torch says is nondeterministic: {e}"}
         except Exception as e:  # (eager refuses this size: graphify must refuse it too)
             want, raised = None, e
         torch.manual_seed(k)
@@ -128,6 +141,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     import gtransform._lookup as lookup
 
     warnings.simplefilter("ignore")
+    import torch
+
+    # as tests/opinfo_sweep.py: float32 as float32, and on a GPU the deterministic variants of
+    # kernels (those without one warn, and their samples are left out)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    if a.device != "cpu":
+        torch.use_deterministic_algorithms(True, warn_only=True)
     traced: List[Any] = []
     real = lookup.trace
 

@@ -12,7 +12,7 @@ rows that are functions of their arguments, `STATEFUL_METHOD_FNS` those of rows 
 - `torch_compile`: `torch.compile(mode="reduce-overhead")`;
 - `jax_jit`: `jax.jit` of the row's jax twin;
 - `graphify`: gtransform, default and fused, with outputs dropped, held, or viewed; and
-  `on_break="split"` (`gt_split`) on rows that read values on the host;
+  `on_break="split"` (`gt_split`, and with `fuse=True`: `gt_split_fused`) on rows that read values on the host;
 - `torch_compile` also has `compile_gt`, `torch.compile(backend="gtransform")`, on those rows.
 """
 
@@ -49,6 +49,7 @@ METHOD_FNS: Dict[str, Callable[[Ctx], Prepared]] = {
     "gt_views": method_gt_views,
     "gt_fused": method_gt_fused,
     "gt_split": method_gt_split,
+    "gt_split_fused": method_gt_split,
     "compile_gt": method_compile_gt,
 }
 
@@ -66,5 +67,6 @@ STATEFUL_METHOD_FNS: Dict[str, Callable[[Ctx], Prepared]] = {
     "gt_views": lambda ctx: st_gt(ctx, new_tensors=False, held="views"),
     "gt_fused": lambda ctx: st_gt(ctx, new_tensors=False, held=False, fuse=True),
     "gt_split": lambda ctx: st_gt(ctx, new_tensors=False, held=False, on_break="split"),
+    "gt_split_fused": lambda ctx: st_gt(ctx, new_tensors=False, held=False, fuse=True, on_break="split"),
     "compile_gt": st_compile_gt,
 }

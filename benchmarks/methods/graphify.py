@@ -9,6 +9,8 @@
 - `gt_fused`: `gt.graphify(fn, fuse=True)`, TorchInductor's fused kernels recorded;
 - `gt_split`: `gt.graphify(fn, on_break="split")` (issue #35), only on rows that read values
   on the host: reads of the call's own data split the function into recorded pieces.
+- `gt_split_fused`: the same with `fuse=True` (each piece compiled by TorchInductor, as
+  torch.compile's pieces are).
 
 Held outputs and views are a property of the timing loop (`Prepared.hold`, run by
 `benchmarks.timing.run_calls`); the function is built the same way for all of them.

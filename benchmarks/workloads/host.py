@@ -19,7 +19,8 @@ the same seed) whose Python reads tensor values:
 
 The columns (`HOST_METHODS`): eager, torch.compile reduce-overhead, gt default (frozen reads),
 gt `on_break="split"`, `torch.compile(backend="gtransform")`, gt `fuse=True` (frozen reads; the
-split rows report the error the default raises). Until the frozen-reads and
+split rows report the error the default raises), gt `on_break="split", fuse=True` (each piece
+compiled by inductor, as torch.compile's are). Until the frozen-reads and
 graph-break features land, the gt columns report the error they raise.
 """
 
@@ -33,7 +34,7 @@ import torch.nn.functional as F
 
 from ..core import Instance, need, seeded
 
-HOST_METHODS = ("eager", "compile", "gt_same", "gt_split", "compile_gt", "gt_fused")
+HOST_METHODS = ("eager", "compile", "gt_same", "gt_split", "compile_gt", "gt_fused", "gt_split_fused")
 
 # torchdiffeq: a small MLP vector field ----------------------------------------------------
 
