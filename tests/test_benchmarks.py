@@ -70,7 +70,7 @@ def test_only_host_selects_the_host_read_rows_and_their_columns(monkeypatch: pyt
     host = select_workloads(cpu, "host")
     assert [w.name for w in host] == list(HOST_ROWS) == [
         "ode_rk4", "ode_dopri5", "gcn", "gat", "gpt2_greedy", "train_log", "rl_episode"]
-    assert HOST_METHODS == ("eager", "compile", "gt_same", "gt_split", "compile_gt", "gt_fused")
+    assert HOST_METHODS == ("eager", "compile", "gt_same", "gt_split", "compile_gt", "gt_fused", "gt_split_fused")
     for w in host:
         assert w.host_reads and w.factory is not None and w.only_methods == HOST_METHODS, w.name
     others = {w.name for w in select_workloads(cpu, "synthetic,real")}
