@@ -133,6 +133,8 @@ def _bytes_line(rec: Any, pools: Dict[Any, int]) -> str:
     if rec.backend == "cuda":
         own = sum(pools.get(tuple(s.pool_id), 0) for s in rec.ring if s.pool_id is not None)
         shared = pools.get(tuple(rec.pool.cuda_pool), 0) if rec.pool.cuda_pool is not None else 0
+        if rec.released:
+            line += "; the first generation's outputs shared with the pool's other signatures (given back while idle)"
         line += (f" (later generations' own pools: {_mib(own)}); the function's graph pool, intermediates "
                  f"included, shared by its signatures: {_mib(shared)} reserved")
     return line

@@ -157,9 +157,9 @@ def _replay_lines(g: Gen, rec: Any, tens: List[str]) -> List[str]:
     if bind and cuda_replay:
         # (bound if a new output generation is captured on them)
         st = "".join(f"{tens[i]}, " for i in rec.static_idx)
-        call.append(f"if REC.must_retire: REC._maybe_retire(({st}))")
+        call.append(f"if REC.must_retire or POOL.shared_pins: REC._maybe_retire(({st}))")
     else:
-        call.append("if REC.must_retire: REC._maybe_retire()")
+        call.append("if REC.must_retire or POOL.shared_pins: REC._maybe_retire()")
     if rec.escapes is not None:
         call.append("ESC.before_replay()")
     if cuda_replay:

@@ -564,6 +564,26 @@ class Handout:
         del old_objs
         self.refresh()
 
+    def move_to(self, groups: List[OutputGroup]) -> None:
+        """Hand out the same objects from now on, over ``groups``' memory (the same layouts; see ``_sharing``).
+
+        Only while nothing outside gtransform holds them: the objects a caller dropped keep
+        their identity, as after a recording again (see :meth:`adopt`). The spare
+        generations, over the old memory, are dropped.
+        """
+        storages = []
+        with _normal_tensors():
+            for gi, g in enumerate(groups):
+                st = _alias_base(g.base)
+                storages.append(st)
+                for m, (size, stride, offset, _dtype) in zip(range(self.starts[gi], self.starts[gi + 1]), g.members):
+                    self.objs[m].set_(st, offset, size, stride)
+        self.groups = groups
+        self.storages = storages
+        self.cdatas = [st._cdata for st in storages]
+        self.spare = []
+        self.refresh()
+
     def detach(self) -> None:
         """The recording goes away.
 
@@ -587,7 +607,7 @@ class PoolState:
     """
 
     __slots__ = ("outstanding", "calls", "lock", "cuda_pool", "keeper", "abandoned", "last_desc", "keep_held",
-                 "kept_gen", "__weakref__")
+                 "kept_gen", "shared_pins", "members", "released", "__weakref__")
 
     def __init__(self, lock: Any = None) -> None:
         # held outputs keep their values (Handout._keep_held) instead of going stale: False,
@@ -601,6 +621,20 @@ class PoolState:
         self.keeper: Optional[Any] = None
         self.abandoned: List[Any] = []  # keepers of pools a failed capture left unusable (_record._abandon_pool)
         self.last_desc = ""
+        # views the caller derived from outputs in memory that any recording of this pool may
+        # write (CUDA: captured in the function's pool, where one recording's outputs can lie in
+        # another's intermediates): while one lives, no such memory is written (see
+        # Recording._maybe_retire)
+        self.shared_pins: List[Pin] = []
+        # CUDA: the recordings whose first output generation is in the function's pool (weakly),
+        # and whether one gave its output memory back to the pool (see _sharing)
+        self.members: List[Any] = []
+        self.released = False
+
+    def shared_pinned(self) -> bool:
+        """Whether views in the pool's shared memory are alive (the dead ones are dropped)."""
+        self.shared_pins = live_pins(self.shared_pins)
+        return bool(self.shared_pins)
 
     def begin_call(self, desc: str) -> None:
         """Poison what the previous call handed out and is still held."""
@@ -617,9 +651,12 @@ class PoolState:
                     continue
                 ref = h.owner
                 owner = ref() if ref is not None else None
-                if pins is not None and owner is not None:
-                    owner.pins += pins
-                    owner.must_retire = True
+                if pins is not None:
+                    if owner is None or owner.in_shared_pool:  # (a dead owner's memory: unknown, kept)
+                        self.shared_pins += pins
+                    if owner is not None:
+                        owner.pins += pins
+                        owner.must_retire = True
                 if owner is None or not owner.must_retire:
                     h.fresh()
                 # else: the owner switches memory before it replays

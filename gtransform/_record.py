@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from . import _distributed, _handed
+from . import _distributed, _handed, _sharing
 from ._compat import clear_cublas_workspaces, end_route_to_pool, foreach_copy_, neg_view, release_pool, route_to_pool
 from ._compat import storage_use_count as _use_count
 from ._errors import GraphifyError, RerecordWarning
@@ -166,6 +166,9 @@ class Recording:
         self.group_keys: List[int] = []  # a gm output index of each group
         self.replays = 0
         self.must_retire = False
+        self.in_shared_pool = False  # the active generation's memory is shared (see _shared)
+        self.released = False  # CUDA: its first generation's output memory was given back (see _sharing)
+        self.fpool: Any = None  # CUDA: the function's pool its first generation was captured in
         # views of the active generation's outputs that were found alive (see
         # PoolState.begin_call), for _maybe_retire
         self.pins: List[Pin] = []
@@ -284,13 +287,20 @@ class Recording:
         # found alive by this call's poison (PoolState.begin_call), or by an
         # earlier call of another function of the pool: checked again below
         # before anything costly
-        cur.pins = self.pins
+        own = cur.pins = self.pins
         self.pins = []
+        # views of outputs in the pool's shared memory (this recording's or another's, see
+        # PoolState.shared_pins): no generation in that memory is written while they live
+        blocked = bool(self.pool.shared_pins) and self.pool.shared_pinned()
+        if not own and not (blocked and self._shared(cur)):
+            return  # (called for the pool's views only, which this generation cannot write)
         n = len(ring)
         j = self.active
         for _ in range(n - 1):
             j = j + 1 if j + 1 < n else 0
             slot = ring[j]
+            if blocked and self._shared(slot):
+                continue
             pins = slot.pins
             if pins:
                 pins = slot.pins = [p for p in pins if _use_count(p[0]) > p[1]]
@@ -298,7 +308,7 @@ class Recording:
                     continue
             self._use_slot(j)
             return
-        if not cur.pinned():  # the views went (e.g. before this call, after another's)
+        if not cur.pinned() and not (blocked and self._shared(cur)):  # the views went (e.g. before this call, after another's)
             if self.handout.need_fresh:
                 self.handout.fresh(views_gone=True)
             return
@@ -327,6 +337,10 @@ class Recording:
         self._use_slot(self.active)
 
     CLIFF = False  # whether a new generation costs a capture
+
+    def _shared(self, slot: _Slot) -> bool:
+        """Whether ``slot``'s memory may be written by other recordings' replays (CUDA: the function's pool)."""
+        return False
 
     def _new_slot(self, replacing: Optional[_Slot] = None) -> _Slot:  # pragma: no cover - overridden
         raise NotImplementedError
@@ -365,7 +379,7 @@ class Recording:
         self.pool.begin_call(self.desc)
         if self.returned_inputs:
             self.rescue_returned(tensors)
-        if self.must_retire:
+        if self.must_retire or self.pool.shared_pins:
             self._maybe_retire()
         esc = self.escapes
         if esc is not None:
@@ -550,9 +564,22 @@ class CUDARecording(Recording):
         self.device = next((t.device for t in tensors), torch.device("cuda", torch.cuda.current_device()))
         # Output generations (see Recording._maybe_retire): the first is captured in
         # the function's pool, later ones each in a private pool of their own,
-        # so that no generation's intermediates overlap another's outputs.
-        g, outs = self._capture(warmup=True)
-        slot = _Slot(g, outs)
+        # so that no generation's intermediates overlap another's outputs. The
+        # function's pool's memory is shared by its recordings (see _sharing): the
+        # outputs of the others that nobody holds go back to it first, unless views
+        # there are alive or this recording leaves state in Python, where the first
+        # generation takes a private pool too.
+        pool_id = None
+        if _sharing.needs_private_pool(pool, self):
+            with torch.cuda.device(self.device):
+                pool_id = torch.cuda.graph_pool_handle()
+        elif type(self) is CUDARecording:
+            _sharing.give_back_idle(pool, self)
+        g, outs = self._capture(warmup=True, pool_id=pool_id)
+        slot = _Slot(g, outs, pool_id)
+        if pool_id is None and type(self) is CUDARecording:
+            self.fpool = pool.cuda_pool
+            _sharing.join(pool, self)
         self._activate(slot)
         self._bind_outputs(outs)
         self._start_ring(slot)
@@ -573,10 +600,15 @@ class CUDARecording(Recording):
         self._slot_groups(slot, [outs[k].untyped_storage() for k in self.group_keys])
         return slot
 
+    def _shared(self, slot: _Slot) -> bool:
+        # the function's pool: other recordings' outputs and intermediates may lie in its memory
+        return slot.pool_id is None
+
     def _activate(self, slot: _Slot) -> None:
         self.graph = slot.graph
         self.outs = slot.outs
         self.last_outs = slot.outs
+        self.in_shared_pool = slot.pool_id is None
 
     def _capture(self, warmup: bool, pool_id: Any = None) -> Tuple[Any, List[torch.Tensor]]:
         """Capture the graph into ``pool_id`` (None: the function's pool), after a warm-up if ``warmup``."""
@@ -688,6 +720,8 @@ class CUDARecording(Recording):
         self.graph.replay()  # type: ignore[union-attr]
 
     def close(self) -> None:
+        if self.released:
+            _sharing.keep_held_on_close(self)
         super().close()
         # (the function's pool stays usable: its keeper holds it, see _function_pool)
         self.ring = []
@@ -1002,10 +1036,12 @@ def _abandon_pool(pool: PoolState, pool_id: Any) -> None:
 def _routed_to(dev: torch.device, pool_id: Any, pool: PoolState) -> Any:
     """This thread's CUDA allocations go to the graph pool ``pool_id`` (the warm-up's).
 
-    Only a pool a graph holds (its keeper, see _function_pool) is routed to: the
-    routing's own use of the pool ends with it, whatever the warm-up raised.
+    Only the function's pool, which a graph holds (its keeper, see _function_pool), is
+    routed to: the routing's own use of the pool ends with it, whatever the warm-up raised.
+    (A first generation captured in a private pool, see _sharing, warms up outside it.)
     """
-    if route_to_pool is None or end_route_to_pool is None or release_pool is None or pool.keeper is None:
+    if (route_to_pool is None or end_route_to_pool is None or release_pool is None or pool.keeper is None
+            or pool.cuda_pool is None or tuple(pool_id) != tuple(pool.cuda_pool)):
         yield
         return
     idx = _index(dev)
