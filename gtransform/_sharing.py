@@ -40,6 +40,7 @@ still holds to memory of their own, and its views' memory stays pinned.
 from __future__ import annotations
 
 import bisect
+import sys
 import weakref
 from typing import Any, List
 
@@ -50,7 +51,7 @@ from ._liveness import Handout, OutputGroup, StaleOutput, take_back
 
 __all__ = ["give_back_idle", "give_back", "join", "needs_private_pool", "keep_held_on_close"]
 
-_getrefcount = __import__("sys").getrefcount
+_getrefcount = sys.getrefcount
 
 
 class _Address:
