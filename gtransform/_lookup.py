@@ -28,7 +28,7 @@ from ._breaks import mark, routes
 from ._cache import ThreadState
 from ._eager import ran_lazy, trace_failed
 from ._errors import GraphifyError
-from ._key import Call, Entry, call_key, env_key_fn, global_key, reusable_after_eager
+from ._key import Call, Entry, call_key, env_key_fn, global_key, makes_no_state, reusable_after_eager
 from ._key._call import CallKey
 from ._log import log
 from ._state import change_error, find_roots, lazy_error, uninitialized_modules
@@ -209,8 +209,11 @@ def _new_signature(g: Any, st: ThreadState, ck: CallKey, call: Call,
         seen.pop(in_paths[k], None)
     if ck.device is None and plan.uses_cuda and torch.cuda.is_available():
         cuda = True
-    found = _settle(g, st, ck, call, plan, cuda, record)
+    found = _settle(g, st, ck, call, plan, cuda, record,
+                    sibling_warm=fam is not None and fam.warm is not None and fam.warm in st.warmed)
     if fam is not None:
+        if ck.key in st.warmed:
+            fam.warm = ck.key
         fam.traced(plan, dims or frozenset(), st.cache.get(ck.key) or st.pending.get(ck.key), g._desc)
     return found
 
@@ -324,8 +327,14 @@ def _rebuilder(call: Call, ck: CallKey) -> Callable[[Sequence[torch.Tensor]], Tu
 
 
 def _settle(g: Any, st: ThreadState, ck: CallKey, call: Call, plan: Any, cuda: bool,
-            record: bool) -> Optional[Tuple[Entry, List[torch.Tensor]]]:
+            record: bool, sibling_warm: bool = False) -> Optional[Tuple[Entry, List[torch.Tensor]]]:
     """A new trace's fate: the first call of a signature that touches state runs eagerly, else a new entry.
+
+    Not where another size of the same calls ran its eager first call and is still warm
+    (``sibling_warm``, see ``_symbolic.Family.warm``) and this trace made no state
+    (``makes_no_state``: no optimizer moment, no Python value changed): the state that eager
+    call made lazily exists already, so a training step over a new batch size is recorded on
+    its first call.
 
     Python numbers the trace changed in modules or optimizers (``self.calls += 1`` in
     forward), and in plain dicts and lists of a function that reaches state (a training
@@ -342,6 +351,9 @@ def _settle(g: Any, st: ThreadState, ck: CallKey, call: Call, plan: Any, cuda: b
         if key in st.warmed:
             raise change_error(g._desc, model_changes)
     warm = not (plan.touches_state or model_changes) or key in st.warmed
+    if not warm and record and sibling_warm and makes_no_state(plan):
+        warm = True
+        st.warmed.add(key)
     # the first call of a signature that touches state runs eagerly; its trace is kept for
     # the second call where that call can replay it
     keep = warm or not record or (not model_changes and reusable_after_eager(plan))

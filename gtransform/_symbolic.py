@@ -74,7 +74,7 @@ def _row_major(shape: Sequence[int]) -> Tuple[int, ...]:
 class Family:
     """The calls of one family key: the first call's sizes, the symbolic plan and its dimensions."""
 
-    __slots__ = ("shapes", "dims", "plan", "tries", "why", "differentiated")
+    __slots__ = ("shapes", "dims", "plan", "tries", "why", "differentiated", "warm")
 
     def __init__(self, shapes: List[Tuple[int, ...]]):
         self.shapes = shapes  # the tensor inputs' sizes of the first call
@@ -85,6 +85,10 @@ class Family:
         # its calls go through the autograd wrapper (parameters requiring grad under grad mode):
         # their joint trace is made per size, so no symbolic trace is taken
         self.differentiated = False
+        # the key of a call of the family that ran the eager first call of a signature touching
+        # state (while that key stays warm, see _lookup._settle): the state it made lazily
+        # (optimizer moments) exists for the family's other sizes too
+        self.warm: Any = None
 
     def varying(self, tensors: Sequence[torch.Tensor]) -> FrozenSet[Tuple[int, int]]:
         """The ``(input, dim)`` whose size differs from the first call's."""

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import json
 import math
 import os
@@ -96,7 +97,7 @@ def run_sample(op: Any, sample: Any, device: str, traced: List[Any]) -> Dict[str
         before = len(traced)
         torch.manual_seed(k)
         try:
-            want = _watching(where, lambda: call(theirs))
+            want = _watching(where, functools.partial(call, theirs))
             raised: Optional[BaseException] = None
         except _Nondeterministic as e:
             return {"cls": "skip", "note": f"size {new}: a kernel torch says is nondeterministic: {e}"}

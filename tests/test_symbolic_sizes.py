@@ -177,10 +177,57 @@ def test_a_training_step_with_a_varying_batch_matches_eager(device, traces):
         assert_close(g(x, y), step(ref, opt_ref, x, y))
         for p, q in zip(model.parameters(), ref.parameters()):
             assert_close(p, q)
-    # 4 and 6: the optimizer's first call of each runs eagerly, and the next one traces
-    # (6: symbolically over x and y's dim 0); 5, 9 and 7 are recorded from it
+    # 4: the optimizer's first call runs eagerly (it makes Adam's moments), and the next one
+    # traces again; 6 is traced symbolically over x and y's dim 0 and recorded on its first call
+    # (the moments exist: no eager call of its own); 5, 9 and 7 are recorded from that trace
     both = frozenset({(0, 0), (1, 0)})
-    assert traces == [frozenset(), frozenset(), both, both]
+    assert traces == [frozenset(), frozenset(), both]
+    assert g.cache_info().currsize == 5
+
+
+def test_a_training_steps_new_batch_sizes_are_recorded_on_their_first_call(device, traces):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)).to(device)
+    ref = copy.deepcopy(model)
+    kw = {"capturable": True} if device == "cuda" else {"fused": True}
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2, **kw)
+    opt_ref = torch.optim.Adam(ref.parameters(), lr=1e-2, **kw)
+
+    def step(m, o, x, y):
+        o.zero_grad()
+        loss = torch.nn.functional.mse_loss(m(x), y)
+        loss.backward()
+        o.step()
+        return loss.detach()
+
+    g = gt.graphify(lambda x, y: step(model, opt, x, y))
+    for n in (12, 7, 5, 9, 11):  # no size twice: a server's or an RL learner's stream
+        x, y = torch.randn(n, 8, device=device), torch.randn(n, 1, device=device)
+        assert_close(g(x, y), step(ref, opt_ref, x, y))
+        for p, q in zip(model.parameters(), ref.parameters()):
+            assert_close(p, q)
+    # 12 runs eagerly (Adam's moments are made then); 7 is traced symbolically and recorded on its
+    # first call; 5, 9 and 11 are recorded from that trace: no eager call, no trace
+    assert traces == [frozenset(), frozenset({(0, 0), (1, 0)})]
+    assert g.cache_info().currsize == 4
+
+
+def test_a_step_that_changes_python_values_still_runs_each_new_sizes_first_call_eagerly(device, traces):
+    calls = {"n": 0}
+    w = torch.ones(3, device=device)
+
+    def f(x):
+        calls["n"] += 1  # a Python value the function changes: its first call per signature is eager
+        w.add_(x.sum(0))
+        return w * 2
+
+    g = gt.graphify(f)
+    w_ref = torch.ones(3, device=device)
+    for k, n in enumerate((4, 6, 5)):
+        x = torch.full((n, 3), float(k), device=device)
+        w_ref.add_(x.sum(0))
+        assert_close(g(x), w_ref * 2)
+    assert calls["n"] == 3
 
 
 def test_cache_clear_forgets_the_symbolic_trace(device, traces):

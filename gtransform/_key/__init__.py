@@ -19,12 +19,12 @@ environment that decides what it computes. This package answers it and nothing e
 
 from ._call import call_key
 from ._checks import CHECKS, Call, Check
-from ._entry import Entry, reusable_after_eager
+from ._entry import Entry, makes_no_state, reusable_after_eager
 from ._environment import env_key_fn
 from ._parts import alias_pattern, attrs_key, dict_orders, global_key, has_grad, same_objects
 from ._storm import StormDetector
 
 __all__ = [
     "CHECKS", "Call", "Check", "Entry", "StormDetector", "alias_pattern", "attrs_key", "call_key", "dict_orders",
-    "env_key_fn", "global_key", "has_grad", "reusable_after_eager", "same_objects",
+    "env_key_fn", "global_key", "has_grad", "makes_no_state", "reusable_after_eager", "same_objects",
 ]

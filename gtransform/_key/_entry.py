@@ -258,3 +258,18 @@ def reusable_after_eager(plan: Plan) -> bool:
         return False
     read = {_place(s) for s in plan.state_slots if s is not None}
     return all(_place(s) in read for s in plan.escape_slots)
+
+
+def makes_no_state(plan: Plan) -> bool:
+    """Whether the trace made no state its eager first call would make: recordable on its first call.
+
+    Asked of a new size of calls whose first size already ran its eager first call (see
+    ``_lookup._settle``): the trace changed no Python value, and wrote tensors back only where
+    it read state tensors or into ``.grad`` (which every call of a training step makes anew, as
+    ``zero_grad`` drops it). A tensor written where the trace read none (an optimizer moment
+    made for a parameter whose state was cleared) is state made lazily: eager first.
+    """
+    if plan.py_changes:
+        return False
+    read = {_place(s) for s in plan.state_slots if s is not None}
+    return all(s.kind == "grad" or _place(s) in read for s in plan.escape_slots)
