@@ -212,6 +212,42 @@ def test_a_training_steps_new_batch_sizes_are_recorded_on_their_first_call(devic
     assert g.cache_info().currsize == 4
 
 
+_OPTIMIZERS = {
+    # state made lazily at the first step: momentum buffers, square averages, Adam's moments
+    "sgd-nesterov": lambda ps, dev: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-2),
+    "rmsprop": lambda ps, dev: torch.optim.RMSprop(ps, lr=1e-2, momentum=0.5),
+    "adamw": lambda ps, dev: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1,
+                                               **({"capturable": True} if dev == "cuda" else {"fused": True})),
+}
+
+
+@pytest.mark.parametrize("opt", sorted(_OPTIMIZERS))
+def test_optimizers_with_lazy_state_over_new_batch_sizes_match_eager_step_by_step(device, traces, opt):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.BatchNorm1d(12), torch.nn.ReLU(),
+                                torch.nn.Linear(12, 2)).to(device)
+    ref = copy.deepcopy(model)
+    o, o_ref = _OPTIMIZERS[opt](model.parameters(), device), _OPTIMIZERS[opt](ref.parameters(), device)
+
+    def step(m, optim, x, y):
+        optim.zero_grad(set_to_none=False)  # (the gradients read and zeroed in place)
+        loss = torch.nn.functional.mse_loss(m(x), y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)
+        optim.step()
+        return loss.detach()
+
+    g = gt.graphify(lambda x, y: step(model, o, x, y))
+    for k, n in enumerate((5, 3, 8, 2, 5, 13)):
+        x, y = torch.randn(n, 6, device=device), torch.randn(n, 2, device=device)
+        assert_close(g(x, y), step(ref, o_ref, x, y))
+        for a, b in zip(list(model.parameters()) + list(model.buffers()), list(ref.parameters()) + list(ref.buffers())):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=lambda m, k=k, n=n: f"step {k} (batch {n}): {m}")
+    # the first size's trace and eager call make the state; one symbolic trace, recorded on its
+    # first call, serves every other size (the first size's again included)
+    assert traces == [frozenset(), frozenset({(0, 0), (1, 0)})]
+
+
 def test_a_step_that_changes_python_values_still_runs_each_new_sizes_first_call_eagerly(device, traces):
     calls = {"n": 0}
     w = torch.ones(3, device=device)
