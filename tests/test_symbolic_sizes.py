@@ -156,7 +156,9 @@ def test_differentiated_calls_are_traced_per_size(device, traces):
     assert all(not d for d in traces)
 
 
-def test_a_training_step_with_a_varying_batch_matches_eager(device, traces):
+def _adam_training(device, sizes):
+    """A closed-over MLP stepping Adam, graphified, run over batches of ``sizes`` and compared with
+    an eager copy after each step (the loss and every parameter); the graphified step."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)).to(device)
     ref = copy.deepcopy(model)
@@ -172,11 +174,16 @@ def test_a_training_step_with_a_varying_batch_matches_eager(device, traces):
         return loss.detach()
 
     g = gt.graphify(lambda x, y: step(model, opt, x, y))
-    for n in (4, 4, 6, 6, 5, 9, 7, 9):
+    for n in sizes:
         x, y = torch.randn(n, 8, device=device), torch.randn(n, 1, device=device)
         assert_close(g(x, y), step(ref, opt_ref, x, y))
         for p, q in zip(model.parameters(), ref.parameters()):
             assert_close(p, q)
+    return g
+
+
+def test_a_training_step_with_a_varying_batch_matches_eager(device, traces):
+    g = _adam_training(device, (4, 4, 6, 6, 5, 9, 7, 9))
     # 4: the optimizer's first call runs eagerly (it makes Adam's moments), and the next one
     # traces again; 6 is traced symbolically over x and y's dim 0 and recorded on its first call
     # (the moments exist: no eager call of its own); 5, 9 and 7 are recorded from that trace
@@ -186,26 +193,7 @@ def test_a_training_step_with_a_varying_batch_matches_eager(device, traces):
 
 
 def test_a_training_steps_new_batch_sizes_are_recorded_on_their_first_call(device, traces):
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)).to(device)
-    ref = copy.deepcopy(model)
-    kw = {"capturable": True} if device == "cuda" else {"fused": True}
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2, **kw)
-    opt_ref = torch.optim.Adam(ref.parameters(), lr=1e-2, **kw)
-
-    def step(m, o, x, y):
-        o.zero_grad()
-        loss = torch.nn.functional.mse_loss(m(x), y)
-        loss.backward()
-        o.step()
-        return loss.detach()
-
-    g = gt.graphify(lambda x, y: step(model, opt, x, y))
-    for n in (12, 7, 5, 9, 11):  # no size twice: a server's or an RL learner's stream
-        x, y = torch.randn(n, 8, device=device), torch.randn(n, 1, device=device)
-        assert_close(g(x, y), step(ref, opt_ref, x, y))
-        for p, q in zip(model.parameters(), ref.parameters()):
-            assert_close(p, q)
+    g = _adam_training(device, (12, 7, 5, 9, 11))  # no size twice: a server's or an RL learner's stream
     # 12 runs eagerly (Adam's moments are made then); 7 is traced symbolically and recorded on its
     # first call; 5, 9 and 11 are recorded from that trace: no eager call, no trace
     assert traces == [frozenset(), frozenset({(0, 0), (1, 0)})]
