@@ -210,10 +210,9 @@ def _new_signature(g: Any, st: ThreadState, ck: CallKey, call: Call,
     if ck.device is None and plan.uses_cuda and torch.cuda.is_available():
         cuda = True
     found = _settle(g, st, ck, call, plan, cuda, record,
-                    sibling_warm=fam is not None and fam.warm is not None and fam.warm in st.warmed)
+                    sibling_warm=fam is not None and fam.state_exists(st.warmed))
     if fam is not None:
-        if ck.key in st.warmed:
-            fam.warm = ck.key
+        fam.state_made(ck.key, st.warmed)
         fam.traced(plan, dims or frozenset(), st.cache.get(ck.key) or st.pending.get(ck.key), g._desc)
     return found
 

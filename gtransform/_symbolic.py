@@ -127,6 +127,15 @@ class Family:
             if entry is not None or plan.sizes is None:
                 self.adopt(plan, dims, entry is not None and not entry.any_rg and shareable(plan), desc)
 
+    def state_made(self, key: Hashable, warmed: Any) -> None:
+        """Note a call of the family whose key is in ``warmed`` (its eager first call made the state)."""
+        if key in warmed:
+            self.warm = key
+
+    def state_exists(self, warmed: Any) -> bool:
+        """Whether a call of the family made the state lazily and its key is still warm (see _lookup._settle)."""
+        return self.warm is not None and self.warm in warmed
+
     def failed_once(self) -> None:
         """A symbolic trace raised: one of the family's tries (a size the function refuses may raise so)."""
         self.tries += 1

@@ -254,10 +254,13 @@ def reusable_after_eager(plan: Plan) -> bool:
     same operations, creates nothing the trace did not see (no optimizer moment, no cache
     allocated on first use, no attribute set): those make a second trace.
     """
-    if plan.py_changes:
-        return False
+    return not plan.py_changes and _writes_back_where_read(plan, grads=False)
+
+
+def _writes_back_where_read(plan: Plan, grads: bool) -> bool:
+    """Whether every tensor the trace wrote back went where it read a state tensor (or, with ``grads``, to a ``.grad``)."""
     read = {_place(s) for s in plan.state_slots if s is not None}
-    return all(_place(s) in read for s in plan.escape_slots)
+    return all((grads and s.kind == "grad") or _place(s) in read for s in plan.escape_slots)
 
 
 def makes_no_state(plan: Plan) -> bool:
@@ -269,7 +272,4 @@ def makes_no_state(plan: Plan) -> bool:
     ``zero_grad`` drops it). A tensor written where the trace read none (an optimizer moment
     made for a parameter whose state was cleared) is state made lazily: eager first.
     """
-    if plan.py_changes:
-        return False
-    read = {_place(s) for s in plan.state_slots if s is not None}
-    return all(s.kind == "grad" or _place(s) in read for s in plan.escape_slots)
+    return not plan.py_changes and _writes_back_where_read(plan, grads=True)
