@@ -564,6 +564,12 @@ class Handout:
         del old_objs
         self.refresh()
 
+    def idle(self) -> bool:
+        """Whether nothing outside gtransform holds these objects, views of them, or their memory."""
+        return (not self.need_fresh
+                and list(map(_getrefcount, self.objs)) == self.rc_base
+                and list(map(_use_count, self.cdatas)) == self.uc_base)
+
     def move_to(self, groups: List[OutputGroup]) -> None:
         """Hand out the same objects from now on, over ``groups``' memory (the same layouts; see ``_sharing``).
 

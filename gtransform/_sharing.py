@@ -47,7 +47,7 @@ from typing import Any, List
 import torch
 
 from ._compat import storage_use_count as _use_count
-from ._liveness import Handout, OutputGroup, StaleOutput, take_back
+from ._liveness import OutputGroup, StaleOutput, take_back
 
 __all__ = ["give_back_idle", "give_back", "join", "needs_private_pool", "keep_held_on_close"]
 
@@ -86,7 +86,7 @@ def needs_private_pool(pool: Any, rec: Any) -> bool:
     for h in pool.outstanding:
         ref = h.owner
         owner = ref() if ref is not None else None
-        if (owner is None or owner.released) and h.objs and not _idle(h):
+        if (owner is None or owner.released) and h.objs and not h.idle():
             return True
     return False
 
@@ -111,13 +111,6 @@ def give_back_idle(pool: Any, rec: Any) -> None:
             pool.released = True
 
 
-def _idle(h: Handout) -> bool:
-    """Whether nothing outside gtransform holds ``h``'s objects, views of them, or their memory."""
-    return (not h.need_fresh
-            and list(map(_getrefcount, h.objs)) == h.rc_base
-            and list(map(_use_count, h.cdatas)) == h.uc_base)
-
-
 def give_back(rec: Any) -> bool:
     """Give ``rec``'s first generation's output memory back to the pool if nobody holds it (see the module docstring).
 
@@ -130,7 +123,7 @@ def give_back(rec: Any) -> bool:
         return False
     slot = rec.ring[0]
     h = rec.handout
-    if slot.pool_id is not None or slot.handout is not h or not _idle(h):
+    if slot.pool_id is not None or slot.handout is not h or not h.idle():
         return False
     groups: List[OutputGroup] = []
     for g in rec.groups:
