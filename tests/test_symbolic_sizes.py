@@ -203,7 +203,7 @@ def test_a_training_steps_new_batch_sizes_are_recorded_on_their_first_call(devic
 _OPTIMIZERS = {
     # state made lazily at the first step: momentum buffers, square averages, Adam's moments
     "sgd-nesterov": lambda ps, dev: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-2),
-    "rmsprop": lambda ps, dev: torch.optim.RMSprop(ps, lr=1e-2, momentum=0.5),
+    "rmsprop": lambda ps, dev: torch.optim.RMSprop(ps, lr=1e-2, momentum=0.5, **({"capturable": True} if dev == "cuda" else {})),
     "adamw": lambda ps, dev: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1,
                                                **({"capturable": True} if dev == "cuda" else {"fused": True})),
 }
