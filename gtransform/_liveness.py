@@ -54,6 +54,27 @@ _ALLOWED = frozenset(
 )
 
 
+def _drop_own_graphs(objs: Sequence[torch.Tensor], rcs: Sequence[int], rc_base: Sequence[int]) -> bool:
+    """Detach the objects the caller dropped from the autograd graph of the call that handed them out.
+
+    A differentiated call's outputs carry its graph (``grad_fn``), which keeps aliases of
+    the outputs (``_autograd._keep_outputs``) until its backward: memory someone may still
+    need. An object the caller dropped would keep that graph, and so its own memory, held
+    through gtransform's reference alone, forever (its next hand-out, which replaces the
+    ``grad_fn``, waits for the memory to be free). Detached, the graph lives as long as the
+    caller holds it some other way (a loss computed from the output), as in eager.
+
+    Returns:
+        Whether any object was detached (the storages' use counts may have changed).
+    """
+    done = False
+    for o, r, b in zip(objs, rcs, rc_base):
+        if r == b and o.grad_fn is not None and not o._is_view():
+            o.detach_()
+            done = True
+    return done
+
+
 def _autograd_changed(objs: Sequence[torch.Tensor]) -> bool:
     """Whether the caller gave an output object autograd state of its own.
 
@@ -348,6 +369,8 @@ class Handout:
             return self._keep_held(rcs)
         ucs = list(map(_use_count, self.cdatas))
         uc_base = self.uc_base
+        if ucs != uc_base and _drop_own_graphs(objs, rcs, rc_base):
+            ucs = list(map(_use_count, self.cdatas))
         # an object the caller changed in place (its shape: t_(), unsqueeze_(), resize_(); its
         # values) has a higher version; one made a leaf that requires grad (requires_grad_(),
         # then a backward accumulating into its .grad) says so: never handed out again.

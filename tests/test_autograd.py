@@ -1,6 +1,7 @@
 """graphify composes with torch.func and torch.autograd in both orders."""
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -842,3 +843,32 @@ def test_calls_under_torch_func_grad_and_plain_calls_each_match_eager(device, fi
             else:
                 got = torch.func.grad(lambda t: g(t)[1])(x)
                 torch.testing.assert_close(got, torch.func.grad(lambda t: fn(t)[1])(x))
+
+
+def test_outputs_made_in_grad_mode_and_dropped_without_a_backward_keep_one_generation(device):
+    """Evaluation in grad mode (`y = model(x)`, no backward, `y` dropped): each call's autograd graph
+    went with the output the caller dropped; gtransform's own reference to the output object must
+    not keep it (and with it the output memory) alive, or every later call moves to new memory
+    until each one captures the function again."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.BatchNorm1d(6)).to(device)
+    ref = copy.deepcopy(m)
+    g = gt.graphify(lambda x: m(x))
+    x = torch.randn(4, 6, device=device)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", gt.RerecordWarning)
+        for _ in range(20):
+            assert_close(g(x).detach(), ref(x).detach())
+    assert_close(m[1].running_mean, ref[1].running_mean)
+    assert "1 generation(s)" in g.describe()
+    # a graph the caller keeps (a loss made from the output) still gets eager's gradients
+    y = g(x)
+    loss = (y * y).sum()
+    del y
+    g(x)
+    loss.backward()
+    y_ref = ref(x)
+    ref(x)
+    (y_ref * y_ref).sum().backward()
+    for p, q in zip(m.parameters(), ref.parameters()):
+        assert_close(p.grad, q.grad)
