@@ -126,9 +126,18 @@ def _mib(n: int) -> str:
 
 def _bytes_line(rec: Any, pools: Dict[Any, int]) -> str:
     """What a recording holds: static buffers, its output generations, the pools they live in."""
-    buf = sum(b.untyped_storage().nbytes() for b in getattr(rec, "full_bufs", rec.bufs))
+    blocks = {w.data_ptr() for w in getattr(rec, "shared_inputs", ())}
+    own = shared_in = 0
+    for b in getattr(rec, "full_bufs", rec.bufs):
+        if b.data_ptr() in blocks and b.storage_offset() == 0:
+            shared_in += b.numel() * b.element_size()
+        else:
+            own += b.untyped_storage().nbytes()
+    buf = _mib(own + shared_in)
+    if shared_in:
+        buf += f" ({'' if not own else _mib(shared_in) + ' '}over memory shared with the pool's other signatures)"
     per_gen = sum(grp.base.untyped_storage().nbytes() for grp in rec.groups)
-    line = (f"  bytes: static input buffers {_mib(buf)}; outputs {_mib(per_gen)} per generation, "
+    line = (f"  bytes: static input buffers {buf}; outputs {_mib(per_gen)} per generation, "
             f"{len(rec.ring) or 1} generation(s)")
     if rec.backend == "cuda":
         own = sum(pools.get(tuple(s.pool_id), 0) for s in rec.ring if s.pool_id is not None)

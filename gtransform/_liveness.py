@@ -26,7 +26,7 @@ import logging
 import sys
 import weakref
 from operator import ne
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.utils.dlpack as _dlpack
@@ -636,7 +636,7 @@ class PoolState:
     """
 
     __slots__ = ("outstanding", "calls", "lock", "cuda_pool", "keeper", "abandoned", "last_desc", "keep_held",
-                 "kept_gen", "shared_pins", "members", "released", "__weakref__")
+                 "kept_gen", "shared_pins", "members", "released", "inputs", "__weakref__")
 
     def __init__(self, lock: Any = None) -> None:
         # held outputs keep their values (Handout._keep_held) instead of going stale: False,
@@ -659,6 +659,9 @@ class PoolState:
         # and whether one gave its output memory back to the pool (see _sharing)
         self.members: List[Any] = []
         self.released = False
+        # the static input buffers' shared memory: (input index, dtype, device) -> a weak
+        # reference to the block (see _sharing.input_buffer)
+        self.inputs: Dict[Any, Any] = {}
 
     def shared_pinned(self) -> bool:
         """Whether views in the pool's shared memory are alive (the dead ones are dropped)."""

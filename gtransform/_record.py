@@ -138,8 +138,11 @@ class Recording:
         self.static_ptrs = [tensors[i].data_ptr() for i in st]
         sset = set(st)
         self.copy_idx = tuple(i for i in range(n) if i not in sset)
-        # (reuse: the buffers input_buffers handed out for this signature, see _handed)
-        made = [reuse[i] if reuse and i in reuse else _buffer_like(tensors[i]) for i in self.copy_idx]
+        # (reuse: the buffers input_buffers handed out for this signature, see _handed; None:
+        # none are, and the buffers may lie over memory the pool's signatures share)
+        share = _sharing.input_buffers_shared(pool, reuse)
+        self.shared_inputs: List[torch.Tensor] = []  # the pool's memory this recording's buffers lie over
+        made = [reuse[i] if reuse and i in reuse else self._buffer_like(tensors[i], i, share) for i in self.copy_idx]
         full = self.full_bufs = [b for b, _ in made]
         # the copy-in's destinations and, per copied input, the size its source is
         # narrowed to (None: copied whole; see _buffer_like)
@@ -192,6 +195,14 @@ class Recording:
         self.donate_idx = tuple(i for i in self.copy_idx if i in donate and i not in kept)
         self.handed = bool(reuse)
         self.special = self.handed or bool(self.donate_idx)  # (copy-in and copy-back by _handed)
+
+    def _buffer_like(self, t: torch.Tensor, i: int, share: bool) -> Tuple[torch.Tensor, Optional[Tuple[int, ...]]]:
+        """A static buffer for input ``i`` (see ``_buffer_like``), over the pool's shared memory if ``share``."""
+        if share and is_non_overlapping_and_dense(t):
+            buf, whole = _sharing.input_buffer(self.pool, i, t)
+            self.shared_inputs.append(whole)
+            return buf, None
+        return _buffer_like(t)
 
     def copy_sources(self, tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
         """What the copy-in reads: the copied inputs, broadcast ones narrowed."""

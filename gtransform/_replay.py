@@ -112,7 +112,11 @@ def hand_out(g: Any, e: Entry, st: ThreadState, tensors: List[torch.Tensor]) -> 
     """
     lock = st.pool.lock
     with lock if lock is not None else _NO_LOCK:
+        if e.handed is None:
+            e.handed = {}  # (buffers of its own, not over memory other signatures write: see _sharing)
         rec = e.rec if e.rec is not None else _first_record(g, e, st, tensors)
+        if rec.shared_inputs:
+            rec = e.rec = _rerecord(g, e, st, rec, tensors, set(rec.static_idx))
         if not rec.handed:
             rec.handed = rec.special = True
             e.handed = {i: (b, base) for i, b, base in

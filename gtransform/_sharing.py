@@ -31,6 +31,13 @@ recordings of the pool put there: their outputs, which that call poisons anyway
   no recording replays its generation there (``PoolState.shared_pins``,
   ``Recording._maybe_retire``), and a new signature is captured into a private pool.
 
+The static input buffers of the pool's recordings share memory too (:func:`input_buffer`):
+a call copies its inputs in just before its replay reads them, so what the last call of
+another signature left there is never read. One block per input position serves every
+size (a new, larger one is made when a larger size comes: the old recordings keep theirs).
+Not where the caller was handed the buffers (``f.input_buffers``: they write a call's
+inputs there ahead of it) nor in a pool shared across threads.
+
 The memory stays with the device while any tensor over it lives: each non-owning
 tensor holds the pool's keeper graph (see ``_record._function_pool``). A recording
 that gave back and is closed (``cache_clear``, LRU) copies the outputs the caller
@@ -42,14 +49,15 @@ from __future__ import annotations
 import bisect
 import sys
 import weakref
-from typing import Any, List
+from typing import Any, List, Tuple
 
 import torch
 
 from ._compat import storage_use_count as _use_count
 from ._liveness import OutputGroup, StaleOutput, take_back
 
-__all__ = ["give_back_idle", "give_back", "join", "needs_private_pool", "keep_held_on_close"]
+__all__ = ["give_back_idle", "give_back", "join", "needs_private_pool", "keep_held_on_close",
+           "input_buffers_shared", "input_buffer"]
 
 _getrefcount = sys.getrefcount
 
@@ -164,3 +172,34 @@ def keep_held_on_close(rec: Any) -> None:
     for gi, (u, b) in enumerate(zip(map(_use_count, h.cdatas), h.uc_base)):
         if u > b:
             rec.pool.shared_pins.append((h.cdatas[gi], b, h.storages[gi], h.objs[starts[gi]:starts[gi + 1]]))
+
+
+def input_buffers_shared(pool: Any, reuse: Any) -> bool:
+    """Whether a new recording's static input buffers may lie over the pool's shared input memory (see module).
+
+    Args:
+        pool: the recording's pool (one shared across threads shares no buffers).
+        reuse: the buffers ``f.input_buffers`` handed out for the signature (None: none were,
+            nor will be for this recording).
+    """
+    return reuse is None and pool.lock is None
+
+
+def input_buffer(pool: Any, index: int, t: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """A static buffer with ``t``'s size and (dense) strides over the pool's memory for input ``index``.
+
+    Returns:
+        The buffer, and the whole block it lies in: the recording keeps the block (the pool
+        refers to it weakly, so the memory goes with the last recording using it). A size
+        larger than the block makes a new block, half as large again as the old one, so that
+        a stream of growing sizes makes few.
+    """
+    key = (index, t.dtype, t.device)
+    ref = pool.inputs.get(key)
+    whole = ref() if ref is not None else None
+    n = t.numel()
+    if whole is None or whole.numel() < n:
+        cap = n if whole is None else max(n, whole.numel() * 3 // 2)
+        whole = torch.empty(cap, dtype=t.dtype, device=t.device)
+        pool.inputs[key] = weakref.ref(whole)
+    return whole.as_strided(t.shape, t.stride(), 0), whole
