@@ -102,3 +102,40 @@ def test_static_argnames_none_and_unknown_names():
     # **kwargs takes any name
     g = gt.graphify(lambda x, **kw: x * kw["k"], static_argnames="k")
     assert_close(g(torch.ones(2), k=3), torch.full((2,), 3.0))
+
+
+def test_the_fast_path_sees_an_argument_that_is_or_views_state_written_in_place(device):
+    """The fast path checks sharing only for the inputs it copies (those read in place are at their
+    recorded addresses): an argument that is the state tensor, or a view of it, still records anew."""
+    w = torch.zeros(6, device=device)
+    w_ref = torch.zeros(6, device=device)
+
+    def f(x):
+        w.add_(x)
+        return w * 1 + x
+
+    def ref(x):
+        w_ref.add_(x)
+        return w_ref * 1 + x
+
+    g = gt.graphify(f)
+    for k in range(6):  # settled on the fast path
+        x = torch.full((6,), float(k), device=device)
+        assert_close(g(x), ref(x))
+    for x, xr in ((w, w_ref), (w[:], w_ref[:]), (torch.ones(6, device=device), torch.ones(6, device=device)),
+                  (w, w_ref)):
+        assert_close(g(x), ref(xr))
+        assert_close(w, w_ref)
+
+    def h(a, b):
+        a.mul_(2)
+        return a + b
+
+    gh = gt.graphify(h)
+    for k in range(6):
+        a, b = torch.full((3,), float(k), device=device), torch.ones(3, device=device)
+        want = h(a.clone(), b)
+        assert_close(gh(a, b), want)
+    a, a_ref = torch.ones(3, device=device), torch.ones(3, device=device)
+    assert_close(gh(a, a), h(a_ref, a_ref))  # the same object twice: 4, not 2 + 1
+    assert_close(a, a_ref)

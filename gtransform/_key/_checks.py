@@ -26,7 +26,7 @@ in place must be at the addresses it was recorded with), both written by the fas
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, FrozenSet, List, Optional, Sequence
 
 import torch
 
@@ -273,11 +273,19 @@ def _same_code(e: Any, n: Names) -> List[str]:
     rec = n.rec
     static_user = [i for i in rec.static_idx if i < len(user)]
     ptrs = [rec.static_ptrs[k] for k, i in enumerate(rec.static_idx) if i < len(user)]
-    if len(static_user) == len(user) and len(set(ptrs)) == len(ptrs):
-        # inputs read in place at distinct recorded addresses cannot be one object: the
-        # recording's address check sees it (and TensorGuards refuses repeated tensors too)
-        return []
-    return [f"if len(set(map(id, ({''.join(u + ', ' for u in user)})))) != {len(user)}: {FAIL}"]
+    if len(set(ptrs)) != len(ptrs):
+        return [f"if len(set(map(id, ({''.join(u + ', ' for u in user)})))) != {len(user)}: {FAIL}"]
+    # inputs read in place at distinct recorded addresses cannot be one object (the
+    # recording's address check sees it, and TensorGuards refuses repeated tensors too); one
+    # of the others that is such an input has its address: only the others are looked at
+    sset = set(static_user)
+    others = [u for i, u in enumerate(user) if i not in sset]
+    out = []
+    if len(others) > 1:
+        out.append(f"if len(set(map(id, ({''.join(u + ', ' for u in others)})))) != {len(others)}: {FAIL}")
+    if others and ptrs:
+        out.append(f"if not {n.gen.const(frozenset(ptrs), 'P')}.isdisjoint(map(_data_ptr, ({''.join(u + ', ' for u in others)}))): {FAIL}")
+    return out
 
 
 def _same_explain(e: Any, call: Call) -> List[str]:
@@ -288,7 +296,25 @@ def _same_explain(e: Any, call: Call) -> List[str]:
 
 
 def _alias_code(e: Any, n: Names) -> List[str]:
+    rec = n.rec
+    if n.fast and not e.alias and rec.static_idx and len(set(rec.static_ptrs)) == len(rec.static_ptrs):
+        # the fast path finds the inputs read in place at their recorded addresses, so in the
+        # storages they had then, none shared (a function with many such inputs, a split
+        # piece's parameters, an optimizer's state, would otherwise make a storage object of each
+        # per call): only the other inputs' storages are looked at
+        sset = set(rec.static_idx)
+        others = [t for i, t in enumerate(n.tens) if i not in sset]
+        if not others:
+            return []
+        mine = n.gen.const(frozenset(rec.gm_args[i].untyped_storage()._cdata for i in rec.static_idx), "A")
+        return [f"if _alias_with({mine}, [{', '.join(others)}]): {FAIL}"]
     return [f"if _alias([{', '.join(n.tens)}]) != {e.alias!r}: {FAIL}"]
+
+
+def alias_with(storages: FrozenSet[int], tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether some of ``tensors`` share storage with each other or lie in one of ``storages`` (``_cdata``)."""
+    cds = [t.untyped_storage()._cdata for t in tensors]
+    return len(set(cds)) != len(cds) or not storages.isdisjoint(cds)
 
 
 def _alias_explain(e: Any, call: Call) -> List[str]:
@@ -428,8 +454,9 @@ CHECKS: List[Check] = [
 
 
 _NAMESPACE = dict(
-    NAMESPACE, _Tensor=torch.Tensor, _orders=dict_orders, _alias=alias_pattern, _same=same_objects,
+    NAMESPACE, _Tensor=torch.Tensor, _orders=dict_orders, _alias=alias_pattern, _alias_with=alias_with, _same=same_objects,
     _attrs_key=attrs_key, _has_grad=has_grad, _plain=plain_layout, FOR_GRAD=FOR_GRAD, _version=tensor_version,
+    _data_ptr=torch.Tensor.data_ptr,
     # the global settings' getters (the fast path reads them itself: see _glob_code)
     _grad_enabled=torch.is_grad_enabled, FWAD=torch.autograd.forward_ad,
     _inference_mode=torch.is_inference_mode_enabled, _default_dtype=torch.get_default_dtype,
