@@ -369,13 +369,14 @@ class Handout:
             return self._keep_held(rcs)
         ucs = list(map(_use_count, self.cdatas))
         uc_base = self.uc_base
-        if ucs != uc_base and _drop_own_graphs(objs, rcs, rc_base):
+        rg = any(map(_requires_grad, objs))
+        if rg and ucs != uc_base and _drop_own_graphs(objs, rcs, rc_base):
             ucs = list(map(_use_count, self.cdatas))
         # an object the caller changed in place (its shape: t_(), unsqueeze_(), resize_(); its
         # values) has a higher version; one made a leaf that requires grad (requires_grad_(),
         # then a backward accumulating into its .grad) says so: never handed out again.
         # (Outputs of a differentiated call require grad as non-leaves: they are fine.)
-        if sum(map(_version, objs)) != self.vsum or (any(map(_requires_grad, objs)) and _autograd_changed(objs)):
+        if sum(map(_version, objs)) != self.vsum or (rg and _autograd_changed(objs)):
             self.tainted = True
             rcs = [-1] * len(rcs)  # treated as held: poisoned, and a new generation made
         elif rcs == rc_base and ucs == uc_base:
