@@ -10,7 +10,8 @@ is: a new size costs a recording (warm-up and capture), not a trace.
 The calls of one *family* are those whose keys agree but for the sizes of row-major
 tensor inputs. A family takes a symbolic trace only where:
 
-* the sizes that vary are 2 or more on both calls (0 and 1 are specialised, as torch does);
+* the sizes that vary are 2 or more on the call traced symbolically (0 and 1 are specialised,
+  as torch does: a first call of one row keeps its own trace, and the sizes after it share one);
 * the calls are not differentiated through gtransform's autograd wrapper (its joint
   trace is made per size): inference, ``torch.no_grad()``, and functions that run their
   own backward (a whole training step) are;
@@ -109,8 +110,9 @@ class Family:
         if self.tries >= TRIES or self.differentiated:
             return frozenset()
         dims = self.dims | self.varying(tensors)
-        if not dims or dims == self.dims or any(
-                self.shapes[k][d] < 2 or tensors[k].shape[d] < 2 for k, d in dims):
+        # (the first call's size may be 0 or 1, a server's first request of one row: it keeps its
+        # own trace, and the symbolic one, which holds from 2 on, serves the sizes after it)
+        if not dims or dims == self.dims or any(tensors[k].shape[d] < 2 for k, d in dims):
             return frozenset()
         return dims
 

@@ -131,6 +131,20 @@ def test_sizes_zero_and_one_are_traced_on_their_own(device, traces):
     assert traces == [frozenset(), frozenset({(0, 0)}), frozenset(), frozenset()]
 
 
+def test_a_first_call_of_one_row_does_not_stop_the_symbolic_trace(device, traces):
+    # a server's first request is often a single row (a warm-up): the sizes after it share one trace
+    m = _mlp(device)
+    f = gt.graphify(lambda x: m(x).softmax(-1))
+    with torch.no_grad():
+        for n in (1, 5, 7, 9, 1, 12, 0, 3):
+            x = torch.randn(n, 8, device=device)
+            assert_close(f(x), m(x).softmax(-1))
+    # 1: as is (its first call eager: it reads the module's state); 5: symbolic, recorded on its
+    # first call; 7, 9, 12, 3: recorded from it; 0: a trace of its own
+    assert traces == [frozenset(), frozenset({(0, 0)}), frozenset()]
+    assert f.describe().count("this signature was not traced, only recorded") == 4
+
+
 def test_returned_views_of_an_input_get_each_sizes_layout(device, traces):
     f = gt.graphify(lambda x: (x[:, :2], x.t(), x.chunk(2)[1], x.relu()))
     for n in (3, 4, 5, 6, 9):
