@@ -35,7 +35,7 @@ ON_BREAK = ("error", "split", "eager")
 class Breaks:
     """One graphified function's signatures that read their own data, and how they run."""
 
-    __slots__ = ("backend", "runner", "signatures", "calls", "reads", "local")
+    __slots__ = ("backend", "runner", "signatures", "calls", "reads", "local", "told_no_pieces")
 
     def __init__(self, g: Any):
         # each piece gets its own pool (see _dynamo), and this function's other options
@@ -46,6 +46,7 @@ class Breaks:
         self.calls = 0  # calls run split or eagerly
         self.reads: Dict[str, None] = {}  # what each signature's trace read first, in words (ordered)
         self.local = threading.local()  # this thread's split calls so far (see generation)
+        self.told_no_pieces = False  # (see _no_pieces)
 
     def generation(self) -> int:
         """The calling thread's split calls so far.
@@ -98,7 +99,26 @@ def run_broken(g: Any, args: Any, kwargs: Any) -> Any:
         return g._fn(*args, **kwargs)
     if br.runner is None:
         br.runner = compile_split(g._fn, br.backend)
-    return br.runner(*args, **kwargs)
+    out = br.runner(*args, **kwargs)
+    if not br.told_no_pieces and not br.backend.pieces:
+        _no_pieces(g, br)
+    return out
+
+
+def _no_pieces(g: Any, br: Breaks) -> None:
+    """A split call that TorchDynamo ran without handing over any graph: say so once (correct, not faster)."""
+    br.told_no_pieces = True
+    fr = user_frame()
+    warnings.warn_explicit(
+        EagerWarning(
+            f"{g._desc}: on_break=\"split\" recorded nothing: TorchDynamo ran the whole call eagerly and "
+            "handed over no graph to record (it does so when the host read is inside a loop of the function "
+            "itself: \"graph break in loop\"; TORCH_LOGS=graph_breaks shows its reason). The results are "
+            "eager's, the speed too.\n"
+            "Fix: move the loop's body (the tensor work between the reads) into a function of its own, which "
+            "TorchDynamo compiles and resumes after each read, or keep the read out of the loop (check every "
+            "few steps on a tensor of flags)."),
+        EagerWarning, getattr(fr, "filename", "<unknown>") or "<unknown>", getattr(fr, "lineno", 0) or 0)
 
 
 def describe_lines(g: Any) -> List[str]:

@@ -349,3 +349,50 @@ def test_python_attributes_of_tensors_the_code_reads_between_breaks_are_followed
             warnings.simplefilter("ignore")
             got = f(x)
         assert_close(got, fn(x))
+
+
+def test_a_read_inside_a_loop_body_written_inline_says_nothing_was_recorded(device):
+    """TorchDynamo gives up on a function whose loop holds the read next to inline tensor work
+    ("graph break in loop") and runs it eagerly: eager's numbers, and one warning saying that
+    nothing is recorded and how to get pieces (the body in a function of its own)."""
+    w = torch.randn(8, 8, device=device)
+
+    def inline(x):
+        out, h = [], x
+        for _ in range(4):
+            h = torch.tanh(h @ w)
+            if h.sum().item() > 1e9:
+                break
+            out.append(h.mean(1))
+        return torch.stack(out, 1)
+
+    def body(h):
+        return torch.tanh(h @ w)
+
+    def called(x):
+        out, h = [], x
+        for _ in range(4):
+            h = body(h)
+            if h.sum().item() > 1e9:
+                break
+            out.append(h.mean(1))
+        return torch.stack(out, 1)
+
+    f = gt.graphify(inline, on_break="split")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            x = torch.randn(3, 8, device=device)
+            assert_close(f(x), inline(x))
+    told = [str(m.message) for m in seen if issubclass(m.category, gt.EagerWarning)]
+    assert len(told) == 1 and "recorded nothing" in told[0] and "function of its own" in told[0]
+    assert "into 0 recorded piece(s)" in f.describe()
+
+    g = gt.graphify(called, on_break="split")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            x = torch.randn(3, 8, device=device)
+            assert_close(g(x), called(x))
+    assert not [m for m in seen if issubclass(m.category, gt.EagerWarning)]
+    assert "into 0 recorded piece(s)" not in g.describe()
