@@ -389,6 +389,7 @@ def new_entry(g: Any, ck: CallKey, call: Call, plan: Any, cuda: bool) -> Entry:
     e.reads_attrs = not g.__dict__.get("_dynamo_piece", False)
     if e.any_rg:
         _refuse_stored_grad_tensors(g._desc, plan)
+        g._storm.differentiated = True  # (its warning names the cost and the fix, see _storm)
     # a module without tensors (nn.LeakyReLU) has attributes and a training flag too; so does
     # one the function called without the roots leading to it (AttrReads.called)
     if plan.roots or (plan.attr_reads is not None and plan.attr_reads.called):

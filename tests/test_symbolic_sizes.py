@@ -341,6 +341,23 @@ def test_fuse_compiles_each_size_where_the_symbolic_compile_fails(monkeypatch):
     assert compiles == [frozenset(), frozenset({(0, 0)}), frozenset(), frozenset()]
 
 
+def test_many_sizes_through_the_autograd_wrapper_warn_with_the_whole_step_as_the_fix(device):
+    torch.manual_seed(0)
+    m = torch.nn.Linear(6, 1).to(device)
+    ref = torch.nn.Linear(6, 1).to(device)
+    ref.load_state_dict(m.state_dict())
+    f = gt.graphify(lambda x, y: torch.nn.functional.mse_loss(m(x), y))
+    with pytest.warns(gt.RerecordWarning) as told:
+        for n in range(2, 20):  # a learner's batch of another size each step, backward outside
+            x, y = torch.randn(n, 6, device=device), torch.randn(n, 1, device=device)
+            f(x, y).backward()
+            torch.nn.functional.mse_loss(ref(x), y).backward()
+    assert_close(m.weight.grad, ref.weight.grad)
+    text = str(told[0].message)
+    assert "differentiated through gtransform's autograd wrapper" in text
+    assert "each new size is traced" in text and "graphify the whole training step" in text
+
+
 def test_a_fixed_size_is_named_with_its_guard_and_line(device):
     def f(x):
         return x.reshape(int(x.shape[0]), -1) + 1  # int(): the symbolic size is fixed here

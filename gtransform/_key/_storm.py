@@ -54,13 +54,23 @@ def _objects(values: Set[Any]) -> bool:
     return True
 
 
-def explain_storm(desc: str, log: List[Any]) -> str:
-    """The warning text: which part of the signature keeps changing, and the fix."""
+def explain_storm(desc: str, log: List[Any], differentiated: bool = False) -> str:
+    """The warning text: which part of the signature keeps changing, and the fix.
+
+    ``differentiated``: some of the calls went through the autograd wrapper, whose sizes are
+    each traced (its joint forward and backward), not recorded from one symbolic trace.
+    """
     n = len(log)
     specs = {id(x[0]): x[0] for x in log}
     lines = [f"{desc} has recorded {n} new signatures (more than {STORM_THRESHOLD}); each costs a recording (a "
              "capture and its memory), and a trace unless it differs from an earlier one only in sizes (a "
              "dimension that varies is traced once, symbolically)."]
+    if differentiated:
+        lines.append("Its calls are differentiated through gtransform's autograd wrapper (parameters that "
+                     "require grad under grad mode, the backward outside the function): each new size is "
+                     "traced, forward and backward together. Fix: graphify the whole training step (the "
+                     "loss, loss.backward() and optimizer.step() inside the function): its sizes share one "
+                     "trace, each new one costs a recording.")
     same = [x for x in log if x[0] == log[-1][0]]
     if len({str(s) for s in specs.values()}) > 1 and len(same) < n // 2:
         lines.append("The structure of the arguments keeps changing (different containers, keys or lengths). "
@@ -229,7 +239,7 @@ class StormDetector:
     """
 
     __slots__ = ("desc", "log", "keys", "warned", "env_log", "env_calls", "env_warned", "again", "again_warned",
-                 "evicted", "st_log", "st_calls", "st_warned", "allowance")
+                 "evicted", "st_log", "st_calls", "st_warned", "allowance", "differentiated")
 
     def __init__(self, desc: str, allowance: int = 0):
         self.desc = desc
@@ -246,6 +256,8 @@ class StormDetector:
         self.st_log: List[List[str]] = []
         self.st_calls: List[int] = []
         self.st_warned = False
+        # a signature was differentiated through the autograd wrapper: its sizes are each traced
+        self.differentiated = False
 
     def note_evicted(self, e: Any) -> None:
         """The cache evicted ``e``'s signature (least recently used, beyond maxsize)."""
@@ -325,5 +337,5 @@ class StormDetector:
         if len(self.log) <= STORM_THRESHOLD + self.allowance:
             return
         self.warned = True
-        self._warn(explain_storm(self.desc, self.log), stacklevel + 1)
+        self._warn(explain_storm(self.desc, self.log, self.differentiated), stacklevel + 1)
         self.log = []  # (it holds the calls' static values)
