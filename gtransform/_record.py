@@ -142,7 +142,7 @@ class Recording:
         # none are, and the buffers may lie over memory the pool's signatures share)
         share = _sharing.input_buffers_shared(pool, reuse)
         self.shared_inputs: List[torch.Tensor] = []  # the pool's memory this recording's buffers lie over
-        made = [reuse[i] if reuse and i in reuse else self._buffer_like(tensors[i], i, share) for i in self.copy_idx]
+        made = [reuse[i] if reuse and i in reuse else self._static_buffer(tensors[i], i, share) for i in self.copy_idx]
         full = self.full_bufs = [b for b, _ in made]
         # the copy-in's destinations and, per copied input, the size its source is
         # narrowed to (None: copied whole; see _buffer_like)
@@ -196,7 +196,7 @@ class Recording:
         self.handed = bool(reuse)
         self.special = self.handed or bool(self.donate_idx)  # (copy-in and copy-back by _handed)
 
-    def _buffer_like(self, t: torch.Tensor, i: int, share: bool) -> Tuple[torch.Tensor, Optional[Tuple[int, ...]]]:
+    def _static_buffer(self, t: torch.Tensor, i: int, share: bool) -> Tuple[torch.Tensor, Optional[Tuple[int, ...]]]:
         """A static buffer for input ``i`` (see ``_buffer_like``), over the pool's shared memory if ``share``."""
         if share and is_non_overlapping_and_dense(t):
             buf, whole = _sharing.input_buffer(self.pool, i, t)
