@@ -114,3 +114,41 @@ def test_a_serving_loop_over_many_sizes_holds_about_one_batch_of_inputs():
     held = torch.cuda.memory_allocated() - before
     every = sum(sizes) * per_row  # one buffer per size: 25.8 MiB
     assert held < every / 4, f"{held / MiB:.1f} MiB held; one buffer per size: {every / MiB:.1f} MiB"
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(ops=hst.lists(hst.tuples(hst.sampled_from(["new", "same", "buffers"]), hst.integers(1, 6)),
+                     min_size=1, max_size=14))
+def test_any_mix_of_new_tensors_same_tensors_and_handed_buffers_matches_eager(ops):
+    """Calls with new tensors, with the same tensors again (read in place from then on), and with
+    buffers handed out and filled, over sizes in any order: each call gives eager's numbers and
+    updates its in-place argument as eager does."""
+    torch.manual_seed(0)
+    w = torch.randn(4, 3)
+
+    def fn(x, acc):
+        acc.mul_(0.5)
+        return torch.tanh(x @ w) + acc.sum()
+
+    f = gt.graphify(fn)
+    kept = {}  # size -> the tensors passed before (for "same")
+    handed = {}  # size -> the buffers handed out
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", gt.RerecordWarning)
+        for step, (how, n) in enumerate(ops):
+            if how == "same" and n in kept:
+                x, acc = kept[n]
+            elif how == "buffers":
+                if n not in handed:
+                    f(torch.randn(n, 4), torch.randn(n))  # (recorded: its first call may run eagerly)
+                    handed[n] = f.input_buffers(torch.randn(n, 4), torch.randn(n))
+                x, acc = handed[n]
+                x.copy_(torch.full((n, 4), float(step)))
+                acc.copy_(torch.arange(n, dtype=torch.float32))
+            else:
+                x, acc = torch.randn(n, 4), torch.randn(n)
+                kept[n] = (x, acc)
+            acc_ref = acc.clone()
+            want = fn(x.clone(), acc_ref)
+            assert_close(f(x, acc), want)
+            assert_close(acc, acc_ref)
