@@ -872,3 +872,46 @@ def test_outputs_made_in_grad_mode_and_dropped_without_a_backward_keep_one_gener
     (y_ref * y_ref).sum().backward()
     for p, q in zip(m.parameters(), ref.parameters()):
         assert_close(p.grad, q.grad)
+
+
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(actions=st.lists(st.sampled_from(["drop", "loss", "backward", "view", "release"]), min_size=1, max_size=16))
+def test_any_mix_of_dropped_outputs_losses_kept_and_views_gets_eagers_gradients(actions):
+    """Outputs dropped without a backward (gtransform detaches its own objects from their graph),
+    losses kept and back-propagated later, views held: the gradients and values are eager's."""
+    torch.manual_seed(0)
+    m = torch.nn.Linear(4, 3)
+    ref = copy.deepcopy(m)
+    g = gt.graphify(lambda x: torch.tanh(m(x)))
+    losses, losses_ref, views, views_ref = [], [], [], []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", gt.RerecordWarning)
+        for k, a in enumerate(actions):
+            x = torch.full((2, 4), 0.1 * (k + 1))
+            if a == "backward":
+                if losses:
+                    sum(losses).backward()
+                    sum(losses_ref).backward()
+                    losses, losses_ref = [], []
+                continue
+            if a == "release":
+                views, views_ref = [], []
+                continue
+            y, y_ref = g(x), torch.tanh(ref(x))
+            assert_close(y.detach(), y_ref.detach())
+            if a == "loss":
+                losses.append((y * (k + 1)).sum())
+                losses_ref.append((y_ref * (k + 1)).sum())
+            elif a == "view":
+                views.append(y[0])
+                views_ref.append(y_ref[0])
+            del y, y_ref
+        for v, v_ref in zip(views, views_ref):
+            assert_close(v.detach(), v_ref.detach())
+        if losses:
+            sum(losses).backward()
+            sum(losses_ref).backward()
+    for p, q in zip(m.parameters(), ref.parameters()):
+        assert (p.grad is None) == (q.grad is None)
+        if p.grad is not None:
+            assert_close(p.grad, q.grad)
