@@ -266,6 +266,12 @@ def _grad_none_explain(e: Any, call: Call) -> List[str]:
             for t in e.grad_none if t.grad is not None]
 
 
+def _copied(names: Sequence[str], static_idx: Sequence[int]) -> List[str]:
+    """The names of the inputs the recording copies: all but those it reads in place (``static_idx``)."""
+    sset = set(static_idx)
+    return [u for i, u in enumerate(names) if i not in sset]
+
+
 def _same_code(e: Any, n: Names) -> List[str]:
     user = n.user
     if not n.fast or e.same:
@@ -278,8 +284,7 @@ def _same_code(e: Any, n: Names) -> List[str]:
     # inputs read in place at distinct recorded addresses cannot be one object (the
     # recording's address check sees it, and TensorGuards refuses repeated tensors too); one
     # of the others that is such an input has its address: only the others are looked at
-    sset = set(static_user)
-    others = [u for i, u in enumerate(user) if i not in sset]
+    others = _copied(user, static_user)
     out = []
     if len(others) > 1:
         out.append(f"if len(set(map(id, ({''.join(u + ', ' for u in others)})))) != {len(others)}: {FAIL}")
@@ -302,8 +307,7 @@ def _alias_code(e: Any, n: Names) -> List[str]:
         # storages they had then, none shared (a function with many such inputs, a split
         # piece's parameters, an optimizer's state, would otherwise make a storage object of each
         # per call): only the other inputs' storages are looked at
-        sset = set(rec.static_idx)
-        others = [t for i, t in enumerate(n.tens) if i not in sset]
+        others = _copied(n.tens, rec.static_idx)
         if not others:
             return []
         mine = n.gen.const(frozenset(rec.gm_args[i].untyped_storage()._cdata for i in rec.static_idx), "A")
