@@ -378,21 +378,20 @@ def test_a_read_inside_a_loop_body_written_inline_says_nothing_was_recorded(devi
             out.append(h.mean(1))
         return torch.stack(out, 1)
 
-    f = gt.graphify(inline, on_break="split")
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        for _ in range(3):
-            x = torch.randn(3, 8, device=device)
-            assert_close(f(x), inline(x))
-    told = [str(m.message) for m in seen if issubclass(m.category, gt.EagerWarning)]
+    def run_split(fn):
+        """Three calls of ``fn`` split, each against eager: the function and the EagerWarnings' texts."""
+        f = gt.graphify(fn, on_break="split")
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            for _ in range(3):
+                x = torch.randn(3, 8, device=device)
+                assert_close(f(x), fn(x))
+        return f, [str(m.message) for m in seen if issubclass(m.category, gt.EagerWarning)]
+
+    f, told = run_split(inline)
     assert len(told) == 1 and "recorded nothing" in told[0] and "function of its own" in told[0]
     assert "into 0 recorded piece(s)" in f.describe()
 
-    g = gt.graphify(called, on_break="split")
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        for _ in range(3):
-            x = torch.randn(3, 8, device=device)
-            assert_close(g(x), called(x))
-    assert not [m for m in seen if issubclass(m.category, gt.EagerWarning)]
+    g, told = run_split(called)
+    assert not told
     assert "into 0 recorded piece(s)" not in g.describe()
