@@ -23,7 +23,7 @@ from __future__ import annotations
 import statistics
 import sys
 import time
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 
@@ -119,17 +119,19 @@ def rl() -> None:
           f"gt_new/floor+copy {r['gt_new'] / r['floor+copy']:.3f}", flush=True)
 
 
-def train() -> None:
+def resnet18_step(device: str = dev) -> Tuple[Callable[..., Dict[str, torch.Tensor]], Dict[str, torch.Tensor],
+                                                Dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
+    """The functional training step of the ``train`` row (also ``_probe_train_first.py``'s): step, params, buffers, x, y."""
     import torch.nn.functional as F
     from torch.func import functional_call, grad
     from torchvision.models import resnet18
 
     torch.manual_seed(0)
-    model = resnet18(num_classes=10).to(dev)
+    model = resnet18(num_classes=10).to(device)
     params = {k: v.detach().clone() for k, v in model.named_parameters()}
     buffers = {k: v.clone() for k, v in model.named_buffers()}
-    x = torch.randn(8, 3, 64, 64, device=dev)
-    y = torch.randint(0, 10, (8,), device=dev)
+    x = torch.randn(8, 3, 64, 64, device=device)
+    y = torch.randint(0, 10, (8,), device=device)
 
     def loss_fn(ps: Dict[str, torch.Tensor], bs: Dict[str, torch.Tensor], x: torch.Tensor,
                 y: torch.Tensor) -> torch.Tensor:
@@ -140,6 +142,11 @@ def train() -> None:
         gs = grad(loss_fn)(ps, bs, x, y)
         return {k: p - 0.01 * gs[k] for k, p in ps.items()}
 
+    return step, params, buffers, x, y
+
+
+def train() -> None:
+    step, params, buffers, x, y = resnet18_step()
     f = gt.graphify(step)
     ps = params
     for _ in range(5):

@@ -15,30 +15,13 @@ os.environ["TORCHINDUCTOR_CACHE_DIR"] = d
 os.environ["TRITON_CACHE_DIR"] = d + "/triton"
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch.func import functional_call, grad  # noqa: E402
-from torchvision.models import resnet18  # noqa: E402
 
 import gtransform as gt  # noqa: E402
+from benchmarks.probes._probe_floor import resnet18_step  # noqa: E402
 
 which = sys.argv[1]
-dev = "cuda"
-torch.manual_seed(0)
-model = resnet18(num_classes=10).to(dev)
-params = {k: v.detach().clone() for k, v in model.named_parameters()}
-buffers = {k: v.clone() for k, v in model.named_buffers()}
-x = torch.randn(8, 3, 64, 64, device=dev)
-y = torch.randint(0, 10, (8,), device=dev)
-
-
-def loss_fn(ps, bs, x, y):
-    return F.cross_entropy(functional_call(model, (ps, bs), (x,)), y)
-
-
-def step(ps, bs, x, y):
-    gs = grad(loss_fn)(ps, bs, x, y)
-    return {k: p - 0.01 * gs[k] for k, p in ps.items()}
-
+dev = "cuda" if len(sys.argv) < 3 else sys.argv[2]
+step, params, buffers, x, y = resnet18_step(dev)
 
 f = {"fused": lambda: gt.graphify(step, fuse=True), "default": lambda: gt.graphify(step),
      "compile": lambda: torch.compile(step, mode="reduce-overhead")}[which]()
@@ -48,7 +31,8 @@ times = []
 for _ in range(3):
     t = time.perf_counter()
     ps = f(ps, buffers, x, y)
-    torch.cuda.synchronize()
+    if dev == "cuda":
+        torch.cuda.synchronize()
     times.append(time.perf_counter() - t)
     if which == "compile":
         ps = {k: v.clone() for k, v in ps.items()}
