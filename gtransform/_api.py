@@ -209,9 +209,21 @@ class Graphified(Generic[P, R]):
         """A graphified function of ``fn`` with this one's options (a vmapped version of it)."""
         return Graphified(fn, pool=self._pool, maxsize=self._maxsize, fuse=self._fuse)
 
-    def _spawn(self, fn: Callable[..., Any]) -> Graphified[Any, Any]:
-        """A graphified helper (a forward or backward half) with this function's options."""
-        return Graphified(fn, maxsize=8, fuse=self._fuse)
+    def _spawn(self, fn: Callable[..., Any], every_size: bool = False) -> Graphified[Any, Any]:
+        """A graphified helper (a forward or backward half) with this function's options.
+
+        ``every_size``: a half of a symbolic partition (see ``_partition``), called at every size
+        this function records: it keeps as many signatures as this function does (its
+        maxsize, or the sizes ``record_sizes=``/``buckets=`` ask for), and its new sizes are
+        not warned about (this function's are).
+        """
+        if not every_size:
+            return Graphified(fn, maxsize=8, fuse=self._fuse)
+        bound = self._sizes.allowance if self._sizes is not None else 0
+        maxsize = self._maxsize if not bound else bound if self._maxsize is None else min(bound, self._maxsize)
+        half = Graphified(fn, maxsize=maxsize, fuse=self._fuse)
+        half._storm.quiet()
+        return half
 
 
 class _BoundGraphified(functools.partial):

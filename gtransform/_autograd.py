@@ -36,7 +36,7 @@ from ._compat import peek_interpreter_stack as _peek
 from ._compat import temporarily_clear_interpreter_stack as _clear_stack
 from ._errors import GraphifyError
 from ._log import log
-from ._partition import build_partition
+from ._partition import partition
 from ._replay import call_plain, run_flat
 
 __all__ = ["call_with_autograd", "GraphFn", "partition_for", "backward_for", "unwrap", "no_functorch"]
@@ -178,7 +178,7 @@ class _Box:
         self.outer: List[torch.Tensor] = []
 
 
-def partition_for(e: Any, need: Tuple[bool, ...], owner: Any) -> Any:
+def partition_for(e: Any, need: Tuple[bool, ...], owner: Any, tensors: Sequence[torch.Tensor]) -> Any:
     """The partitioned forward/backward of signature ``e`` for these inputs (``None``: recompute instead)."""
     if need in e.parts:
         return e.parts[need]
@@ -186,7 +186,7 @@ def partition_for(e: Any, need: Tuple[bool, ...], owner: Any) -> Any:
     if any(need) and not e.plan.mutated:
         try:
             with torch.enable_grad(), _clear_stack() if _clear_stack is not None else _Null():
-                part = build_partition(e.plan, e.guard.metas, need, owner)
+                part = partition(e.plan, e.guard.metas, need, owner, tensors)
         except Exception as exc:  # the recompute path is always available
             if getattr(exc, "gt_final", False):
                 raise
@@ -251,7 +251,7 @@ class GraphFn(torch.autograd.Function):
                 "before the call; an in-place update of a differentiated input inside it would "
                 "give gradients of the wrong values.\n" + fix
             )
-        part = partition_for(e, box.need, g)
+        part = partition_for(e, box.need, g, tensors)
         if part is not None:
             box.part = part
             res = call_plain(part.fw, tuple(tensors), {})

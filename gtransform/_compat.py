@@ -125,6 +125,7 @@ __all__ = [
     # inductor (gtransform.fuse)
     "load_inductor_config", "load_maybe_warm_pool", "load_compile_fx", "load_tracing_context",
     "load_set_triton_ptxas_path", "load_static_launcher_class", "load_dim_source", "load_enable_python_dispatcher",
+    "load_sympy_eval",
 ]
 
 OPTIONAL: Dict[str, str] = {
@@ -596,3 +597,23 @@ def load_enable_python_dispatcher() -> Callable[[], Any]:
     from torch._dispatch.python import enable_python_dispatcher
 
     return enable_python_dispatcher
+
+
+def load_sympy_eval() -> Callable[[Any, Dict[Any, Any]], Any]:
+    """Evaluate a size expression of a shape environment's symbols on values (ints or SymInts).
+
+    ``torch.utils._sympy.interp.sympy_interp`` with ``PythonReferenceAnalysis`` (Python's own
+    arithmetic, which SymInts follow): ``_partition`` computes the sizes a symbolic backward
+    takes from its tensors' sizes. Checked: 2.11 (GPU image; run by the GPU suite), 2.13.0.
+    """
+    from torch.utils._sympy.interp import sympy_interp
+    from torch.utils._sympy.reference import PythonReferenceAnalysis
+
+    def evaluate(expr: Any, values: Dict[Any, Any]) -> Any:
+        if expr.is_Symbol:
+            return values[expr]
+        if expr.is_number:
+            return int(expr)
+        return sympy_interp(PythonReferenceAnalysis, values, expr)
+
+    return evaluate

@@ -177,12 +177,12 @@ def _new_signature(g: Any, st: ThreadState, ck: CallKey, call: Call,
         warm_pool()  # inductor's compile workers start while the function is traced
     in_paths = [paths[i] for i in ck.tpos]
     fam = dims = None
-    if record and not any(t.requires_grad for t in tensors):  # (differentiated calls: a joint trace per size)
+    if record:
         fam = st.families.get(family_key(ck.key, ck.tpos, tensors), tensors)
         found = _family_plan(g, st, ck, call, fam, tensors, cuda)
         if found is not None:
             return found
-        dims = fam.dims_to_trace(tensors)
+        dims = fam.dims_to_trace(tensors) or fam.seeded(tensors, g.__dict__.get("_symbolic_dims"))
     seen = st.frozen_args
     stable = [k for k, (p, t) in enumerate(zip(in_paths, tensors)) if p in seen and seen[p]() is t]
     try:
@@ -251,7 +251,7 @@ def _family_plan(g: Any, st: ThreadState, ck: CallKey, call: Call, fam: Any, ten
         return None
     e = new_entry(g, ck, call, shared_plan(plan, g._fuse and cuda, tensors), cuda)
     state = e.match(call)
-    if state is None or e.any_rg:
+    if state is None:
         fam.forget()
         return None
     st.warmed.add(ck.key)

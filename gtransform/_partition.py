@@ -28,16 +28,21 @@ overwritten activations.
 
 from __future__ import annotations
 
+import copy
 import functools
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from ._compat import FakeTensorMode, load_default_partition, load_extract_tensor_metadata
+from ._compat import FakeTensorMode, load_default_partition, load_extract_tensor_metadata, load_sympy_eval
 from ._errors import GraphifyError
+from ._log import log
+from ._symbolic import new_shape_env, symbolic_dispatch, symbolic_fakes
 
-__all__ = ["Partition", "build_partition"]
+__all__ = ["Partition", "partition", "build_partition"]
+
+_UNSET = object()
 
 
 class Partition:
@@ -63,6 +68,22 @@ class Partition:
         self.out_alias: Optional[List[Tuple[int, int]]] = None
         self.zero_tangents: Dict[int, torch.Tensor] = {}  # by output index (see zero_tangent)
         self.none_when: Dict[Tuple[bool, ...], List[bool]] = {}  # grad_none, by which outputs have a gradient
+        # a symbolic partition (one for every size of a symbolic plan): its shape environment
+        # and the guards of its joint trace over the caller's tensors (None: none)
+        self.env: Any = None
+        self.guards: Optional[str] = None
+
+    def holds(self, tensors: Sequence[torch.Tensor]) -> bool:
+        """Whether a symbolic partition is right for a call with these tensors (the caller's)."""
+        return self.guards is None or bool(self.env.evaluate_guards_expression(self.guards, list(tensors)))
+
+    def at(self, plan: Any, tensors: Sequence[torch.Tensor]) -> Partition:
+        """A symbolic partition for one signature of its plan: the same recordings, this size's zero tangents."""
+        part = copy.copy(self)
+        part.out_metas = _output_specs(plan, tensors)
+        part.zero_tangents = {}
+        part.out_alias = None
+        return part
 
     def zero_tangent(self, i: int) -> torch.Tensor:
         """The tangent of output ``i`` when it gets no gradient: zeros, the same tensor every call.
@@ -125,9 +146,10 @@ def _reach(outs: Sequence[torch.Tensor], diff: Sequence[bool], wrt: Sequence[tor
     return [mask(o.grad_fn) if d and o.grad_fn is not None else 0 for o, d in zip(outs, diff)]
 
 
-def _flat_fn(gm: Any, name: str) -> Any:
+def _flat_fn(gm: Any, name: str, n: Optional[int] = None) -> Any:
+    """``gm`` as a function returning a tuple (its first ``n`` outputs: the tensors)."""
     def run(*args: torch.Tensor) -> tuple:
-        return tuple(gm(*args))
+        return tuple(gm(*args))[:n]
 
     run.__name__ = run.__qualname__ = name
     return run
@@ -152,7 +174,48 @@ def _backward_draws(desc: str) -> GraphifyError:
     return err
 
 
-def build_partition(plan: Any, metas: Sequence[Any], need: Sequence[bool], owner: Any) -> Optional[Partition]:
+def partition(plan: Any, metas: Sequence[Any], need: Tuple[bool, ...], owner: Any,
+              tensors: Sequence[torch.Tensor]) -> Optional[Partition]:
+    """The partitioned forward and backward of a signature for the inputs in ``need``; ``None`` if it cannot be.
+
+    A plan traced with symbolic sizes (see ``_symbolic``) is partitioned once for all its
+    sizes: its joint forward and backward are traced with the same sizes as symbols, the
+    partition is kept on the plan (its copies for other sizes share it), and each size whose
+    guards hold takes it with zero tangents of its own. The forward and backward are
+    graphified functions, whose own symbolic traces then serve the sizes. A joint trace that
+    fixes a size, or a size its guards do not hold for, is partitioned for that size alone.
+
+    Args:
+        plan: the traced signature (its function, how to call it, its state).
+        metas: ``tensor_meta`` of each tensor input (the caller's, then state).
+        need: which inputs are differentiated.
+        owner: the graphified function (for its name and options).
+        tensors: the call's tensors (the caller's, then state): their sizes.
+    """
+    if plan.sizes is not None:
+        shared = plan.joints.get(need, _UNSET)
+        if shared is _UNSET:
+            shared = plan.joints[need] = _symbolic_partition(plan, metas, need, owner, tensors)
+        if shared is not None and shared.holds(tensors[: plan.n_user_in]):
+            return shared.at(plan, tensors)
+    return build_partition(plan, metas, need, owner, tensors)
+
+
+def _symbolic_partition(plan: Any, metas: Sequence[Any], need: Sequence[bool], owner: Any,
+                        tensors: Sequence[torch.Tensor]) -> Optional[Partition]:
+    """The partition of a symbolic plan for all its sizes, or ``None`` (each size is partitioned as is)."""
+    try:
+        return build_partition(plan, metas, need, owner, tensors, symbolic=True)
+    except Exception as exc:
+        if getattr(exc, "gt_final", False):
+            raise
+        log.info("%s: the symbolic joint trace failed (%s: %s); each size is partitioned as is", owner._desc,
+                 type(exc).__name__, str(exc).splitlines()[0][:160] if str(exc) else "")
+        return None
+
+
+def build_partition(plan: Any, metas: Sequence[Any], need: Sequence[bool], owner: Any,
+                    tensors: Sequence[torch.Tensor], symbolic: bool = False) -> Optional[Partition]:
     """Partition the joint graph of ``plan``'s signature for the inputs in ``need``; ``None`` if it cannot be.
 
     Args:
@@ -160,20 +223,24 @@ def build_partition(plan: Any, metas: Sequence[Any], need: Sequence[bool], owner
         metas: ``tensor_meta`` of each tensor input (the caller's, then state).
         need: which inputs are differentiated.
         owner: the graphified function (for its name and options).
+        tensors: the call's tensors (the caller's, then state).
+        symbolic: trace with the symbolic plan's dimensions as symbols (see :func:`partition`).
 
     Returns:
         A :class:`Partition`, or ``None`` when the graph does not fit (outputs
         that alias inputs, inputs updated in place): the caller then recomputes
-        the forward inside the backward recording instead.
+        the forward inside the backward recording instead. A symbolic one is ``None``
+        also where the joint trace fixed a size, or the backward takes a size it cannot
+        read from its tensors.
     """
     if not _partitionable(plan, need):
         return None
-    joint = _joint_trace(plan, metas, need, owner)
+    joint = _joint_trace(plan, metas, need, owner, tensors, symbolic)
     if joint is None:
         return None
     gm, box = joint
-    gm = _functional_joint(gm, plan, metas)
-    return _split_joint(gm, plan, owner, box)
+    gm = _functional_joint(gm, plan, box)
+    return _split_joint(gm, plan, owner, box, tensors)
 
 
 def _partitionable(plan: Any, need: Sequence[bool]) -> bool:
@@ -206,8 +273,14 @@ def _partitionable(plan: Any, need: Sequence[bool]) -> bool:
     return True
 
 
-def _joint_trace(plan: Any, metas: Sequence[Any], need: Sequence[bool], owner: Any) -> Optional[Tuple[Any, dict]]:
-    """The function's forward and backward traced as one graph (primals, then tangents), and what it found."""
+def _joint_trace(plan: Any, metas: Sequence[Any], need: Sequence[bool], owner: Any, tensors: Sequence[torch.Tensor],
+                 symbolic: bool) -> Optional[Tuple[Any, dict]]:
+    """The function's forward and backward traced as one graph (primals, then tangents), and what it found.
+
+    ``symbolic``: the symbolic plan's dimensions are symbols of a shape environment of the
+    joint trace's own (``box["env"]``, its guards over the caller's tensors ``box["guards"]``);
+    ``None`` where the trace fixed one of them.
+    """
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from ._patches import trace_scope
@@ -216,26 +289,32 @@ def _joint_trace(plan: Any, metas: Sequence[Any], need: Sequence[bool], owner: A
     from ._watch import _Watch
 
     n_user, n_state, n_out = plan.n_user_in, len(plan.state), len(plan.tensor_entries)
-    mode = _TraceMode(allow_non_fake_inputs=True)
+    env = new_shape_env() if symbolic else None
+    mode = _TraceMode(allow_non_fake_inputs=True, shape_env=env, static_shapes=True) if symbolic else \
+        _TraceMode(allow_non_fake_inputs=True)
+    shapes, tan_specs = _stand_in_shapes(plan, metas, tensors, env)
     with mode:
         fakes = [
-            torch.empty_strided(shape, stride, dtype=dtype, device=device).requires_grad_(bool(n))
-            for (_typ, shape, stride, dtype, device, _rg), n in zip(metas[:n_user], need[:n_user])
+            torch.empty_strided(shape, stride, dtype=m[3], device=m[4]).requires_grad_(bool(n))
+            for (shape, stride), m, n in zip(shapes, metas[:n_user], need[:n_user])
         ]
         # a tangent per output, shaped like it; those of outputs that do not require grad stay unused
-        tangents = [torch.zeros(tuple(v.shape), dtype=v.dtype, device=v.device) for v in _output_metas(plan)]
+        tangents = [torch.zeros(shape, dtype=dtype, device=device) for shape, _stride, dtype, device in tan_specs]
     storages: dict = {}
     watch = _Watch(storages, list(plan.in_paths[:n_user]), owner._desc, plan.cuda, mode, StateIndex(()), n_user)
     for t in plan.state:  # state keeps the forward plan's order: inputs line up with the recording's
         watch._fake(t)
-    box: dict = {}
+    box: dict = {"env": env}
+    # (the functional re-trace's inputs: primals, the caller's then state, then tangents)
+    box["specs"] = [(shape, stride, m[3], m[4]) for (shape, stride), m in zip(shapes, metas[:n_user])] + \
+        [(m[1], m[2], m[3], m[4]) for m in metas[n_user:]] + list(tan_specs)
     joint = functools.partial(_joint, plan, need, owner, watch, storages, box)
     if len(tangents) != n_out:
         return None
     try:
         # (library code sees the same torch.compiler.is_compiling() as in the forward's trace:
         # it must take the same branch in both)
-        with TRACE_LOCK, trace_scope(), mode:
+        with TRACE_LOCK, trace_scope(), mode, symbolic_dispatch(env):
             gm = make_fx(joint, tracing_mode="real", _allow_non_fake_inputs=True)(*fakes, *tangents)
     finally:
         mode.closed = owner._desc
@@ -243,6 +322,14 @@ def _joint_trace(plan: Any, metas: Sequence[Any], need: Sequence[bool], owner: A
         raise _backward_draws(owner._desc)
     if len(watch.state) != n_state or len(box["diff"]) != n_out:
         return None  # the backward reached state the forward did not: keep the recompute path
+    if env is not None:
+        for i, d in sorted(plan.sizes.dims):
+            s = fakes[i].shape[d]
+            if not isinstance(s, torch.SymInt) or env.replace(s.node.expr).is_number:
+                log.info("%s: the joint trace fixed %s.size(%d); each size is partitioned as is", owner._desc,
+                         plan.in_paths[i], d)
+                return None
+        box["guards"] = env.produce_guards_expression(fakes)
     from ._rewrite import _drop_profiler_nodes, _lift_state
 
     _lift_state(gm, watch.state_fakes)
@@ -300,7 +387,27 @@ def _joint(plan: Any, need: Sequence[bool], owner: Any, watch: Any, storages: di
     return tuple(detached) + tuple(g for g in grads if g is not None)
 
 
-def _functional_joint(gm: Any, plan: Any, metas: Sequence[Any]) -> Any:
+def _stand_in_shapes(plan: Any, metas: Sequence[Any], tensors: Sequence[torch.Tensor],
+                     env: Any) -> Tuple[List[Tuple[Any, Any]], List[Tuple[Any, Any, Any, Any]]]:
+    """The joint trace's inputs: the caller's tensors' (size, stride), and each tangent's (size, stride, dtype, device).
+
+    With a shape environment (``env``), the symbolic plan's dimensions are its symbols, and the
+    tangents' sizes their expressions of them (the plan's output sizes, renamed); a tangent's
+    stride is then ``None`` (row-major).
+    """
+    n_user = plan.n_user_in
+    specs = [(m[1], m[2]) for m in metas[:n_user]]
+    if env is None:
+        return specs, _output_specs(plan, tensors)
+    symbols: Dict[Any, Tuple[int, int]] = {}
+    shapes = symbolic_fakes(env, specs, plan.sizes.dims, plan.in_paths, symbols)
+    hints = {sym: int(metas[i][1][d]) for sym, (i, d) in symbols.items()}
+    tans = [(tuple(plan.sizes.renamed(x, symbols, env, hints) for x in v.shape), None, v.dtype, v.device)
+            for v in _output_metas(plan)]
+    return [(list(a), list(b)) for a, b in shapes], tans
+
+
+def _functional_joint(gm: Any, plan: Any, box: dict) -> Any:
     """The joint graph functionalized and tagged as the partitioner wants it.
 
     The partitioner wants a functional graph (dropout's bernoulli_ and div_ are in place):
@@ -315,12 +422,13 @@ def _functional_joint(gm: Any, plan: Any, metas: Sequence[Any]) -> Any:
 
     _extract_tensor_metadata = load_extract_tensor_metadata()
     n_user, n_state, n_out = plan.n_user_in, len(plan.state), len(plan.tensor_entries)
-    specs = [(m[1], m[2], m[3], m[4]) for m in metas] + [
-        (tuple(v.shape), v.stride(), v.dtype, v.device) for v in _output_metas(plan)]
-    fmode = FakeTensorMode()
+    env = box["env"]
+    fmode = FakeTensorMode(shape_env=env, static_shapes=True) if env is not None else FakeTensorMode()
     with fmode:
-        ins = [torch.empty_strided(shape, stride, dtype=dtype, device=device) for shape, stride, dtype, device in specs]
-        with TRACE_LOCK:
+        ins = [torch.empty(shape, dtype=dtype, device=device) if stride is None else
+               torch.empty_strided(shape, stride, dtype=dtype, device=device)
+               for shape, stride, dtype, device in box["specs"]]
+        with TRACE_LOCK, symbolic_dispatch(env):
             gm = make_fx(functionalize(gm, remove="mutations"), tracing_mode="real")(*ins)
     phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for k, n in enumerate(phs):
@@ -348,8 +456,11 @@ def _functional_joint(gm: Any, plan: Any, metas: Sequence[Any]) -> Any:
     return gm
 
 
-def _split_joint(gm: Any, plan: Any, owner: Any, box: dict) -> Partition:
-    """The functional joint graph split into a forward and a backward, each a graphified function."""
+def _split_joint(gm: Any, plan: Any, owner: Any, box: dict, tensors: Sequence[torch.Tensor]) -> Optional[Partition]:
+    """The functional joint graph split into a forward and a backward, each a graphified function.
+
+    ``None`` for a symbolic joint whose backward takes a size it cannot read from its tensors.
+    """
     default_partition = load_default_partition()
     n_out = len(plan.tensor_entries)
     fw_gm, bw_gm = default_partition(gm, None, num_fwd_outputs=n_out)
@@ -359,21 +470,86 @@ def _split_joint(gm: Any, plan: Any, owner: Any, box: dict) -> Partition:
     bw_gm.graph.eliminate_dead_code(is_impure_node=lambda n: n.op in ("placeholder", "output"))
     # nor does it take the tangents it does not use (of outputs that do not require grad, or
     # whose gradient does not depend on it): autograd hands those over as None, and a recording
-    # would need a tensor for each
+    # would need a tensor for each; nor sizes it does not use (symbolic)
     for n in list(bw_gm.graph.nodes):
-        if n.op == "placeholder" and "tangents" in str(n.target) and not n.users:
+        if n.op == "placeholder" and not n.users and ("tangents" in str(n.target) or not _is_tensor(n)):
             bw_gm.graph.erase_node(n)
     bw_gm.recompile()
-    n_fw = len([n for n in fw_gm.graph.nodes if n.op == "output"][0].args[0])
+    fw_outs = [n for n in fw_gm.graph.nodes if n.op == "output"][0].args[0]
+    # (a symbolic forward also returns the sizes the backward takes, after the tensors: they
+    # are read from the backward's own tensors instead, see _sized_backward)
+    n_fw = sum(1 for a in fw_outs if not isinstance(a, torch.fx.Node) or _is_tensor(a))
+    backward = _sized_backward(bw_gm, f"backward of {owner._desc}")
+    if backward is None:
+        log.info("%s: the symbolic backward takes a size none of its tensors has; each size is partitioned as is",
+                 owner._desc)
+        return None
     # the tangents the backward takes (by their position among the outputs)
     tan_idx = [int(str(n.target).split("_")[-1]) - 1 for n in bw_gm.graph.nodes
                if n.op == "placeholder" and "tangents" in str(n.target)]
-    fw = owner._spawn(_flat_fn(fw_gm, f"forward of {owner._desc}"))
-    bw = owner._spawn(_flat_fn(bw_gm, f"backward of {owner._desc}"))
-    out_metas = [(tuple(v.shape), tuple(v.stride()), v.dtype, v.device) for v in _output_metas(plan)]
-    part = Partition(fw, bw, n_out, n_fw - n_out, box["diff"], bw_gm, box["none"], box["reach"], out_metas)
+    every_size = box["env"] is not None
+    fw = owner._spawn(_flat_fn(fw_gm, f"forward of {owner._desc}", n_fw), every_size)
+    bw = owner._spawn(backward, every_size)
+    if every_size:  # (traced symbolically from their first calls: see _symbolic.Family.seeded)
+        fw._symbolic_dims = plan.sizes.dims
+        bw._symbolic_dims = _symbolic_dims(bw_gm)
+    part = Partition(fw, bw, n_out, n_fw - n_out, box["diff"], backward, box["none"], box["reach"],
+                     _output_specs(plan, tensors))
     part.tan_idx = tan_idx
+    if box["env"] is not None:
+        part.env, part.guards = box["env"], box["guards"]
     return part
+
+
+def _symbolic_dims(gm: Any) -> FrozenSet[Tuple[int, int]]:
+    """``(input, dim)`` of a symbolic graph's tensor inputs whose size is one of its symbols."""
+    tensors = [n for n in gm.graph.nodes if n.op == "placeholder" and _is_tensor(n)]
+    return frozenset((j, d) for j, n in enumerate(tensors) for d, x in enumerate(n.meta["val"].shape)
+                     if isinstance(x, torch.SymInt) and x.node.expr.is_Symbol)
+
+
+def _is_tensor(n: torch.fx.Node) -> bool:
+    return isinstance(n.meta.get("val"), torch.Tensor)
+
+
+def _sized_backward(bw_gm: Any, name: str) -> Optional[Any]:
+    """The backward as a function of its tensors alone: the sizes it takes, read from their sizes.
+
+    The partition of a symbolic joint hands the backward the sizes it uses as numbers
+    (AOTAutograd's saved SymInts). A recording takes tensors: each size is an expression of
+    the trace's symbols, and each symbol is a dimension of one of the backward's tensors
+    (an activation or a tangent), read there (traced symbolically, a SymInt of that
+    dimension). ``None`` where a symbol is no tensor's dimension.
+    """
+    phs = [n for n in bw_gm.graph.nodes if n.op == "placeholder"]
+    sized = [n for n in phs if not _is_tensor(n)]
+    if not sized:
+        return _flat_fn(bw_gm, name)
+    tensors = phs[len(sized):]
+    if phs[: len(sized)] != sized:
+        return None  # (the partitioner puts the sizes first)
+    where: Dict[Any, Tuple[int, int]] = {}
+    for j, n in enumerate(tensors):
+        for d, x in enumerate(n.meta["val"].shape):
+            if isinstance(x, torch.SymInt) and x.node.expr.is_Symbol:
+                where.setdefault(x.node.expr, (j, d))
+    exprs = []
+    for n in sized:
+        v = n.meta.get("val")
+        if not isinstance(v, (int, torch.SymInt)):
+            return None
+        e = v.node.expr if isinstance(v, torch.SymInt) else None
+        if e is not None and not e.free_symbols <= where.keys():
+            return None
+        exprs.append(e if e is not None else int(v))
+    evaluate = load_sympy_eval()
+
+    def run(*ts: torch.Tensor) -> tuple:
+        values = {sym: ts[j].shape[d] for sym, (j, d) in where.items()}
+        return tuple(bw_gm(*[e if isinstance(e, int) else evaluate(e, values) for e in exprs], *ts))
+
+    run.__name__ = run.__qualname__ = name
+    return run
 
 
 @functools.cache
@@ -417,6 +593,15 @@ def _random_ops_in_place(gm: torch.fx.GraphModule) -> None:
     if changed:
         gm.graph.lint()
         gm.recompile()
+
+
+def _output_specs(plan: Any, tensors: Sequence[torch.Tensor]) -> List[Tuple[Any, ...]]:
+    """Each tensor output's (size, stride, dtype, device) at this call (a symbolic plan's: for these tensors' sizes)."""
+    vals = _output_metas(plan)
+    if plan.sizes is None:
+        return [(tuple(v.shape), tuple(v.stride()), v.dtype, v.device) for v in vals]
+    num = plan.sizes.numbers(tensors)
+    return [(tuple(map(num, v.shape)), tuple(map(num, v.stride())), v.dtype, v.device) for v in vals]
 
 
 def _output_metas(plan: Any) -> List[Any]:

@@ -12,13 +12,14 @@ tensor inputs. A family takes a symbolic trace only where:
 
 * the sizes that vary are 2 or more on the call traced symbolically (0 and 1 are specialised,
   as torch does: a first call of one row keeps its own trace, and the sizes after it share one);
-* the calls are not differentiated through gtransform's autograd wrapper (its joint
-  trace is made per size): inference, ``torch.no_grad()``, and functions that run their
-  own backward (a whole training step) are;
 * the function did not pin a symbol (``if x.shape[0] == 8``, an ``int(x.shape[0])`` that
   decides something, a size it returns or stores as a number), freeze a host read or change
   Python values while tracing. Outputs that are views of inputs keep their sizes as
   expressions of the symbols: each size's signature gets its own (``shared_plan``).
+
+Calls differentiated through gtransform's autograd wrapper (the backward outside the
+function) share the forward's plan the same way, and ``_partition`` traces their joint
+forward and backward once, symbolically, for every size whose guards hold.
 
 Anything else, or a trace that fails symbolically, is traced per size as before (the
 family tries at most :data:`TRIES` symbolic traces). This module keeps the families'
@@ -75,7 +76,7 @@ def _row_major(shape: Sequence[int]) -> Tuple[int, ...]:
 class Family:
     """The calls of one family key: the first call's sizes, the symbolic plan and its dimensions."""
 
-    __slots__ = ("shapes", "dims", "plan", "tries", "why", "differentiated", "warm")
+    __slots__ = ("shapes", "dims", "plan", "tries", "why", "warm")
 
     def __init__(self, shapes: List[Tuple[int, ...]]):
         self.shapes = shapes  # the tensor inputs' sizes of the first call
@@ -83,9 +84,6 @@ class Family:
         self.plan: Any = None  # the symbolic plan (a _trace.Plan whose ``sizes`` is set)
         self.tries = 0
         self.why = ""  # why the last symbolic trace is not shared (for describe/logs)
-        # its calls go through the autograd wrapper (parameters requiring grad under grad mode):
-        # their joint trace is made per size, so no symbolic trace is taken
-        self.differentiated = False
         # the key of a call of the family that ran the eager first call of a signature touching
         # state (while that key stays warm, see _lookup._settle): the state it made lazily
         # (optimizer moments) exists for the family's other sizes too
@@ -107,7 +105,7 @@ class Family:
 
     def dims_to_trace(self, tensors: Sequence[torch.Tensor]) -> FrozenSet[Tuple[int, int]]:
         """The dimensions a symbolic trace of this call would take, or none (trace it as is)."""
-        if self.tries >= TRIES or self.differentiated:
+        if self.tries >= TRIES:
             return frozenset()
         dims = self.dims | self.varying(tensors)
         # (the first call's size may be 0 or 1, a server's first request of one row: it keeps its
@@ -116,18 +114,27 @@ class Family:
             return frozenset()
         return dims
 
+    def seeded(self, tensors: Sequence[torch.Tensor], seed: Optional[FrozenSet[Tuple[int, int]]]) -> FrozenSet[Tuple[int, int]]:
+        """The dimensions to trace symbolically on the family's first call: ``seed``'s, where it has any.
+
+        A half of a symbolic partition (see ``_partition``) is made for every size of its
+        maker's trace: it takes those dimensions as symbols from its first call (those of
+        row-major inputs, of sizes 2 or more) instead of a trace per size until two differ.
+        """
+        if not seed or self.tries or self.plan is not None:
+            return frozenset()
+        return frozenset((k, d) for k, d in seed
+                         if tensors[k].stride() == _row_major(tensors[k].shape) and tensors[k].shape[d] >= 2)
+
     def traced(self, plan: Any, dims: FrozenSet[Tuple[int, int]], entry: Any, desc: str) -> None:
         """A trace of one of the family's calls, and the entry it made (None: an eager first call).
 
-        An entry differentiated through the autograd wrapper stops the family's symbolic traces;
-        a symbolic trace is adopted (shared where it can be), except one whose entry was not
+        A symbolic trace is adopted (shared where it can be), except one whose entry was not
         kept (an eager first call: the next call's trace is adopted).
         """
-        if entry is not None and entry.any_rg:
-            self.differentiated = True
         if plan.sizes is not None or plan.sizes_pinned:
             if entry is not None or plan.sizes is None:
-                self.adopt(plan, dims, entry is not None and not entry.any_rg and shareable(plan), desc)
+                self.adopt(plan, dims, entry is not None and shareable(plan), desc)
 
     def state_made(self, key: Hashable, warmed: Any) -> None:
         """Note a call of the family whose key is in ``warmed`` (its eager first call made the state)."""
@@ -171,9 +178,7 @@ def _not_shared(plan: Any) -> str:
                 "Python int)")
     if plan.frozen:
         return "the trace froze a host read"
-    if plan.py_changes:
-        return "the trace changed Python values"
-    return "the call is differentiated through gtransform's autograd wrapper (its joint trace is per size)"
+    return "the trace changed Python values"
 
 
 def dim_names(plan: Any, dims: FrozenSet[Tuple[int, int]]) -> List[str]:
@@ -191,7 +196,7 @@ def sizes_line(plan: Any) -> str:
 
 
 def shareable(plan: Any) -> bool:
-    """Whether a symbolic plan (not yet known to be differentiated) can serve other sizes."""
+    """Whether a symbolic plan can serve other sizes."""
     return plan.sizes is not None and not plan.frozen and not plan.py_changes
 
 
@@ -305,13 +310,35 @@ class SymbolicSizes:
 
     def views_for(self, tensors: Sequence[torch.Tensor]) -> Dict[int, Tuple[Tuple[int, ...], Tuple[int, ...], int]]:
         """The size, stride and offset of each output that is a view of an input, for these inputs' sizes."""
+        num = self.numbers(tensors)
+        return {k: (tuple(map(num, size)), tuple(map(num, stride)), num(off))
+                for k, (size, stride, off) in self.views.items()}
+
+    def numbers(self, tensors: Sequence[torch.Tensor]) -> Any:
+        """A function from a size of the trace (an int, a SymInt, an expression of the symbols) to its value here."""
         values = {sym: int(tensors[i].shape[d]) for sym, (i, d) in self.symbols.items()}
 
         def num(e: Any) -> int:
+            if isinstance(e, torch.SymInt):
+                e = self.env.replace(e.node.expr)
             return e if isinstance(e, int) else int(e.xreplace(values))
 
-        return {k: (tuple(map(num, size)), tuple(map(num, stride)), num(off))
-                for k, (size, stride, off) in self.views.items()}
+        return num
+
+    def renamed(self, v: Any, symbols: Dict[Any, Tuple[int, int]], env: Any, hints: Dict[Any, int]) -> Any:
+        """A size of this trace as a size of another shape environment's (``symbols``: its symbols' inputs and dims).
+
+        For a trace of the same function that names the same ``(input, dim)`` with other
+        symbols (the joint forward and backward of ``_partition``); ``hints``: the values of
+        those symbols at the call traced.
+        """
+        if not isinstance(v, torch.SymInt):
+            return int(v)
+        by_dim = {where: sym for sym, where in symbols.items()}
+        e = self.env.replace(v.node.expr).xreplace({s: by_dim[w] for s, w in self.symbols.items()})
+        if e.is_number:
+            return int(e)
+        return env.create_symintnode(e, hint=int(e.xreplace(hints)))
 
 
 def symbolic_fakes(env: Any, specs: Sequence[Tuple[Any, ...]], dims: FrozenSet[Tuple[int, int]],

@@ -294,6 +294,9 @@ class Plan:
     sizes: Optional[SymbolicSizes] = None
     shared: bool = False  # this signature's copy of another's symbolic plan: not traced
     sizes_pinned: str = ""  # traced symbolically, but a size was fixed: which, and where
+    # a symbolic plan's partitioned forward and backward, by the inputs differentiated (see
+    # _partition.partition): one joint trace for every size, shared with the plan's copies
+    joints: Dict[Any, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.tensor_entries = [e for e in self.out_entries if e.kind != "const"]

@@ -18,19 +18,45 @@ from hypothesis import strategies as hst
 
 import gtransform as gt
 import gtransform._lookup as lookup
+import gtransform._partition as partition_mod
 
 
 @pytest.fixture
 def traces(monkeypatch: pytest.MonkeyPatch) -> list:
-    """The ``dims`` of every trace made (``frozenset()``: traced as is)."""
-    made: list = []
+    """The ``dims`` of every trace of the user's function (``frozenset()``: traced as is).
+
+    (Not those of the forward and backward halves of a differentiated call, graphified
+    functions of their own: ``traces.halves`` has them.)
+    """
+    made = _Traces()
     real = lookup.trace
 
     def counting(*a, **kw):
-        made.append(a[9] if len(a) > 9 else kw.get("dims", frozenset()))
+        dims = a[9] if len(a) > 9 else kw.get("dims", frozenset())
+        (made.halves if " of graphify(" in a[4] else made).append(dims)
         return real(*a, **kw)
 
     monkeypatch.setattr(lookup, "trace", counting)
+    return made
+
+
+class _Traces(list):
+    def __init__(self) -> None:
+        super().__init__()
+        self.halves: list = []
+
+
+@pytest.fixture
+def joints(monkeypatch: pytest.MonkeyPatch) -> list:
+    """Per joint forward-and-backward trace of a differentiated call: whether it was symbolic."""
+    made: list = []
+    real = partition_mod.build_partition
+
+    def counting(*a, **kw):
+        made.append(kw.get("symbolic", False))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(partition_mod, "build_partition", counting)
     return made
 
 
@@ -159,15 +185,22 @@ def test_returned_views_of_an_input_get_each_sizes_layout(device, traces):
     assert traces == [frozenset(), frozenset({(0, 0)})]
 
 
-def test_differentiated_calls_are_traced_per_size(device, traces):
+def test_calls_differentiated_through_the_autograd_wrapper_share_one_symbolic_trace(device, traces, joints):
     m = _mlp(device)
     f = gt.graphify(lambda x: m(x).square().mean())
-    for n in (4, 6, 7):
+    for n in (4, 6, 7, 9, 16):
         x = torch.randn(n, 8, device=device, requires_grad=True)
         f(x).backward()
         g_ref = torch.autograd.grad(m(x).square().mean(), x)[0]
         assert_close(x.grad, g_ref)
-    assert all(not d for d in traces)
+    # 4: traced as is, run eagerly (the module is state: its first call); 6: traced
+    # symbolically, forward and joint; 7, 9, 16: recorded from them, not traced
+    assert traces == [frozenset(), frozenset({(0, 0)})]
+    assert joints == [True]
+    # the forward and backward halves are graphified functions of their own, traced once
+    # symbolically at 6 (over the dimensions of the joint's symbols), then recorded per size
+    assert len(traces.halves) == 2 and all(traces.halves)
+    assert f.cache_info().currsize == 4
 
 
 def _adam_training(device, sizes):
@@ -355,7 +388,7 @@ def test_many_sizes_through_the_autograd_wrapper_warn_with_the_whole_step_as_the
     assert_close(m.weight.grad, ref.weight.grad)
     text = str(told[0].message)
     assert "differentiated through gtransform's autograd wrapper" in text
-    assert "each new size is traced" in text and "graphify the whole training step" in text
+    assert "records a forward and a backward" in text and "graphify the whole training step" in text
 
 
 def test_a_fixed_size_is_named_with_its_guard_and_line(device):
@@ -432,7 +465,7 @@ def test_a_size_inside_a_returned_or_stored_object_is_a_number(device):
         assert m.meta["shape"] == [n, 2] and type(m.meta["shape"][0]) is int
 
 
-def test_a_module_trained_through_the_autograd_wrapper_is_traced_per_size(device, traces):
+def test_a_module_trained_through_the_autograd_wrapper_is_traced_once_for_its_sizes(device, traces, joints):
     torch.manual_seed(0)
     m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2)).to(device)
     ref = copy.deepcopy(m)
@@ -443,7 +476,9 @@ def test_a_module_trained_through_the_autograd_wrapper_is_traced_per_size(device
         ref(x).square().sum().backward()
         for p, q in zip(m.parameters(), ref.parameters()):
             assert_close(p.grad, q.grad)
-    assert all(not d for d in traces)  # (the first size's entry is differentiated: no symbolic trace)
+    # 3: as is (its first call eager: the module is state); 4: symbolic; 5, 6: recorded from it
+    assert traces == [frozenset(), frozenset({(0, 0)})]
+    assert joints == [False, True]
 
 
 def test_a_function_that_refuses_every_size_takes_at_most_two_symbolic_traces(device, traces):
@@ -493,3 +528,102 @@ def test_returned_views_over_any_sequence_of_sizes_are_eagers(sizes, lo, step):
         for a, b in zip(got[:3], want[:3]):
             assert a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
         assert_close(got[3], want[3])
+
+
+# -- calls differentiated through the autograd wrapper (loss.backward() outside) -----------
+def test_an_optimizer_loop_with_the_backward_outside_matches_eager_over_new_batch_sizes(device, traces, joints):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.GELU(), torch.nn.Linear(16, 3)).to(device)
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    f = gt.graphify(model)
+    for n in (8, 8, 12, 5, 9, 12, 31, 5, 2):
+        x, y = torch.randn(n, 6, device=device), torch.randint(0, 3, (n,), device=device)
+        for m, o, fn in ((model, opt, f), (ref, opt_ref, ref)):
+            o.zero_grad()
+            loss = torch.nn.functional.cross_entropy(fn(x), y)
+            loss.backward()
+            o.step()
+            if m is model:
+                got = loss.detach()
+        assert_close(got, loss.detach())
+        for p, q in zip(model.parameters(), ref.parameters()):
+            assert_close(p, q)
+    assert traces == [frozenset(), frozenset({(0, 0)})]
+    # 8: its first call eager, its second recorded from that trace (its joint as is); 12:
+    # traced symbolically, forward and joint, and every later size shares them
+    assert joints == [False, True]
+
+
+def test_an_output_without_a_gradient_gets_zeros_of_its_own_size(device, traces, joints):
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 4).to(device)
+    f = gt.graphify(lambda x: (lin(x).tanh(), lin(x).sigmoid()))
+    for n in (3, 5, 7, 4, 11):
+        x = torch.randn(n, 4, device=device, requires_grad=True)
+        a, b = f(x)
+        gx = torch.autograd.grad(a.sum() * 2, x, retain_graph=True)[0]  # (b gets none: its tangent is zeros)
+        xr = x.detach().requires_grad_()
+        want = torch.autograd.grad(lin(xr).tanh().sum() * 2, xr)[0]
+        assert_close(gx, want)
+        gb = torch.autograd.grad(b.square().sum(), x)[0]
+        assert_close(gb, torch.autograd.grad(lin(xr).sigmoid().square().sum(), xr)[0])
+    assert joints[-1] is True and len(joints) == 1
+
+
+def test_dropout_through_the_autograd_wrapper_over_sizes_matches_eager(device, traces, joints):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 32), torch.nn.Dropout(0.3), torch.nn.Linear(32, 1)).to(device)
+    ref = copy.deepcopy(model)
+    f = gt.graphify(model)
+    for n in (4, 4, 6, 9, 13):
+        x = torch.randn(n, 5, device=device)
+        torch.manual_seed(n)
+        f(x).square().mean().backward()
+        torch.manual_seed(n)
+        ref(x).square().mean().backward()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            assert_close(p.grad, q.grad)
+    assert traces == [frozenset(), frozenset({(0, 0)})] and joints == [False, True]
+
+
+def test_a_backward_that_needs_a_size_no_tensor_has_is_partitioned_per_size(device, traces, joints):
+    torch.manual_seed(0)
+    w = torch.randn(3, device=device, requires_grad=True)
+
+    def f(x):
+        return x.sum(0) * w  # (its backward expands the gradient to x's size: a number, no tensor)
+
+    g = gt.graphify(f)
+    for n in (4, 6, 7, 9):
+        x = torch.randn(n, 3, device=device, requires_grad=True)
+        gx, gw = torch.autograd.grad(g(x).square().sum(), (x, w))
+        xr = x.detach().requires_grad_()
+        want = torch.autograd.grad(f(xr).square().sum(), (xr, w))
+        assert_close((gx, gw), want)
+    # (4's first call runs eagerly: w is state) the forward of 6 on is shared; the joint of 6 is
+    # symbolic, but its backward takes x's size as a number: each size's joint is traced as is
+    assert traces == [frozenset(), frozenset({(0, 0)})]
+    assert joints == [True, False, False, False]
+
+
+@settings(max_examples=12, deadline=None, derandomize=True)
+@given(steps=hst.lists(hst.tuples(hst.integers(1, 10), hst.booleans()), min_size=2, max_size=8))
+def test_any_sequence_of_sizes_through_the_autograd_wrapper_matches_eager(steps):
+    """Batch sizes with the input's gradient taken or not (two partitions), against eager."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    ref = copy.deepcopy(model)
+    f = gt.graphify(model)
+    for n, wrt_x in steps:
+        x = torch.randn(n, 3, requires_grad=wrt_x)
+        xr = x.detach().requires_grad_(wrt_x)
+        out, want = f(x), ref(xr)
+        assert_close(out, want)
+        (out * torch.arange(2.0)).sum().backward()
+        (want * torch.arange(2.0)).sum().backward()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            assert_close(p.grad, q.grad)
+        if wrt_x:
+            assert_close(x.grad, xr.grad)

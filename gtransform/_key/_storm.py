@@ -57,8 +57,8 @@ def _objects(values: Set[Any]) -> bool:
 def explain_storm(desc: str, log: List[Any], differentiated: bool = False) -> str:
     """The warning text: which part of the signature keeps changing, and the fix.
 
-    ``differentiated``: some of the calls went through the autograd wrapper, whose sizes are
-    each traced (its joint forward and backward), not recorded from one symbolic trace.
+    ``differentiated``: some of the calls went through the autograd wrapper, whose sizes each
+    record a forward and a backward (two recordings, and the wrapper's work on every call).
     """
     n = len(log)
     specs = {id(x[0]): x[0] for x in log}
@@ -67,10 +67,10 @@ def explain_storm(desc: str, log: List[Any], differentiated: bool = False) -> st
              "dimension that varies is traced once, symbolically)."]
     if differentiated:
         lines.append("Its calls are differentiated through gtransform's autograd wrapper (parameters that "
-                     "require grad under grad mode, the backward outside the function): each new size is "
-                     "traced, forward and backward together. Fix: graphify the whole training step (the "
-                     "loss, loss.backward() and optimizer.step() inside the function): its sizes share one "
-                     "trace, each new one costs a recording.")
+                     "require grad under grad mode, the backward outside the function): each new size records "
+                     "a forward and a backward, and where the joint trace cannot keep a size symbolic, traces "
+                     "them too. Fix: graphify the whole training step (the loss, loss.backward() and "
+                     "optimizer.step() inside the function): each new size costs one recording.")
     same = [x for x in log if x[0] == log[-1][0]]
     if len({str(s) for s in specs.values()}) > 1 and len(same) < n // 2:
         lines.append("The structure of the arguments keeps changing (different containers, keys or lengths). "
@@ -256,8 +256,12 @@ class StormDetector:
         self.st_log: List[List[str]] = []
         self.st_calls: List[int] = []
         self.st_warned = False
-        # a signature was differentiated through the autograd wrapper: its sizes are each traced
+        # a signature was differentiated through the autograd wrapper (a forward and a backward per size)
         self.differentiated = False
+
+    def quiet(self) -> None:
+        """Warn of nothing: a helper whose calls the function that made it warns about (see ``Graphified._spawn``)."""
+        self.warned = self.again_warned = self.env_warned = self.st_warned = True
 
     def note_evicted(self, e: Any) -> None:
         """The cache evicted ``e``'s signature (least recently used, beyond maxsize)."""
