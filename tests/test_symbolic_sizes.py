@@ -364,6 +364,25 @@ def test_fuse_compiles_once_for_every_size(monkeypatch):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_fuse_compiles_the_forward_and_backward_once_for_every_size_through_the_autograd_wrapper(monkeypatch):
+    compiles = _count_compiles(monkeypatch)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 8)).cuda()
+    ref = copy.deepcopy(model)
+    f = gt.graphify(model, fuse=True)
+    for n in (16, 16, 24, 40, 100, 40):
+        x = torch.randn(n, 32, device="cuda")
+        f(x).square().mean().backward()
+        ref(x).square().mean().backward()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            assert_close(p.grad, q.grad)
+    # 16: the forward and backward compiled for that size; 24: each compiled once more, with
+    # symbolic sizes, which 40 and 100 reuse
+    assert [bool(d) for d in compiles] == [False, False, True, True]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_fuse_compiles_each_size_where_the_symbolic_compile_fails(monkeypatch):
     compiles = _count_compiles(monkeypatch, fail_symbolic=True)
     f = gt.graphify(lambda x: (x * 3).cos().sum(-1), fuse=True)
