@@ -181,6 +181,7 @@ def explain(g: Any, args: Any, kwargs: Any) -> str:
                 f"from every recorded one: {b.spec} vs {entries[-1].spec}")
     said = f"{g._desc}: a new signature (miss): " + "; ".join(best_diff or ["aliasing between inputs"])
     ck = call_key(g._desc, b.leaves, b.spec, b.tree, b.statics, call.glob)
-    if st is not None and st.families.shared_for(ck.key, ck.tpos, [b.leaves[i] for i in ck.tpos]):
+    if st is not None and st.families.shared_for(ck.key, ck.tpos, [b.leaves[i] for i in ck.tpos],
+                                                 g.__dict__.get("_layouts")):
         said += " (recorded from the symbolic trace of its sizes, not traced)"
     return said

@@ -178,11 +178,12 @@ def _new_signature(g: Any, st: ThreadState, ck: CallKey, call: Call,
     in_paths = [paths[i] for i in ck.tpos]
     fam = dims = None
     if record:
-        fam = st.families.get(family_key(ck.key, ck.tpos, tensors), tensors)
+        layouts = g.__dict__.get("_layouts")  # (a half of a symbolic partition: see _partition)
+        fam = st.families.get(family_key(ck.key, ck.tpos, tensors, layouts), tensors, layouts)
         found = _family_plan(g, st, ck, call, fam, tensors, cuda)
         if found is not None:
             return found
-        dims = fam.dims_to_trace(tensors) or fam.seeded(tensors, g.__dict__.get("_symbolic_dims"))
+        dims = fam.dims_to_trace(tensors)
     seen = st.frozen_args
     stable = [k for k, (p, t) in enumerate(zip(in_paths, tensors)) if p in seen and seen[p]() is t]
     try:
@@ -229,7 +230,7 @@ def _trace_sizes(g: Any, fam: Any, dims: Any, rebuild: Any, tensors: List[torch.
     if not dims:
         return trace(g._fn, rebuild, tensors, in_paths, g._desc, cuda, roots, extra, stable)
     try:
-        return trace(g._fn, rebuild, tensors, in_paths, g._desc, cuda, roots, extra, stable, dims)
+        return trace(g._fn, rebuild, tensors, in_paths, g._desc, cuda, roots, extra, stable, dims, fam.layouts)
     except Exception as err:
         failed = err
     fam.failed_once()  # (the call's own failure, if the trace as is raises too)

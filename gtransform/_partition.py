@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import copy
 import functools
-from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -38,7 +38,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from ._compat import FakeTensorMode, load_default_partition, load_extract_tensor_metadata, load_sympy_eval
 from ._errors import GraphifyError
 from ._log import log
-from ._symbolic import new_shape_env, symbolic_dispatch, symbolic_fakes
+from ._symbolic import graph_layouts, new_shape_env, symbolic_dispatch, symbolic_fakes
 
 __all__ = ["Partition", "partition", "build_partition"]
 
@@ -490,22 +490,15 @@ def _split_joint(gm: Any, plan: Any, owner: Any, box: dict, tensors: Sequence[to
     every_size = box["env"] is not None
     fw = owner._spawn(_flat_fn(fw_gm, f"forward of {owner._desc}", n_fw), every_size)
     bw = owner._spawn(backward, every_size)
-    if every_size:  # (traced symbolically from their first calls: see _symbolic.Family.seeded)
-        fw._symbolic_dims = plan.sizes.dims
-        bw._symbolic_dims = _symbolic_dims(bw_gm)
+    if every_size:  # (traced symbolically from their first calls, laid out as here: see _symbolic.Layouts)
+        fw._layouts = graph_layouts(fw_gm)
+        bw._layouts = graph_layouts(bw_gm)
     part = Partition(fw, bw, n_out, n_fw - n_out, box["diff"], backward, box["none"], box["reach"],
                      _output_specs(plan, tensors))
     part.tan_idx = tan_idx
     if box["env"] is not None:
         part.env, part.guards = box["env"], box["guards"]
     return part
-
-
-def _symbolic_dims(gm: Any) -> FrozenSet[Tuple[int, int]]:
-    """``(input, dim)`` of a symbolic graph's tensor inputs whose size is one of its symbols."""
-    tensors = [n for n in gm.graph.nodes if n.op == "placeholder" and _is_tensor(n)]
-    return frozenset((j, d) for j, n in enumerate(tensors) for d, x in enumerate(n.meta["val"].shape)
-                     if isinstance(x, torch.SymInt) and x.node.expr.is_Symbol)
 
 
 def _is_tensor(n: torch.fx.Node) -> bool:

@@ -42,27 +42,105 @@ import torch
 
 from ._log import log
 
-__all__ = ["Family", "Families", "TRIES", "family_key", "shared_plan", "sizes_line", "dim_names", "shareable",
+__all__ = ["Family", "Families", "TRIES", "family_key", "Layouts", "graph_layouts", "shared_plan", "sizes_line", "dim_names", "shareable",
            "SymbolicSizes", "SymbolicLeak", "symbolic_fakes", "holds_for_sizes", "concrete", "sym_expr", "hint",
            "symbolic_value", "new_shape_env", "symbolic_dispatch"]
 
 TRIES = 2  # symbolic traces a family may take (a new dimension that varies later: the second)
 
 
-def family_key(key: Tuple[Any, ...], tpos: Sequence[int], tensors: Sequence[torch.Tensor]) -> Hashable:
+def family_key(key: Tuple[Any, ...], tpos: Sequence[int], tensors: Sequence[torch.Tensor],
+               layouts: Optional[Layouts] = None) -> Hashable:
     """A call's key with the sizes of its row-major tensor inputs left out (their number of dims kept).
 
     Only inputs whose strides are exactly the row-major ones of their sizes (what the symbolic
     trace's stand-ins have, size-1 dimensions included) lose their sizes; the others keep
-    their whole entry, and calls that differ in them are of different families.
+    their whole entry, and calls that differ in them are of different families. With
+    ``layouts`` (a half of a symbolic partition), the inputs whose layout holds a symbol lose
+    their sizes and strides instead (the layouts and their guards decide).
     """
     spec, parts, *rest = key
     general = list(parts)
-    for p, t in zip(tpos, tensors):
-        if t.stride() == _row_major(t.shape):
+    for k, (p, t) in enumerate(zip(tpos, tensors)):
+        if layouts.varies(k) if layouts is not None else t.stride() == _row_major(t.shape):
             typ, _shape, _stride, dtype, device, rg = parts[p]
             general[p] = (typ, t.dim(), dtype, device, rg)
     return (spec, tuple(general), *rest)
+
+
+@dataclass(frozen=True)
+class Layouts:
+    """The sizes and strides of a graph's tensor inputs as expressions of its trace's symbols.
+
+    A half of a symbolic partition (see ``_partition``) takes activations laid out as the
+    joint trace laid them out: transposed, sliced out of a buffer, expanded. Its calls' sizes
+    differ as those expressions say, which row-major stand-ins cannot follow; its symbolic
+    trace takes stand-ins laid out by these expressions instead, one symbol for each of the
+    joint's, read from the first ``(input, dim)`` that is exactly that symbol (``where``).
+    """
+
+    sizes: Tuple[Tuple[Any, ...], ...]
+    strides: Tuple[Tuple[Any, ...], ...]
+    where: Tuple[Tuple[Any, Tuple[int, int]], ...]  # (symbol, (input, dim)), in the symbols' order
+
+    def varies(self, k: int) -> bool:
+        """Whether input ``k``'s layout holds a symbol."""
+        return any(not isinstance(e, int) for e in (*self.sizes[k], *self.strides[k]))
+
+    def dims(self) -> FrozenSet[Tuple[int, int]]:
+        return frozenset(w for _s, w in self.where)
+
+    def values(self, tensors: Sequence[torch.Tensor]) -> Dict[Any, int]:
+        return {sym: int(tensors[i].shape[d]) for sym, (i, d) in self.where}
+
+    def match(self, tensors: Sequence[torch.Tensor]) -> bool:
+        """Whether these tensors are laid out as the expressions say (a call the layouts can trace)."""
+        values = self.values(tensors)
+
+        def num(e: Any) -> int:
+            return e if isinstance(e, int) else int(e.xreplace(values))
+
+        return all(tuple(t.shape) == tuple(map(num, sz)) and t.stride() == tuple(map(num, st))
+                   for t, sz, st in zip(tensors, self.sizes, self.strides))
+
+
+def graph_layouts(gm: Any) -> Optional[Layouts]:
+    """The :class:`Layouts` of a symbolic graph's tensor placeholders, or None (a symbol no dimension is)."""
+    import sympy
+
+    vals = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+    vals = [v for v in vals if isinstance(v, torch.Tensor)]
+
+    def expr(x: Any) -> Any:
+        if not isinstance(x, torch.SymInt):
+            return int(x)
+        e = x.node.expr
+        return int(e) if e.is_number else e
+
+    sizes = [[expr(x) for x in v.shape] for v in vals]
+    strides = [[expr(x) for x in v.stride()] for v in vals]
+    where: Dict[Any, Tuple[int, int]] = {}
+    for j, sz in enumerate(sizes):
+        for d, e in enumerate(sz):
+            if not isinstance(e, int) and e.is_Symbol:
+                where.setdefault(e, (j, d))
+    # a size whose symbols no dimension is alone (labels flattened: (s1*s2,)) is read whole, as
+    # a symbol of its own wherever it appears
+    for j, sz in enumerate(sizes):
+        for d, e in enumerate(sz):
+            if not isinstance(e, int) and not e.free_symbols <= where.keys():
+                u = sympy.Symbol(f"gt_size_{j}_{d}", positive=True, integer=True)
+                where[u] = (j, d)
+                sizes = [[x if isinstance(x, int) else x.xreplace({e: u}) for x in s_] for s_ in sizes]
+                strides = [[x if isinstance(x, int) else x.xreplace({e: u}) for x in s_] for s_ in strides]
+    free = set()
+    for e in (x for sz in sizes + strides for x in sz):
+        if not isinstance(e, int):
+            free |= e.free_symbols
+    if not where or not free <= where.keys():
+        return None
+    return Layouts(tuple(map(tuple, sizes)), tuple(map(tuple, strides)),
+                   tuple(sorted(where.items(), key=lambda kv: kv[1])))
 
 
 def _row_major(shape: Sequence[int]) -> Tuple[int, ...]:
@@ -76,10 +154,12 @@ def _row_major(shape: Sequence[int]) -> Tuple[int, ...]:
 class Family:
     """The calls of one family key: the first call's sizes, the symbolic plan and its dimensions."""
 
-    __slots__ = ("shapes", "dims", "plan", "tries", "why", "warm")
+    __slots__ = ("shapes", "dims", "plan", "tries", "why", "warm", "layouts")
 
-    def __init__(self, shapes: List[Tuple[int, ...]]):
+    def __init__(self, shapes: List[Tuple[int, ...]], layouts: Optional[Layouts] = None):
         self.shapes = shapes  # the tensor inputs' sizes of the first call
+        # a half of a symbolic partition: its inputs' layouts, traced from its first call
+        self.layouts = layouts
         self.dims: FrozenSet[Tuple[int, int]] = frozenset()  # the symbolic plan's (input, dim)
         self.plan: Any = None  # the symbolic plan (a _trace.Plan whose ``sizes`` is set)
         self.tries = 0
@@ -97,7 +177,7 @@ class Family:
     def plan_for(self, tensors: Sequence[torch.Tensor]) -> Any:
         """The symbolic plan where it holds for these tensors' sizes, else None."""
         plan = self.plan
-        if plan is None or not self.varying(tensors) <= self.dims:
+        if plan is None or (self.layouts is None and not self.varying(tensors) <= self.dims):
             return None
         if any(tensors[k].shape[d] < 2 for k, d in self.dims):
             return None  # (0 and 1 are specialised: a trace of their own)
@@ -107,24 +187,16 @@ class Family:
         """The dimensions a symbolic trace of this call would take, or none (trace it as is)."""
         if self.tries >= TRIES:
             return frozenset()
+        if self.layouts is not None:  # (the layouts' symbols, where this call follows them)
+            dims = self.layouts.dims()
+            ok = self.layouts.match(tensors) and all(tensors[k].shape[d] >= 2 for k, d in dims)
+            return dims if ok else frozenset()
         dims = self.dims | self.varying(tensors)
         # (the first call's size may be 0 or 1, a server's first request of one row: it keeps its
         # own trace, and the symbolic one, which holds from 2 on, serves the sizes after it)
         if not dims or dims == self.dims or any(tensors[k].shape[d] < 2 for k, d in dims):
             return frozenset()
         return dims
-
-    def seeded(self, tensors: Sequence[torch.Tensor], seed: Optional[FrozenSet[Tuple[int, int]]]) -> FrozenSet[Tuple[int, int]]:
-        """The dimensions to trace symbolically on the family's first call: ``seed``'s, where it has any.
-
-        A half of a symbolic partition (see ``_partition``) is made for every size of its
-        maker's trace: it takes those dimensions as symbols from its first call (those of
-        row-major inputs, of sizes 2 or more) instead of a trace per size until two differ.
-        """
-        if not seed or self.tries or self.plan is not None:
-            return frozenset()
-        return frozenset((k, d) for k, d in seed
-                         if tensors[k].stride() == _row_major(tensors[k].shape) and tensors[k].shape[d] >= 2)
 
     def traced(self, plan: Any, dims: FrozenSet[Tuple[int, int]], entry: Any, desc: str) -> None:
         """A trace of one of the family's calls, and the entry it made (None: an eager first call).
@@ -232,11 +304,11 @@ class Families:
         self.d: OrderedDict[Hashable, Family] = OrderedDict()
         self.limit: Optional[int] = 64
 
-    def get(self, key: Hashable, tensors: Sequence[torch.Tensor]) -> Family:
+    def get(self, key: Hashable, tensors: Sequence[torch.Tensor], layouts: Optional[Layouts] = None) -> Family:
         """The family of ``key`` (made with these tensors' sizes on its first call)."""
         f = self.d.get(key)
         if f is None:
-            f = self.d[key] = Family([tuple(t.shape) for t in tensors])
+            f = self.d[key] = Family([tuple(t.shape) for t in tensors], layouts)
             if self.limit is not None and len(self.d) > self.limit:
                 del self.d[next(iter(self.d))]
         else:
@@ -246,9 +318,10 @@ class Families:
     def clear(self) -> None:
         self.d.clear()
 
-    def shared_for(self, key: Tuple[Any, ...], tpos: Sequence[int], tensors: Sequence[torch.Tensor]) -> bool:
+    def shared_for(self, key: Tuple[Any, ...], tpos: Sequence[int], tensors: Sequence[torch.Tensor],
+                   layouts: Optional[Layouts] = None) -> bool:
         """explain(): whether a call of this key would be recorded from its family's symbolic trace."""
-        f = self.d.get(family_key(key, tpos, tensors))
+        f = self.d.get(family_key(key, tpos, tensors, layouts))
         return f is not None and f.plan_for(tensors) is not None
 
     def lines(self) -> List[str]:
@@ -342,10 +415,12 @@ class SymbolicSizes:
 
 
 def symbolic_fakes(env: Any, specs: Sequence[Tuple[Any, ...]], dims: FrozenSet[Tuple[int, int]],
-                    paths: Sequence[str], symbols: Dict[Any, Tuple[int, int]]) -> List[Tuple[List[Any], List[Any]]]:
+                    paths: Sequence[str], symbols: Dict[Any, Tuple[int, int]],
+                    layouts: Optional[Layouts] = None) -> List[Tuple[List[Any], List[Any]]]:
     """The sizes and strides of the stand-ins: a symbol for each dimension of ``dims`` (a contiguous input's).
 
-    ``symbols`` is filled with each symbol's ``(input, dim)``.
+    ``symbols`` is filled with each symbol's ``(input, dim)``. With ``layouts``, a symbol for
+    each of theirs, and the stand-ins laid out by their expressions.
     """
     from torch.fx.experimental.symbolic_shapes import DimDynamic
 
@@ -354,6 +429,8 @@ def symbolic_fakes(env: Any, specs: Sequence[Tuple[Any, ...]], dims: FrozenSet[T
     source = load_dim_source()
     out = []
     symbols.clear()
+    if layouts is not None:
+        return _laid_out_fakes(env, specs, paths, symbols, layouts, source, DimDynamic.DYNAMIC)
     for i, (size, stride, *_rest) in enumerate(specs):
         sizes: List[Any] = list(size)
         strides: List[Any] = list(stride)
@@ -370,6 +447,31 @@ def symbolic_fakes(env: Any, specs: Sequence[Tuple[Any, ...]], dims: FrozenSet[T
                 acc = acc * sizes[d]
         out.append((sizes, strides))
     return out
+
+
+def _laid_out_fakes(env: Any, specs: Sequence[Tuple[Any, ...]], paths: Sequence[str], symbols: Dict[Any, Tuple[int, int]],
+                    layouts: Layouts, source: Any, dynamic: Any) -> List[Tuple[List[Any], List[Any]]]:
+    """:func:`symbolic_fakes` for inputs laid out by :class:`Layouts` (``Family.dims_to_trace`` checked they are)."""
+    new: Dict[Any, Any] = {}  # the layouts' symbols -> this trace's
+    hints: Dict[Any, int] = {}
+    nodes: Dict[Any, Any] = {}
+    for old, (i, d) in layouts.where:
+        size = int(specs[i][0][d])
+        src = source(f"{paths[i]}.size({d})")
+        sym = new[old] = env.create_symbol(size, src, dynamic)
+        symbols[sym] = (i, d)
+        hints[old] = size
+        nodes[old] = env.create_symintnode(sym, hint=size, source=src)
+
+    def value(e: Any) -> Any:
+        if isinstance(e, int):
+            return e
+        if e in nodes:
+            return nodes[e]
+        return env.create_symintnode(e.xreplace(new), hint=int(e.xreplace(hints)))
+
+    return [([value(e) for e in sz], [value(e) for e in st]) if layouts.varies(k) else (list(spec[0]), list(spec[1]))
+            for k, (spec, sz, st) in enumerate(zip(specs, layouts.sizes, layouts.strides))]
 
 
 def holds_for_sizes(env: Any, fakes: Sequence[torch.Tensor], dims: FrozenSet[Tuple[int, int]],

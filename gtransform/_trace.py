@@ -61,6 +61,7 @@ from ._state import (
     stored_error,
 )
 from ._symbolic import (
+    Layouts,
     SymbolicLeak,
     SymbolicSizes,
     concrete,
@@ -793,6 +794,7 @@ def trace(
     extra: Sequence[Tuple[str, Any]] = (),
     stable: Sequence[int] = (),
     dims: FrozenSet[Tuple[int, int]] = frozenset(),
+    layouts: Optional[Layouts] = None,
 ) -> Plan:
     """Trace ``fn`` for one signature.
 
@@ -813,6 +815,8 @@ def trace(
             before: host reads of them (and of unwritten state) are frozen (see ``_frozen``).
         dims: ``(input, dim)`` traced as symbolic sizes (see ``_symbolic``): the plan's
             ``sizes`` says whether it holds for other sizes of them.
+        layouts: with ``dims``, the inputs' sizes and strides as expressions of the symbols
+            (a half of a symbolic partition: see ``_symbolic.Layouts``).
 
     Returns:
         The :class:`Plan` of the signature.
@@ -829,7 +833,7 @@ def trace(
         while True:
             try:
                 plan = _Tracing(fn, rebuild, inputs, list(in_paths), desc, cuda, roots, snap, real, no_freeze,
-                                dims).plan()
+                                dims, layouts).plan()
                 break
             except Refreeze as again:
                 # a frozen read of a tensor the function writes: not unchanged; traced again
@@ -853,7 +857,7 @@ class _Tracing:
     def __init__(self, fn: Callable[..., Any], rebuild: Callable[..., Any], inputs: _Inputs, paths: List[str],
                  desc: str, cuda: bool, roots: Sequence[Root], snap: Snapshot,
                  stable: Optional[Dict[int, torch.Tensor]] = None, no_freeze: FrozenSet[int] = frozenset(),
-                 dims: FrozenSet[Tuple[int, int]] = frozenset()):
+                 dims: FrozenSet[Tuple[int, int]] = frozenset(), layouts: Optional[Layouts] = None):
         self.fn, self.rebuild, self.inputs, self.paths = fn, rebuild, inputs, paths
         self.desc, self.cuda, self.roots, self.snap = desc, cuda, roots, snap
         self.dims = dims
@@ -862,7 +866,7 @@ class _Tracing:
         if dims:  # (a shape environment: sizes as symbols; state and constants keep theirs)
             self.env: Any = new_shape_env()
             self.mode = mode = _TraceMode(allow_non_fake_inputs=True, shape_env=self.env, static_shapes=True)
-            shapes = symbolic_fakes(self.env, inputs.specs, dims, paths, self.symbols)
+            shapes = symbolic_fakes(self.env, inputs.specs, dims, paths, self.symbols, layouts)
         else:
             self.env = None
             self.mode = mode = _TraceMode(allow_non_fake_inputs=True)

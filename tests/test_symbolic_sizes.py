@@ -646,3 +646,33 @@ def test_any_sequence_of_sizes_through_the_autograd_wrapper_matches_eager(steps)
             assert_close(p.grad, q.grad)
         if wrt_x:
             assert_close(x.grad, xr.grad)
+
+
+def test_attention_trained_through_the_autograd_wrapper_over_new_lengths_is_not_traced_again(device, traces, joints):
+    """Its backward takes transposed, flattened and broadcast activations: laid out as the joint traced them."""
+    torch.manual_seed(0)
+    emb, qkv, head = (torch.nn.Embedding(50, 16).to(device), torch.nn.Linear(16, 48).to(device),
+                      torch.nn.Linear(16, 50).to(device))
+    params = [*emb.parameters(), *qkv.parameters(), *head.parameters()]
+
+    def lm(ids, labels):
+        x = emb(ids)
+        b, s, _ = x.shape
+        q, k, v = qkv(x).view(b, s, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        causal = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
+        a = (q @ k.transpose(-1, -2) / 8 ** 0.5).masked_fill(~causal, float("-inf")).softmax(-1)
+        y = (a @ v).transpose(1, 2).reshape(b, s, 16)
+        return torch.nn.functional.cross_entropy(head(y).flatten(0, 1), labels.flatten())
+
+    f = gt.graphify(lm)
+    counts = []
+    for b, s in ((2, 5), (2, 5), (2, 7), (2, 9), (3, 9), (4, 6), (3, 11), (2, 13), (5, 4)):
+        ids, labels = torch.randint(0, 50, (b, s), device=device), torch.randint(0, 50, (b, s), device=device)
+        before = len(traces) + len(traces.halves)
+        got = torch.autograd.grad(f(ids, labels), params)
+        counts.append(len(traces) + len(traces.halves) - before)
+        assert_close(got, torch.autograd.grad(lm(ids, labels), params))
+    # (2, 5): traced, its first call eager; (2, 7): the length traced symbolically, forward,
+    # joint and halves; (3, 9): the batch too; every later size: recorded, no trace
+    assert counts[-4:] == [0, 0, 0, 0]
+    assert sum(bool(d) for d in traces) == 2 and joints.count(True) == 2
