@@ -376,6 +376,9 @@ class SymbolicSizes:
     # (size, stride, offset from the input's) as expressions of the symbols (see :meth:`views_for`)
     symbols: Dict[Any, Tuple[int, int]] = field(default_factory=dict)
     views: Dict[int, Tuple[Tuple[Any, ...], Tuple[Any, ...], Any]] = field(default_factory=dict)
+    # every (input, dim) whose size is symbolic: ``dims``, and with ``Layouts`` those sized by
+    # an expression of them too (what fuse=True compiles as dynamic)
+    symbolic: FrozenSet[Tuple[int, int]] = frozenset()
 
     def holds(self, tensors: Sequence[torch.Tensor]) -> bool:
         """Whether the plan is right for these inputs (of the family's other sizes)."""
@@ -498,7 +501,10 @@ def holds_for_sizes(env: Any, fakes: Sequence[torch.Tensor], dims: FrozenSet[Tup
         for e in (*size, *stride, off):
             if not isinstance(e, int) and not set(e.free_symbols) <= known:
                 return None, f"output {k}, a view of an input, has a size of the trace's own ({e})"
-    return SymbolicSizes(frozenset(dims), env, env.produce_guards_expression(list(fakes)), dict(symbols), views), ""
+    symbolic = frozenset((i, d) for i, f in enumerate(fakes) for d, x in enumerate(f.shape)
+                         if isinstance(x, torch.SymInt) and not env.replace(x.node.expr).is_number)
+    return SymbolicSizes(frozenset(dims), env, env.produce_guards_expression(list(fakes)), dict(symbols), views,
+                         symbolic | frozenset(dims)), ""
 
 
 _SYM_TYPES = (torch.SymInt, torch.SymFloat, torch.SymBool)

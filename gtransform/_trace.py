@@ -319,7 +319,7 @@ class Plan:
         if self._fused is None:
             from .fuse import compiled  # the fused backend: loaded for fuse=True alone
 
-            self._fused = compiled(self.gm, self.sizes.dims if self.sizes is not None else None)
+            self._fused = compiled(self.gm, self.sizes.symbolic if self.sizes is not None else None)
         return self._fused
 
     def assemble(self, flat: Sequence[Any]) -> Any:
