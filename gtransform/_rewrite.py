@@ -3,7 +3,8 @@
 ``make_fx`` returns a graph that holds state as constants and carries host-only
 markers; these passes rewrite it in place into one that can be recorded and
 replayed: state becomes trailing inputs (:func:`_lift_state`), profiler markers
-go (:func:`_drop_profiler_nodes`), kernels whose saved outputs need grad mode
+go (:func:`_drop_profiler_nodes`), and so do pure ops whose results nothing uses
+(:func:`_drop_dead_ops`), kernels whose saved outputs need grad mode
 keep it (:func:`_kernels_in_grad_mode`), autograd's zero tensors become memory
 (:func:`_materialize_zero_tensors`), and a CUDA function's constants move to
 the device (:func:`_constants_to_device`). ``_trace.trace`` and ``_partition``
@@ -13,6 +14,7 @@ run them; watching the function while it is traced is ``_watch``'s.
 from __future__ import annotations
 
 import functools
+import operator
 from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
@@ -147,6 +149,47 @@ def _drop_profiler_nodes(gm: torch.fx.GraphModule) -> None:
     for n in reversed(list(graph.nodes)):
         if n.op == "call_function" and getattr(n.target, "namespace", None) == "profiler" and not n.users:
             graph.erase_node(n)
+
+
+_KEPT_PREFIXES = ("_assert", "sym_constrain", "_functional_sym_constrain", "_functional_assert", "_print",
+                  "record_stream", "_make_dep_token")
+
+
+def _pure(n: torch.fx.Node) -> bool:
+    """Whether node ``n`` only computes its result.
+
+    An aten/prims op that writes nothing, draws no random numbers and asserts nothing, or an
+    item of a multi-output op's result.
+    """
+    if n.op != "call_function" or n.is_impure():
+        return False
+    t = n.target
+    if t is operator.getitem:
+        return True
+    schema = getattr(t, "_schema", None)  # (an OpOverload's)
+    if schema is None or getattr(t, "namespace", None) not in ("aten", "prims"):
+        return False
+    if schema.is_mutable or not schema.returns or torch.Tag.nondeterministic_seeded in getattr(t, "tags", ()):
+        return False
+    return not schema.name.split("::")[-1].startswith(_KEPT_PREFIXES)
+
+
+def _drop_dead_ops(gm: torch.fx.GraphModule) -> int:
+    """Take out the pure ops whose results nothing uses; how many.
+
+    Eager runs them for nothing: torchdiffeq's ``t.to(y.abs().dtype)`` (a kernel per step for a
+    dtype), a comparison whose value a frozen read replaced (``t1 >= t[j]``: see ``_frozen``),
+    a library's unused intermediate. A replay that skips them gives the same outputs and
+    state, as ``torch.compile``'s graphs do. Writes, random draws (their generator's offset
+    moves) and asserts stay.
+    """
+    graph = gm.graph
+    dropped = 0
+    for n in reversed(list(graph.nodes)):
+        if not n.users and _pure(n):
+            graph.erase_node(n)
+            dropped += 1
+    return dropped
 
 
 def _reshape_computed_views(gm: torch.fx.GraphModule) -> int:

@@ -39,6 +39,7 @@ from ._objects import flatten_output
 from ._patches import trace_scope
 from ._rewrite import (
     _constants_to_device,
+    _drop_dead_ops,
     _drop_profiler_nodes,
     _kernels_in_grad_mode,
     _lift_state,
@@ -1012,6 +1013,7 @@ class _Tracing:
             _drop_frozen_ops(gm)
         _no_traced_constants(gm, self.is_ours, self.desc)
         _drop_profiler_nodes(gm)
+        _drop_dead_ops(gm)
         _reshape_computed_views(gm)
         _kernels_in_grad_mode(gm)
         _materialize_zero_tensors(gm)
