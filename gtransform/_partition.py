@@ -38,7 +38,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from ._compat import FakeTensorMode, load_default_partition, load_extract_tensor_metadata, load_sympy_eval
 from ._errors import GraphifyError
 from ._log import log
-from ._symbolic import graph_layouts, new_shape_env, symbolic_dispatch, symbolic_fakes
+from ._symbolic import graph_layouts, new_shape_env, shareable, symbolic_dispatch, symbolic_fakes
 
 __all__ = ["Partition", "partition", "build_partition"]
 
@@ -192,7 +192,7 @@ def partition(plan: Any, metas: Sequence[Any], need: Tuple[bool, ...], owner: An
         owner: the graphified function (for its name and options).
         tensors: the call's tensors (the caller's, then state): their sizes.
     """
-    if plan.sizes is not None:
+    if plan.sizes is not None and shareable(plan):
         shared = plan.joints.get(need, _UNSET)
         if shared is _UNSET:
             shared = plan.joints[need] = _symbolic_partition(plan, metas, need, owner, tensors)
