@@ -676,3 +676,18 @@ def test_attention_trained_through_the_autograd_wrapper_over_new_lengths_is_not_
     # joint and halves; (3, 9): the batch too; every later size: recorded, no trace
     assert counts[-4:] == [0, 0, 0, 0]
     assert sum(bool(d) for d in traces) == 2 and joints.count(True) == 2
+
+
+def test_record_sizes_with_the_backward_outside_records_the_chosen_sizes_only(device, traces):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 12), torch.nn.Tanh(), torch.nn.Linear(12, 2)).to(device)
+    ref = copy.deepcopy(model)
+    f = gt.graphify(model, record_sizes=(4, 8, 16))
+    for n in (4, 4, 8, 3, 16, 5, 8, 4, 16, 7):
+        x = torch.randn(n, 5, device=device)
+        f(x).square().sum().backward()
+        ref(x).square().sum().backward()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            assert_close(p.grad, q.grad)
+    assert f.cache_info().currsize == 3  # (3, 5 and 7 ran eagerly: no signature, no trace)
+    assert len(traces) == 2  # 4 as is, 8 symbolically; 16 recorded from it
