@@ -38,7 +38,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from ._compat import FakeTensorMode, load_default_partition, load_extract_tensor_metadata, load_sympy_eval
 from ._errors import GraphifyError
 from ._log import log
-from ._symbolic import graph_layouts, new_shape_env, shareable, symbolic_dispatch, symbolic_fakes
+from ._symbolic import graph_layouts, new_shape_env, shareable, symbol_dims, symbolic_dispatch, symbolic_fakes
 
 __all__ = ["Partition", "partition", "build_partition"]
 
@@ -55,7 +55,7 @@ class Partition:
         self.n_out = n_out
         self.n_saved = n_saved
         self.diff_out = diff_out  # outputs that require grad (as in eager): they receive a tangent
-        self.bw_gm = bw_gm  # for eager use under vmap (jacrev)
+        self.bw_gm = bw_gm  # the backward graph as a function of saved and tangents: eager use under vmap (jacrev)
         self.grad_none = grad_none  # per differentiated input: eager's gradient is None
         # per output, the differentiated inputs its autograd graph reaches (a bitmask in
         # grad_none's order): an input that no output with a gradient reaches gets None
@@ -518,14 +518,9 @@ def _sized_backward(bw_gm: Any, name: str) -> Optional[Any]:
     sized = [n for n in phs if not _is_tensor(n)]
     if not sized:
         return _flat_fn(bw_gm, name)
-    tensors = phs[len(sized):]
     if phs[: len(sized)] != sized:
         return None  # (the partitioner puts the sizes first)
-    where: Dict[Any, Tuple[int, int]] = {}
-    for j, n in enumerate(tensors):
-        for d, x in enumerate(n.meta["val"].shape):
-            if isinstance(x, torch.SymInt) and x.node.expr.is_Symbol:
-                where.setdefault(x.node.expr, (j, d))
+    where = symbol_dims([n.meta["val"] for n in phs[len(sized):]])
     exprs = []
     for n in sized:
         v = n.meta.get("val")

@@ -42,7 +42,7 @@ import torch
 
 from ._log import log
 
-__all__ = ["Family", "Families", "TRIES", "family_key", "Layouts", "graph_layouts", "shared_plan", "sizes_line", "dim_names", "shareable",
+__all__ = ["Family", "Families", "TRIES", "family_key", "Layouts", "graph_layouts", "symbol_dims", "shared_plan", "sizes_line", "dim_names", "shareable",
            "SymbolicSizes", "SymbolicLeak", "symbolic_fakes", "holds_for_sizes", "concrete", "sym_expr", "hint",
            "symbolic_value", "new_shape_env", "symbolic_dispatch"]
 
@@ -104,6 +104,16 @@ class Layouts:
                    for t, sz, st in zip(tensors, self.sizes, self.strides))
 
 
+def symbol_dims(vals: Sequence[torch.Tensor]) -> Dict[Any, Tuple[int, int]]:
+    """Each symbol that is exactly a dimension of these (fake) tensors: the first ``(tensor, dim)`` it is."""
+    where: Dict[Any, Tuple[int, int]] = {}
+    for j, v in enumerate(vals):
+        for d, x in enumerate(v.shape):
+            if isinstance(x, torch.SymInt) and x.node.expr.is_Symbol:
+                where.setdefault(x.node.expr, (j, d))
+    return where
+
+
 def graph_layouts(gm: Any) -> Optional[Layouts]:
     """The :class:`Layouts` of a symbolic graph's tensor placeholders, or None (a symbol no dimension is)."""
     import sympy
@@ -119,11 +129,7 @@ def graph_layouts(gm: Any) -> Optional[Layouts]:
 
     sizes = [[expr(x) for x in v.shape] for v in vals]
     strides = [[expr(x) for x in v.stride()] for v in vals]
-    where: Dict[Any, Tuple[int, int]] = {}
-    for j, sz in enumerate(sizes):
-        for d, e in enumerate(sz):
-            if not isinstance(e, int) and e.is_Symbol:
-                where.setdefault(e, (j, d))
+    where = symbol_dims(vals)
     # a size whose symbols no dimension is alone (labels flattened: (s1*s2,)) is read whole, as
     # a symbol of its own wherever it appears
     for j, sz in enumerate(sizes):
