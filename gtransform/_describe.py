@@ -99,8 +99,11 @@ def _signature_lines(n: int, e: Entry, pools: Dict[Any, int]) -> List[str]:
         lines.append(f"  sizes: {sizes_line(e.plan)}"
                      + ("; this signature was not traced, only recorded" if e.plan.shared else ""))
     if e.plan.touches_state:
-        if not e.plan.shared:
+        if e.eager_first:
             lines.append("  first call: ran eagerly (the signature touches state); recorded on the second call")
+        elif not e.plan.shared:
+            lines.append("  first call: recorded (the state it touches exists already: another size's first "
+                         "call made it)")
         if e.env is not None:
             lines.append(f"  also keyed on: {getattr(e.env, 'describe', 'module and optimizer settings')}")
     if rec:

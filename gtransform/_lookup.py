@@ -350,7 +350,8 @@ def _settle(g: Any, st: ThreadState, ck: CallKey, call: Call, plan: Any, cuda: b
             c.undo()
         if key in st.warmed:
             raise change_error(g._desc, model_changes)
-    warm = not (plan.touches_state or model_changes) or key in st.warmed
+    ran_eagerly = key in st.warmed  # (this key's first call ran eagerly: describe says so)
+    warm = not (plan.touches_state or model_changes) or ran_eagerly
     if not warm and record and sibling_warm and makes_no_state(plan):
         warm = True
         st.warmed.add(key)
@@ -361,6 +362,7 @@ def _settle(g: Any, st: ThreadState, ck: CallKey, call: Call, plan: Any, cuda: b
     if keep:
         try:
             e = new_entry(g, ck, call, plan, cuda)
+            e.eager_first = ran_eagerly or (record and not warm)
         except GraphifyError:
             if warm or not record:
                 raise

@@ -245,6 +245,10 @@ def test_a_training_steps_new_batch_sizes_are_recorded_on_their_first_call(devic
     # first call; 5, 9 and 11 are recorded from that trace: no eager call, no trace
     assert traces == [frozenset(), frozenset({(0, 0), (1, 0)})]
     assert g.cache_info().currsize == 4
+    d = g.describe()  # (each signature's first call, as it went; 12's eager call left no signature)
+    assert "first call: ran eagerly" not in d
+    assert d.count("first call: recorded (the state it touches exists already") == 1
+    assert d.count("this signature was not traced, only recorded") == 3
 
 
 _OPTIMIZERS = {

@@ -38,7 +38,7 @@ class Entry:
         "key", "spec", "tpos", "consts", "statics", "guard", "plan", "rec", "first_refs",
         "calls", "cuda", "any_rg", "must_static", "alias", "same", "n_leaves", "bwd", "const_vals", "parts",
         "state_src", "env", "env_val", "n_user", "state_static", "glob", "orders", "attrs", "reads_attrs", "grad_none",
-        "bits", "_checks", "_match", "handed", "donated", "look_again",
+        "bits", "_checks", "_match", "handed", "donated", "look_again", "eager_first",
     )
 
     def __init__(self, key: Hashable, spec: Any, leaves: Sequence[Any], tpos: List[int], statics: Any, plan: Plan, cuda: bool):
@@ -137,6 +137,7 @@ class Entry:
         self.must_static = must
         self.bwd: Dict[Tuple[bool, ...], Any] = {}
         self.parts: Dict[Tuple[bool, ...], Any] = {}
+        self.eager_first = False  # its first call ran eagerly (it touches state: see _lookup._settle)
 
     def grads_came_or_went(self, leaves: Sequence[Any] = ()) -> bool:
         """Whether a ``.grad`` the recording reads is gone, or one it expects absent is there.
