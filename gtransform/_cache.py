@@ -68,7 +68,10 @@ def cache_clear(g: Any) -> None:
             s.drop_fast()  # its next call takes the generic path, which clears it first
             s.clear_requested = True
     g._hits = g._misses = 0
+    quiet = g._storm.silent
     g._storm = StormDetector(g._desc, g._storm.allowance)  # (its log holds static values of the calls)
+    if quiet:
+        g._storm.quiet()
     for h in list(g._vmapped.values()):
         h.cache_clear()
 

@@ -409,6 +409,7 @@ def test_many_sizes_through_the_autograd_wrapper_warn_with_the_whole_step_as_the
             f(x, y).backward()
             torch.nn.functional.mse_loss(ref(x), y).backward()
     assert_close(m.weight.grad, ref.weight.grad)
+    assert len(told) == 1  # (the function's own: its forward and backward halves warn of nothing)
     text = str(told[0].message)
     assert "differentiated through gtransform's autograd wrapper" in text
     assert "records a forward and a backward" in text and "graphify the whole training step" in text

@@ -239,7 +239,7 @@ class StormDetector:
     """
 
     __slots__ = ("desc", "log", "keys", "warned", "env_log", "env_calls", "env_warned", "again", "again_warned",
-                 "evicted", "st_log", "st_calls", "st_warned", "allowance", "differentiated")
+                 "evicted", "st_log", "st_calls", "st_warned", "allowance", "differentiated", "silent")
 
     def __init__(self, desc: str, allowance: int = 0):
         self.desc = desc
@@ -258,10 +258,11 @@ class StormDetector:
         self.st_warned = False
         # a signature was differentiated through the autograd wrapper (a forward and a backward per size)
         self.differentiated = False
+        self.silent = False  # (see quiet)
 
     def quiet(self) -> None:
         """Warn of nothing: a helper whose calls the function that made it warns about (see ``Graphified._spawn``)."""
-        self.warned = self.again_warned = self.env_warned = self.st_warned = True
+        self.silent = self.warned = self.again_warned = self.env_warned = self.st_warned = True
 
     def note_evicted(self, e: Any) -> None:
         """The cache evicted ``e``'s signature (least recently used, beyond maxsize)."""
