@@ -132,8 +132,9 @@ def graph_layouts(gm: Any) -> Optional[Layouts]:
     where = symbol_dims(vals)
     # a size whose symbols no dimension is alone (labels flattened: (s1*s2,)) is read whole, as
     # a symbol of its own wherever it appears
-    for j, sz in enumerate(sizes):
-        for d, e in enumerate(sz):
+    for j in range(len(sizes)):
+        for d in range(len(sizes[j])):
+            e = sizes[j][d]  # (as the replacements so far left it)
             if not isinstance(e, int) and not e.free_symbols <= where.keys():
                 u = sympy.Symbol(f"gt_size_{j}_{d}", positive=True, integer=True)
                 where[u] = (j, d)
