@@ -155,15 +155,29 @@ _KEPT_PREFIXES = ("_assert", "sym_constrain", "_functional_sym_constrain", "_fun
                   "record_stream", "_make_dep_token")
 
 
+# data-dependent ops: the trace makes the op's node before its fake kernel refuses; where a
+# frozen read replaced the value (see _frozen) the node is left without users, and replayed it
+# would compute the value again (on CUDA a host sync, which a capture refuses). They are pure.
+_DATA_DEPENDENT_OPS = frozenset(f"aten.{n}" for n in (  # (op names compared as strings)
+    "nonzero.default", "masked_select.default", "_unique2.default", "unique_dim.default",
+    "unique_consecutive.default", "index.Tensor", "bincount.default", "repeat_interleave.Tensor",
+    "equal.default", "_local_scalar_dense.default",
+))
+
+
 def _pure(n: torch.fx.Node) -> bool:
     """Whether node ``n`` only computes its result.
 
     An aten/prims op that writes nothing, draws no random numbers and asserts nothing, or an
     item of a multi-output op's result.
     """
-    if n.op != "call_function" or n.is_impure():
+    if n.op != "call_function":
         return False
     t = n.target
+    if str(t) in _DATA_DEPENDENT_OPS:
+        return True
+    if n.is_impure():
+        return False
     if t is operator.getitem:
         return True
     schema = getattr(t, "_schema", None)  # (an OpOverload's)
@@ -178,8 +192,8 @@ def _drop_dead_ops(gm: torch.fx.GraphModule) -> int:
     """Take out the pure ops whose results nothing uses; how many.
 
     Eager runs them for nothing: torchdiffeq's ``t.to(y.abs().dtype)`` (a kernel per step for a
-    dtype), a comparison whose value a frozen read replaced (``t1 >= t[j]``: see ``_frozen``),
-    a library's unused intermediate. A replay that skips them gives the same outputs and
+    dtype), a comparison or a data-dependent op whose value a frozen read replaced (``t1 >= t[j]``,
+    PyG's ``nonzero`` of a mask: see ``_frozen``), a library's unused intermediate. A replay that skips them gives the same outputs and
     state, as ``torch.compile``'s graphs do. Writes, random draws (their generator's offset
     moves) and asserts stay.
     """

@@ -575,25 +575,6 @@ _STEP_COUNT_OPTIMIZERS = frozenset(("adam.py", "adamw.py", "adamax.py", "nadam.p
                                     "adagrad.py", "_adafactor.py", "adafactor.py", "sparse_adam.py", "optimizer.py"))
 
 
-_DATA_DEPENDENT_OPS = frozenset(f"aten.{n}" for n in (  # (op names compared as strings)
-    "nonzero.default", "masked_select.default", "_unique2.default", "unique_dim.default",
-    "unique_consecutive.default", "index.Tensor", "bincount.default", "repeat_interleave.Tensor",
-    "equal.default", "_local_scalar_dense.default",
-))
-
-
-def _drop_frozen_ops(gm: torch.fx.GraphModule) -> None:
-    """Take out the nodes of data-dependent ops whose result a frozen read replaced (see ``_frozen``).
-
-    The trace makes the op's node before its fake kernel refuses; the frozen value (a constant)
-    is what the graph uses, and the node is left without users. Replayed, it would compute the
-    value again (on CUDA a host sync, which a capture refuses). These ops are pure.
-    """
-    for n in reversed(list(gm.graph.nodes)):
-        if n.op == "call_function" and not n.users and str(n.target) in _DATA_DEPENDENT_OPS:
-            gm.graph.erase_node(n)
-
-
 def _host_rng_state() -> List[Tuple[str, Any, Any]]:
     """The state of numpy's global generator, if numpy is loaded.
 
@@ -1009,11 +990,9 @@ class _Tracing:
     def graph(self, gm: torch.fx.GraphModule) -> None:
         """The passes of ``_rewrite`` over the traced graph."""
         _lift_state(gm, self.watch.state_fakes)
-        if self.watch.frozen is not None and self.watch.frozen.reads:
-            _drop_frozen_ops(gm)
+        _drop_dead_ops(gm)  # (a data-dependent op whose value a frozen read replaced among them)
         _no_traced_constants(gm, self.is_ours, self.desc)
         _drop_profiler_nodes(gm)
-        _drop_dead_ops(gm)
         _reshape_computed_views(gm)
         _kernels_in_grad_mode(gm)
         _materialize_zero_tensors(gm)
