@@ -219,9 +219,8 @@ class Graphified(Generic[P, R]):
         """
         if not every_size:
             return Graphified(fn, maxsize=8, fuse=self._fuse)
-        bound = self._sizes.allowance if self._sizes is not None else 0
-        maxsize = self._maxsize if not bound else bound if self._maxsize is None else min(bound, self._maxsize)
-        half = Graphified(fn, maxsize=maxsize, fuse=self._fuse)
+        bounds = [m for m in (self._maxsize, self._sizes.allowance if self._sizes is not None else 0) if m]
+        half = Graphified(fn, maxsize=min(bounds) if bounds else None, fuse=self._fuse)
         half._storm.quiet()
         return half
 

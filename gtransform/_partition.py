@@ -192,7 +192,7 @@ def partition(plan: Any, metas: Sequence[Any], need: Tuple[bool, ...], owner: An
         owner: the graphified function (for its name and options).
         tensors: the call's tensors (the caller's, then state): their sizes.
     """
-    if plan.sizes is not None and shareable(plan):
+    if shareable(plan):  # (a symbolic plan that serves other sizes)
         shared = plan.joints.get(need, _UNSET)
         if shared is _UNSET:
             shared = plan.joints[need] = _symbolic_partition(plan, metas, need, owner, tensors)

@@ -96,12 +96,14 @@ class Layouts:
     def match(self, tensors: Sequence[torch.Tensor]) -> bool:
         """Whether these tensors are laid out as the expressions say (a call the layouts can trace)."""
         values = self.values(tensors)
-
-        def num(e: Any) -> int:
-            return e if isinstance(e, int) else int(e.xreplace(values))
-
-        return all(tuple(t.shape) == tuple(map(num, sz)) and t.stride() == tuple(map(num, st))
+        return all(tuple(t.shape) == tuple(_number(e, values) for e in sz)
+                   and t.stride() == tuple(_number(e, values) for e in st)
                    for t, sz, st in zip(tensors, self.sizes, self.strides))
+
+
+def _number(e: Any, values: Dict[Any, int]) -> int:
+    """A size expression's value for these values of its symbols (an int as it is)."""
+    return e if isinstance(e, int) else int(e.xreplace(values))
 
 
 def symbol_dims(vals: Sequence[torch.Tensor]) -> Dict[Any, Tuple[int, int]]:
@@ -402,9 +404,7 @@ class SymbolicSizes:
         values = {sym: int(tensors[i].shape[d]) for sym, (i, d) in self.symbols.items()}
 
         def num(e: Any) -> int:
-            if isinstance(e, torch.SymInt):
-                e = self.env.replace(e.node.expr)
-            return e if isinstance(e, int) else int(e.xreplace(values))
+            return _number(self.env.replace(e.node.expr) if isinstance(e, torch.SymInt) else e, values)
 
         return num
 
