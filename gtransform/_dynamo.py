@@ -33,6 +33,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
+from ._errors import EagerWarning, GraphifyError
+
 __all__ = ["GraphBackend", "backend_options", "compile_split", "OPTIONS"]
 
 OPTIONS = ("fuse", "maxsize")  # torch.compile(..., options={...}) passed on to each piece's graphify
@@ -89,8 +91,6 @@ class _Piece:
     def __call__(self, *args: Any) -> Any:
         if self.eager:
             return self.gm(*args)
-        from ._errors import EagerWarning, GraphifyError
-
         try:
             return self.piece(*args)
         except GraphifyError as e:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import sys
 import weakref
-from operator import ne
+from operator import gt, ne
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -221,12 +221,14 @@ class _Generation:
     :func:`unseal`) end the epoch.
     """
 
-    __slots__ = ("objs", "storages", "cdatas", "rc_base", "poisoned", "sealed")
+    __slots__ = ("objs", "storages", "cdatas", "rc_base", "poisoned", "sealed", "vsum")
 
     def __init__(self, objs: List[torch.Tensor], storages: List[torch.UntypedStorage], cdatas: List[int],
-                 rc_base: List[int], poisoned: Any, sealed: int):
+                 rc_base: List[int], poisoned: Any, sealed: int, vsum: int):
         self.objs, self.storages, self.cdatas, self.rc_base = objs, storages, cdatas, rc_base
         self.poisoned, self.sealed = poisoned, sealed
+        # the sum of the objects' version counters (exact while sealed: nothing reaches them)
+        self.vsum = vsum
 
 
 SCAN = "scan"
@@ -296,7 +298,7 @@ class Handout:
     """
 
     __slots__ = ("groups", "starts", "owner", "objs", "storages", "cdatas", "uc_base", "rc_base",
-                 "poisoned", "sealed", "held_groups", "spare", "need_fresh", "vsum", "tainted")
+                 "poisoned", "sealed", "held_groups", "spare", "need_fresh", "vsum", "tainted", "taken")
 
     def __init__(self, groups: List[OutputGroup], owner: Any = None):
         self.groups = groups
@@ -320,6 +322,8 @@ class Handout:
         # changed one (see poison)
         self.vsum = sum(map(_version, self.objs))
         self.tainted = False
+        # positions of objects _keep_held took back (memory of their own now): fresh replaces them
+        self.taken: List[int] = []
 
     def _make(self) -> Tuple[List[torch.Tensor], List[torch.UntypedStorage], List[int], List[int]]:
         """A new generation: new objects over new alias storages."""
@@ -379,10 +383,15 @@ class Handout:
         if sum(map(_version, objs)) != self.vsum or (rg and _autograd_changed(objs)):
             self.tainted = True
             rcs = [-1] * len(rcs)  # treated as held: poisoned, and a new generation made
-        elif rcs == rc_base and ucs == uc_base:
-            _increment_version(objs)
-            self.vsum += len(objs)
-            return False
+        elif ucs == uc_base:
+            if rcs == rc_base:  # nothing held
+                _increment_version(objs)
+                self.vsum += len(objs)
+                return False
+            if all(map(ne, rcs, rc_base)):  # every object held, no view (the usual `y = f(x)` loop)
+                return self._poison_held((old_desc, desc, call_no))
+        elif all(map(gt, ucs, uc_base)) and all(map(ne, rcs, rc_base)):
+            return self._poison_viewed((old_desc, desc, call_no))
         held_groups: Optional[List[int]] = None
         if rcs == rc_base:
             poisoned: Any = []
@@ -411,6 +420,7 @@ class Handout:
         pins: Optional[List[Pin]] = None
         if ucs == uc_base:
             _increment_version(objs)
+            self.vsum += len(objs)
         else:
             pins = []
             starts = self.starts
@@ -422,6 +432,7 @@ class Handout:
                 else:
                     written += members
             _increment_version(written)
+            self.vsum += len(written)
         self.poisoned = poisoned
         # sealed (see _Generation); -2 - epoch: every object poisoned but views were
         # alive then (pins), which fresh(views_gone=True) knows are gone
@@ -436,23 +447,61 @@ class Handout:
         self.need_fresh = True
         return pins or None
 
+    def _poison_held(self, message: Any) -> None:
+        """``poison`` where the caller holds every object and no view of them: all poisoned, the generation sealed."""
+        objs = self.objs
+        for o in objs:
+            o.__class__ = StaleOutput
+            o._gt_message = message  # type: ignore[attr-defined]
+        _increment_version(objs)
+        self.vsum += len(objs)
+        self.poisoned = None
+        self.sealed = _seal_epoch[0]
+        self.held_groups = None
+        self.need_fresh = True
+
+    def _poison_viewed(self, message: Any) -> List[Pin]:
+        """``poison`` where the caller keeps views of every group, through every object (a loop keeping views).
+
+        Every object is poisoned while views of it are alive, so its generation is sealed
+        against those views only (see ``fresh(views_gone=True)``); no memory is written, so no
+        version changes.
+        """
+        for o in self.objs:
+            o.__class__ = StaleOutput
+            o._gt_message = message  # type: ignore[attr-defined]
+        self.poisoned = None
+        self.sealed = -2 - _seal_epoch[0]
+        self.held_groups = None
+        self.need_fresh = True
+        objs = self.objs
+        if len(self.cdatas) == 1:
+            return [(self.cdatas[0], self.uc_base[0], self.storages[0], objs[:])]
+        starts = self.starts
+        return [(c, b, st, objs[starts[gi]:starts[gi + 1]])
+                for gi, (c, b, st) in enumerate(zip(self.cdatas, self.uc_base, self.storages))]
+
     def _keep_held(self, rcs: List[int]) -> Any:
         """``poison`` for a pool that keeps held outputs (pieces of a split function, see ``_dynamo``).
 
         Python code between the pieces keeps their outputs across the pieces' next calls
         (a token list, an ODE solver's last step): each object the caller holds is taken
         back (its values copied to memory of its own, the object unchanged otherwise)
-        instead of poisoned; views of the rest pin their memory as in ``poison``. The
-        generation is then dropped: ``fresh`` hands out other objects.
+        instead of poisoned; views of the rest pin their memory as in ``poison``. ``fresh`` then
+        puts new objects over this memory in the places of those taken back or, where views
+        pin it (whose pins count the objects left), drops the generation for new objects over
+        new alias storages.
         """
         objs, starts, rc_base = self.objs, self.starts, self.rc_base
         pins: List[Pin] = []
         written: List[torch.Tensor] = []
+        taken = self.taken
         for gi in range(len(self.groups)):
             kept = []
             for i in range(starts[gi], starts[gi + 1]):
                 if rcs[i] != rc_base[i]:
                     take_back(objs[i], keep_values=True)
+                    taken.append(i)
                 else:
                     kept.append(objs[i])
             base = 1 + len(kept)  # (our storage object, the objects not taken back)
@@ -462,7 +511,9 @@ class Handout:
                 written += kept
         _increment_version(written)
         self.poisoned, self.sealed, self.held_groups = [], -1, None
-        self.tainted = True  # (its objects left: not a generation to hand out again)
+        if pins:
+            self.taken = []
+            self.tainted = True  # (its objects left: not a generation to hand out again)
         self.need_fresh = True
         return pins or None
 
@@ -480,84 +531,111 @@ class Handout:
                 ``Recording._maybe_retire``): the objects handed out last, if
                 the caller dropped them too, are handed out again.
         """
-        try:
+        if self.taken:
+            self._replace_taken()
+            return
+        if (
+            views_gone
+            and self.poisoned is None
+            and self.sealed == -2 - _seal_epoch[0]
+            and not self.tainted
+            and list(map(_getrefcount, self.objs)) == self.rc_base
+        ):
+            # every object was poisoned: no view appeared after the pins (which may have
+            # changed the objects' versions while they lived)
             self.need_fresh = False
-            spare = self.spare
-            held_groups = self.held_groups
-            # the caller changed an object (see poison): this generation is dropped, not kept
-            tainted, self.tainted = self.tainted, False
-            if held_groups is None:  # (always, when tainted)
-                if (
-                    views_gone
-                    and not tainted
-                    and self.poisoned is None
-                    and self.sealed == -2 - _seal_epoch[0]
-                    and list(map(_getrefcount, self.objs)) == self.rc_base
+            for o in self.objs:
+                o.__class__ = torch.Tensor
+                del o._gt_message  # type: ignore[attr-defined]
+            self.vsum = sum(map(_version, self.objs))
+            return
+        self.need_fresh = False
+        spare = self.spare
+        held_groups = self.held_groups
+        # the caller changed an object (see poison): this generation is dropped, not kept
+        tainted, self.tainted = self.tainted, False
+        if held_groups is None:  # (always, when tainted)
+            epoch = _seal_epoch[0]
+            for gen in spare:
+                sealed = gen.sealed == epoch
+                if list(map(_getrefcount, gen.objs)) != gen.rc_base or (
+                    not sealed and list(map(_use_count, gen.cdatas)) != self.uc_base
                 ):
-                    # every object was poisoned: no view appeared after the pins
-                    for o in self.objs:
+                    continue
+                poisoned = gen.poisoned
+                # (an object copy_back_stale took back has other memory now: the
+                # storage's use count above keeps its generation from coming back)
+                if poisoned is None:
+                    for o in gen.objs:
                         o.__class__ = torch.Tensor
                         del o._gt_message  # type: ignore[attr-defined]
+                elif poisoned:
+                    _revive(gen.objs if poisoned is SCAN else map(gen.objs.__getitem__, poisoned))
+                # (the objects handed out next: their versions as handed out, see poison)
+                vsum = gen.vsum if sealed else sum(map(_version, gen.objs))
+                if tainted:
+                    spare.remove(gen)
+                    self.objs, self.storages, self.cdatas, self.rc_base = gen.objs, gen.storages, gen.cdatas, gen.rc_base
+                    self.vsum = vsum
                     return
-                for gen in spare:
-                    if list(map(_getrefcount, gen.objs)) != gen.rc_base or (
-                        gen.sealed != _seal_epoch[0] and list(map(_use_count, gen.cdatas)) != self.uc_base
-                    ):
-                        continue
-                    poisoned = gen.poisoned
-                    # (an object copy_back_stale took back has other memory now: the
-                    # storage's use count above keeps its generation from coming back)
-                    if poisoned is None:
-                        for o in gen.objs:
-                            o.__class__ = torch.Tensor
-                            del o._gt_message  # type: ignore[attr-defined]
-                    elif poisoned:
-                        _revive(gen.objs if poisoned is SCAN else map(gen.objs.__getitem__, poisoned))
-                    if tainted:
-                        spare.remove(gen)
-                        self.objs, self.storages, self.cdatas, self.rc_base = gen.objs, gen.storages, gen.cdatas, gen.rc_base
-                        return
-                    gen.objs, self.objs = self.objs, gen.objs
-                    gen.storages, self.storages = self.storages, gen.storages
-                    gen.cdatas, self.cdatas = self.cdatas, gen.cdatas
-                    gen.rc_base, self.rc_base = self.rc_base, gen.rc_base
-                    gen.poisoned, gen.sealed = self.poisoned, self.sealed
-                    return
-                objs, storages, cdatas, rc_base = self._make()
-                if not tainted:
-                    spare.append(_Generation(self.objs, self.storages, self.cdatas, self.rc_base, self.poisoned, self.sealed))
-                    if len(spare) > 2:
-                        del spare[0]
-                self.objs, self.storages, self.cdatas, self.rc_base = objs, storages, cdatas, rc_base
+                gen.objs, self.objs = self.objs, gen.objs
+                gen.storages, self.storages = self.storages, gen.storages
+                gen.cdatas, self.cdatas = self.cdatas, gen.cdatas
+                gen.rc_base, self.rc_base = self.rc_base, gen.rc_base
+                gen.poisoned, gen.sealed, gen.vsum = self.poisoned, self.sealed, self.vsum
+                self.vsum = vsum
                 return
-            # some groups held: only those change objects, one group at a time
-            starts = self.starts
-            for gen in spare:
-                rcs = list(map(_getrefcount, gen.objs))
-                for gi in held_groups:
-                    a, b = starts[gi], starts[gi + 1]
-                    if _use_count(gen.cdatas[gi]) != self.uc_base[gi] or rcs[a:b] != gen.rc_base[a:b]:
-                        break
-                else:
-                    break
-            else:
-                objs, storages, cdatas, rc_base = self._make()
-                gen = _Generation(objs, storages, cdatas, rc_base, [], -1)
-                spare.append(gen)
+            objs, storages, cdatas, rc_base = self._make()
+            if not tainted:
+                spare.append(_Generation(self.objs, self.storages, self.cdatas, self.rc_base, self.poisoned,
+                                         self.sealed, self.vsum))
                 if len(spare) > 2:
                     del spare[0]
+            self.objs, self.storages, self.cdatas, self.rc_base = objs, storages, cdatas, rc_base
+            self.vsum = sum(map(_version, objs))
+            return
+        # some groups held: only those change objects, one group at a time
+        starts = self.starts
+        for gen in spare:
+            rcs = list(map(_getrefcount, gen.objs))
             for gi in held_groups:
                 a, b = starts[gi], starts[gi + 1]
-                got = gen.objs[a:b]
-                _revive(got)
-                gen.objs[a:b], self.objs[a:b] = self.objs[a:b], got
-                gen.rc_base[a:b], self.rc_base[a:b] = self.rc_base[a:b], gen.rc_base[a:b]
-                gen.storages[gi], self.storages[gi] = self.storages[gi], gen.storages[gi]
-                gen.cdatas[gi], self.cdatas[gi] = self.cdatas[gi], gen.cdatas[gi]
-            gen.poisoned, gen.sealed = SCAN, -1
-        finally:
-            # (the objects handed out next: their versions as handed out, see poison)
-            self.vsum = sum(map(_version, self.objs))
+                if _use_count(gen.cdatas[gi]) != self.uc_base[gi] or rcs[a:b] != gen.rc_base[a:b]:
+                    break
+            else:
+                break
+        else:
+            objs, storages, cdatas, rc_base = self._make()
+            gen = _Generation(objs, storages, cdatas, rc_base, [], -1, 0)
+            spare.append(gen)
+            if len(spare) > 2:
+                del spare[0]
+        for gi in held_groups:
+            a, b = starts[gi], starts[gi + 1]
+            got = gen.objs[a:b]
+            _revive(got)
+            gen.objs[a:b], self.objs[a:b] = self.objs[a:b], got
+            gen.rc_base[a:b], self.rc_base[a:b] = self.rc_base[a:b], gen.rc_base[a:b]
+            gen.storages[gi], self.storages[gi] = self.storages[gi], gen.storages[gi]
+            gen.cdatas[gi], self.cdatas[gi] = self.cdatas[gi], gen.cdatas[gi]
+        gen.poisoned, gen.sealed = SCAN, -1
+        self.vsum = sum(map(_version, self.objs))
+
+    def _replace_taken(self) -> None:
+        """New objects over this memory in the places of those ``_keep_held`` took back (the others stay)."""
+        self.need_fresh = False
+        objs, starts, groups = self.objs, self.starts, self.groups
+        gi = 0
+        with _normal_tensors():
+            for i in self.taken:
+                while i >= starts[gi + 1]:
+                    gi += 1
+                size, stride, offset, dtype = groups[gi].members[i - starts[gi]]
+                objs[i] = torch.empty(0, dtype=dtype, device=groups[gi].device).set_(self.storages[gi], offset, size, stride)
+        self.taken = []
+        # (nothing outside gtransform holds any of them now: the held ones were taken back)
+        self.rc_base = list(map(_getrefcount, objs))
+        self.vsum = sum(map(_version, objs))
 
     def adopt(self, old: Handout) -> None:
         """Keep handing out ``old``'s tensor objects, now over this memory.
@@ -626,6 +704,7 @@ class Handout:
         self.uc_base = []
         self.rc_base = []
         self.spare = []
+        self.taken = []
         self.owner = None
 
 

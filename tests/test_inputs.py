@@ -12,6 +12,7 @@ import pytest
 import torch
 from conftest import assert_close
 from hypothesis import given, settings
+from hypothesis import strategies as st
 from strategies import build, clone_tree, pytrees, tensor_leaves
 
 import gtransform as gt
@@ -645,3 +646,40 @@ def test_another_functions_output_is_read_in_place_once_its_producer_records_aga
         assert_close(h(y), y.cos() * 2)
     rec = next(iter(h._tls.state.cache.values())).rec
     assert rec.copy_idx == (0,) and rec.static_idx == ()
+
+
+_MIXED_DTYPES = (torch.float32, torch.float64, torch.int64, torch.bool, torch.bfloat16, torch.uint16)
+
+
+@given(st.lists(st.tuples(st.sampled_from(_MIXED_DTYPES), st.sampled_from([(), (3,), (2, 5)])), min_size=1, max_size=8))
+@settings(deadline=None)
+def test_inputs_of_many_dtypes_are_copied_in_and_updated_like_eager(device, specs):
+    """The copy into the static buffers goes one batch per dtype: every input arrives, in place updates come back."""
+
+    def fn(*xs):
+        outs = []
+        for x in xs:
+            if x.dtype == torch.bool:
+                outs.append(~x)
+            elif x.dtype == torch.uint16:
+                outs.append(x.to(torch.int32) + 1)
+            else:
+                x.add_(1)  # an in-place update copied back to the caller's tensor
+                outs.append(x * 2)
+        return outs
+
+    def make(seed):
+        g = torch.Generator().manual_seed(seed)
+        xs = []
+        for dt, shape in specs:
+            v = torch.randint(0, 100, shape, generator=g)
+            xs.append((v.to(torch.bool) if dt == torch.bool else v.to(dt)).to(device))
+        return xs
+
+    f = gt.graphify(fn)
+    for k in range(3):
+        got_in, exp_in = make(k), make(k)
+        got, exp = f(*got_in), fn(*exp_in)
+        for a, b in zip(got + got_in, exp + exp_in):
+            assert a.dtype == b.dtype
+            assert torch.equal(a.cpu().to(torch.float64), b.cpu().to(torch.float64))

@@ -217,6 +217,25 @@ def test_backend_held_output_keeps_its_values(device):
     assert_close(b, torch.full((3,), 2.0, device=device).sin() + 1)
 
 
+@pytest.mark.parametrize("hold", ["first", "second", "both", "view"])
+def test_backend_outputs_held_over_many_calls_keep_their_values(device, hold):
+    """Held outputs of a graph are taken back call after call (new objects take their places in
+    the pool); what the caller let go is handed out again; a held view keeps its values too."""
+    cf = torch.compile(lambda x: (x * 2, x + 1), backend="gtransform")
+    kept = []
+    for k in range(6):
+        x = torch.full((4,), float(k), device=device)
+        a, b = cf(x)
+        if hold in ("first", "both"):
+            kept.append((a, x * 2))
+        if hold in ("second", "both"):
+            kept.append((b, x + 1))
+        if hold == "view":
+            kept.append((a[1:], (x * 2)[1:]))
+        for got, want in kept:
+            assert_close(got, want)
+
+
 def test_split_output_held_into_the_next_call_goes_stale(device):
     """on_break="split": outputs held within one call keep their values (a token list: see
     test_host_programs); the result held into the next call of the function follows graphify's
