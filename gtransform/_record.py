@@ -625,7 +625,6 @@ class CUDARecording(Recording):
         self._slot_groups(slot, [outs[k].untyped_storage() for k in self.group_keys])
         return slot
 
-    CLIFF = False  # whether a new generation costs a capture
     def _activate(self, slot: _Slot) -> None:
         self.graph = slot.graph
         self.outs = slot.outs
