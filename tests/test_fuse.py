@@ -73,3 +73,26 @@ def test_fused_state_with_autograd_history_is_refused_then_exact_under_no_grad()
         for t in range(1, 4):
             assert_close(f(xs[t], pos[t]), ref(xs[t], pos[t]))
     assert_close(d.k, ref.k)
+
+
+def test_an_unrolled_loop_over_a_grid_compiles_one_kernel_per_step_shape(caplog):
+    """Fixed-index reads of a closed-over grid are lifted (gtransform.fuse._lift): the steps' kernels
+    are one source, and the numbers are eager's, also after the grid changes in place."""
+    import logging
+
+    t = torch.linspace(0, 1, 9, device="cuda")
+
+    def solve(y):
+        for t0, t1 in zip(t[:-1], t[1:]):
+            y = y + (t1 - t0) * (y * t0).tanh()
+        return y
+
+    f = gt.graphify(solve, fuse=True)
+    with caplog.at_level(logging.INFO, logger="gtransform"):
+        for _ in range(3):
+            y = torch.randn(64, 16, device="cuda")
+            assert_close(f(y), solve(y))
+    assert any("fixed-index reads" in r.getMessage() for r in caplog.records)
+    t.mul_(2)  # the grid read in place: a frozen read of it (zip's bounds) is guarded; values follow
+    y = torch.randn(64, 16, device="cuda")
+    assert_close(f(y), solve(y))

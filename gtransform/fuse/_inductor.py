@@ -26,7 +26,7 @@ from .._compat import (
     load_tracing_context,
 )
 from .._log import log
-from . import _gemm, _gemv, _triton
+from . import _gemm, _gemv, _lift, _triton
 
 # Inductor settings for fuse=True (applied where present in the installed torch).
 # fallback_random: random ops follow eager's numbers. triton.cudagraphs: the
@@ -146,11 +146,18 @@ class _Inductor:
             if counts["gemm"]:
                 log.info("fuse=True: %s", _gemm.describe(counts))
                 building += _gemm.precompile(launches)
+        # fixed-index reads of inputs (an unrolled loop over a grid) as inputs: one kernel per step's shape
+        lifted = [] if dims else _lift.lift_indexed_views(gm, args)
+        if lifted:
+            log.info("fuse=True: %d fixed-index reads of inputs passed as inputs of their own", len(lifted))
         env = ShapeEnv()
         fake = FakeTensorMode(shape_env=env, static_shapes=True, allow_non_fake_inputs=True)
-        examples = [_example(fake, i, a, dims) if isinstance(a, torch.Tensor) else a for i, a in enumerate(args)]
+        every = list(args) + _lift.views_of(lifted, args)
+        examples = [_example(fake, i, a, dims) if isinstance(a, torch.Tensor) else a for i, a in enumerate(every)]
         with tracing(TracingContext(fake)), load_inductor_config().patch(config()):
             fn = compile_fx(gm, examples)
+        if lifted:
+            fn = _lift.with_lifted(fn, lifted)
         if dims:
             self.env, self.guards = env, env.produce_guards_expression(examples)
         for job in building:
