@@ -20,6 +20,7 @@ from ._bind import bind, rebuild
 from ._errors import GraphifyError
 from ._lookup import entry_for
 from ._replay import hand_out
+from ._sized import refuse_buffers
 from ._switch import OFF
 from ._tree import flatten_args, unflatten
 
@@ -33,6 +34,8 @@ def input_buffers(g: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
         own = [t.clone() if isinstance(t, torch.Tensor) else t for t in leaves]
         return _shape(unflatten(spec, own), kwargs)
     b = bind(g, args, kwargs)
+    if g._sizes is not None:  # record_sizes= / buckets=: a size served by no recording of its own has none
+        refuse_buffers(g, g._sizes, b, args, kwargs)
     if b.dual:
         raise TypeError(f"{g._desc}.input_buffers(...): an argument is a forward-mode dual tensor; such calls run "
                         "eagerly and have no buffers. Fix: pass the primal tensors.")

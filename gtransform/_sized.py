@@ -8,12 +8,15 @@ the largest bucket: correct numbers, nothing recorded, no warning, counted by si
 arguments ``pad=`` names padded along dim 0 up to the next bucket (``buckets``), and
 slices the outputs back to the true batch.
 
-Padding is right only where rows do not interact. A bucket's first padded call is
-checked: the traced signature must not update its inputs or state in place (padded rows
-would reach them), every tensor output must have the bucket's rows along dim 0, and the
-sliced outputs must equal an unpadded eager run of the same call (per-dtype tolerance);
+Padding is right only where rows do not interact. Each signature's first padded call is
+checked (a bucket may hold several: another static argument, ``module.train()`` after
+``eval()``): the traced signature must not update its inputs or state in place (padded rows
+would reach them), every tensor output must have the bucket's rows along dim 0 (and, where
+the call is differentiated, finite padded rows: a gradient through them would be nan), and
+the sliced outputs must equal an unpadded eager run of the same call (per-dtype tolerance);
 otherwise a :class:`GraphifyError` says which bucket, which output, by how much, why and
-the fix. Sliced outputs are copies (``t[:n].clone()``): they never go stale.
+the fix. Outputs are copies (``t[:n].clone()``; a batch of a bucket's own size too): they
+never go stale.
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ from ._run import run
 from ._sizes import PadSpec, RecordSizes, check_size_options
 from ._tree import flatten, leaf_paths, unflatten
 
-__all__ = ["sized_call", "TOLERANCE", "Sizes", "new_sizes", "describe_lines", "explain_line", "pad_size"]
+__all__ = ["sized_call", "TOLERANCE", "Sizes", "new_sizes", "describe_lines", "explain_line", "pad_size",
+           "refuse_buffers"]
 
 TOLERANCE = {  # (rtol, atol) of the first padded call's check, per dtype (other dtypes: exact)
     torch.float64: (1e-7, 1e-7),
@@ -67,6 +71,29 @@ def sized_call(g: Any, sz: Sizes, args: Tuple[Any, ...], kwargs: Dict[str, Any])
     return out
 
 
+def refuse_buffers(g: Any, sz: Sizes, b: Bound, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
+    """``f.input_buffers(...)`` of a call whose size no recording of its own serves: refused, saying why."""
+    if sz.buckets is not None:
+        try:
+            n, _ = pad_size(sz, args, kwargs)
+        except ValueError as err:
+            raise ValueError(f"{g._desc}.input_buffers(...): {err}") from None
+        bucket = None if n is None else sz.bucket_for(n)
+        if n is not None and bucket != n:
+            where = f"padded to bucket {bucket}" if bucket is not None else "above the largest bucket: run eagerly"
+            raise GraphifyError(
+                f"{g._desc}.input_buffers(...): a call of batch {n} is {where}, so it is copied (padded) whatever "
+                f"tensors it gets: no buffer of its own would skip a copy.\nFix: ask with an example of a bucket's "
+                f"own size ({sz.buckets}), and write batches of that size into the buffers.")
+        return
+    n = sz.size_of(b.leaves, b.spec, note=False)
+    if n is not None and sz.fixed is not None and n not in sz.fixed:
+        raise GraphifyError(
+            f"{g._desc}.input_buffers(...): size {n} is not among record_sizes={sorted(sz.fixed)}, so calls of it run "
+            "eagerly and have no recording, nor buffers.\nFix: ask with an example of a recorded size, or add "
+            f"{n} to record_sizes=.")
+
+
 def _drop_sizes(g: Any, sz: Sizes) -> None:
     """Close this thread's recordings of the sizes that gave way (``record_sizes=N``): N recordings at most."""
     st = thread_state(g)
@@ -87,21 +114,45 @@ def _bucketed(g: Any, sz: Sizes, args: Tuple[Any, ...], kwargs: Dict[str, Any]) 
     if n is not None and bucket is None:
         sz.ran_eagerly(n, above=True)  # (above the largest bucket: eagerly, as documented)
         return g._fn(*args, **kwargs)
-    if n is None or bucket is None or bucket == n:  # (no size, or a bucket's own size: no padding)
+    if n is None or bucket is None:  # (no size: nothing to pad)
         return run(g, bind(g, args, kwargs), False)
+    if bucket == n:  # (a bucket's own size: no padding; copies, as a padded call's outputs are)
+        return _copied(run(g, bind(g, args, kwargs), False))
     pargs, pkwargs = _padded(args, kwargs, found, n, bucket)
     pb = bind(g, pargs, pkwargs)
-    first = bucket not in sz.checked
+    hits, misses = g._hits, g._misses
+    entry = _padded_entry(g, pb)
+    # each signature's first padded call is checked (a bucket may hold several: another static
+    # argument, module.train() after eval())
+    first = entry is None or not entry.padding_checked
     ref = None
     if first:
-        _refuse_updates(g, pb, bucket)
+        if entry is not None:
+            _refuse_updates(g, entry.plan, bucket)
         with torch.no_grad():
             ref = g._fn(*args, **kwargs)
-    out = _sliced(g, run(g, pb, False), n, bucket, first)
+    try:
+        out = run(g, pb, False)
+    except RuntimeError as err:
+        hint = _unpadded_batch(g, sz, args, kwargs, found, n, bucket)
+        if hint is None:
+            raise
+        raise GraphifyError(hint) from err
+    if g._misses > misses:  # (the look above traced this call's new signature: its miss, not also a hit)
+        g._hits = hits
+    out = _sliced(g, out, n, bucket, first)
     if first:
         _compare(g, out, ref, n, bucket)
-        sz.checked.add(bucket)
+        if entry is not None:
+            entry.padding_checked = True
+        sz.checked.add(bucket)  # (for describe: the buckets a padded call was checked in)
     return out
+
+
+def _copied(out: Any) -> Any:
+    """The call's tensor outputs copied (a bucketed call's outputs never go stale)."""
+    leaves, spec = flatten(out)
+    return unflatten(spec, [x.clone() if isinstance(x, torch.Tensor) else x for x in leaves])
 
 
 def _pad_tensor(x: torch.Tensor, value: Any, bucket: int) -> torch.Tensor:
@@ -127,18 +178,17 @@ def _padded(args: Tuple[Any, ...], kwargs: Dict[str, Any], found: List[Tuple[Any
     return tuple(pargs), pkwargs
 
 
-def _refuse_updates(g: Any, pb: Bound, bucket: int) -> None:
-    """Refuse a padded signature that updates its inputs or state in place (padded rows would reach them)."""
-    misses = g._misses
+def _padded_entry(g: Any, pb: Bound) -> Any:
+    """The signature of the padded call (traced now if new; its miss counted), or None where the look cannot say."""
     try:
         found = lookup(g, thread_state(g), Call(pb.leaves, pb.spec, pb.statics, global_key(), pb.tree), record=False)
     except Exception:  # (the call itself will say: run() meets the same trace)
-        return
-    finally:
-        g._misses = misses  # (a look, not a call)
-    if found is None:
-        return
-    plan = found[0].plan
+        return None
+    return None if found is None else found[0]
+
+
+def _refuse_updates(g: Any, plan: Any, bucket: int) -> None:
+    """Refuse a padded signature that updates its inputs or state in place (padded rows would reach them)."""
     if plan.mutated:
         paths = ", ".join(plan.in_paths[i] for i in sorted(plan.mutated))
         raise GraphifyError(
@@ -146,6 +196,25 @@ def _refuse_updates(g: Any, pb: Bound, bucket: int) -> None:
             "Why: the call's arguments are padded along dim 0 up to the bucket, so the padded rows would reach "
             "what it updates (a BatchNorm in training mode updates its running statistics from every row; an "
             "input updated in place would be a padded copy, not the caller's tensor).\n" + _FIX)
+
+
+def _unpadded_batch(g: Any, sz: Sizes, args: Tuple[Any, ...], kwargs: Dict[str, Any], found: List[Tuple[Any, Any]],
+                    n: int, bucket: int) -> Optional[str]:
+    """The message for a padded call that failed where an argument ``pad=`` does not name has the batch's rows."""
+    padded = {where for where, _ in found}
+    named = [(k, a) for k, a in enumerate(args) if k not in padded] + [
+        (k, a) for k, a in kwargs.items() if k not in padded]
+    keys = [k for k, a in named
+            if any(isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == n for x in flatten(a)[0])]
+    if not keys:
+        return None
+    rows = ", ".join(f"args[{k}]" if isinstance(k, int) else repr(k) for k in keys)
+    one = len(keys) == 1
+    return (f"{g._desc}: with buckets= (batch {n} padded to bucket {bucket}), the call failed: {rows} "
+            f"also {'has' if one else 'have'} {n} rows along dim 0 but {'is' if one else 'are'} not padded.\n"
+            "Why: only the arguments pad= names are padded up to the bucket; another batch argument keeps "
+            f"{n} rows and no longer matches the padded ones.\nFix: name it in pad= too (pad={{..., {keys[0]!r}: "
+            "<its pad value>}: a name, or a position), or graphify without buckets=.")
 
 
 def _sliced(g: Any, out: Any, n: int, bucket: int, first: bool) -> Any:
@@ -157,6 +226,15 @@ def _sliced(g: Any, out: Any, n: int, bucket: int, first: bool) -> Any:
         if not isinstance(x, torch.Tensor):
             sliced.append(x)
             continue
+        if first and x.requires_grad and x.dim() > 0 and x.shape[0] == bucket and (x.is_floating_point() or x.is_complex()) \
+                and not bool(torch.isfinite(x.detach()[n:]).all()):
+            raise GraphifyError(
+                f"{g._desc}: with buckets= (bucket {bucket}, batch {n}), the padded rows of "
+                f"{paths[k] if paths else 'output leaf ' + str(k)} are not finite (inf or nan).\n"
+                "Why: the call is differentiated, and a gradient through a padded row is zero times that "
+                "value: nan, which reaches the parameters' gradients (lin(log(x)) with x padded with 0).\n"
+                "Fix: a pad value that keeps the padded rows finite (pad={'x': 1.0} for a log), or graphify "
+                "without buckets=.")
         if x.dim() == 0 or x.shape[0] != bucket:
             raise GraphifyError(
                 f"{g._desc}: with buckets= (bucket {bucket}, batch {n}), {paths[k] if paths else 'output leaf ' + str(k)} has "
@@ -185,7 +263,7 @@ def _compare(g: Any, out: Any, ref: Any, n: int, bucket: int) -> None:
                 f"differs from an unpadded eager run of the same call (max difference {worst}).\n"
                 "Why: the rows interact (a BatchNorm in training mode, a sum, mean or softmax over dim 0), so "
                 "the padded rows change the true rows' results (or the function is random: dropout in "
-                "training mode). Each bucket's first call is checked against eager.\n" + _FIX)
+                "training mode). Each signature's first padded call is checked against eager.\n" + _FIX)
 
 
 def _max_difference(a: torch.Tensor, e: torch.Tensor) -> Optional[str]:

@@ -290,6 +290,81 @@ def test_a_bucket_size_itself_is_not_padded_or_checked(device):
     assert_close(f(x), x.sum(0))
 
 
+def test_every_signature_of_a_bucket_is_checked(device):
+    """A bucket checked for one signature is checked again for another (a static argument, train())."""
+    def f(x, center=False):
+        return x - x.mean(0) if center else x * 2
+
+    g = gt.graphify(f, buckets=(8,), pad=0, static_argnames="center")
+    x = torch.randn(5, 3, device=device)
+    assert_close(g(x), x * 2)
+    with pytest.raises(gt.GraphifyError, match="differs from an unpadded eager run"):
+        g(x, center=True)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3)).to(device).eval()
+    h = gt.graphify(net, buckets=(8,), pad=0)
+    assert_close(h(x), net(x))
+    stats = net[1].running_mean.clone()
+    net.train()
+    with pytest.raises(gt.GraphifyError, match="running_mean"):
+        h(x)
+    assert torch.equal(net[1].running_mean, stats)  # refused before anything ran
+
+
+def test_padded_rows_that_are_not_finite_are_refused_where_gradients_flow(device):
+    lin = torch.nn.Linear(3, 2).to(device)
+    f = gt.graphify(lambda x: lin(torch.log(x)), buckets=(4, 8), pad=0)
+    x = torch.rand(5, 3, device=device) + 0.5
+    with torch.no_grad():
+        assert_close(f(x), lin(torch.log(x)))  # (no gradient: the padded rows' -inf reach nothing)
+    with pytest.raises(gt.GraphifyError, match="not finite") as info:
+        f(x)
+    assert "pad=" in str(info.value) and "Fix:" in str(info.value)
+    g = gt.graphify(lambda x: lin(torch.log(x)), buckets=(4, 8), pad={0: 1.0})
+    g(x).sum().backward()
+    want = [p.grad.clone() for p in lin.parameters()]
+    lin.zero_grad()
+    lin(torch.log(x)).sum().backward()
+    for a, b in zip(want, (p.grad for p in lin.parameters())):
+        assert_close(a, b)
+
+
+def test_outputs_of_a_batch_of_a_buckets_own_size_are_copies_too(device):
+    f = gt.graphify(lambda x: x + 1, buckets=(4, 8), pad=0)
+    a = f(torch.zeros(4, device=device))  # exactly bucket 4
+    f(torch.ones(4, device=device))
+    assert_close(a, torch.ones(4, device=device))  # (held across the next call: never stale)
+
+
+def test_cache_info_counts_each_buckets_first_call_as_a_miss(device):
+    f = gt.graphify(lambda x: x * 2, buckets=(2, 4, 8), pad=0)
+    for n in (3, 5, 7, 3):
+        x = torch.randn(n, device=device)
+        assert_close(f(x), x * 2)
+    info = f.cache_info()
+    assert (info.misses, info.hits, info.currsize) == (2, 2, 2)
+
+
+def test_input_buffers_are_refused_for_sizes_no_recording_of_their_own_serves(device):
+    f = gt.graphify(lambda x: x * 2, record_sizes=(4,))
+    with pytest.raises(gt.GraphifyError, match="not among record_sizes"):
+        f.input_buffers(torch.zeros(3, 2, device=device))
+    assert f.cache_info().currsize == 0
+    g = gt.graphify(lambda x: x * 2, buckets=(4, 8), pad=0)
+    with pytest.raises(gt.GraphifyError, match="padded to bucket 4"):
+        g.input_buffers(torch.zeros(3, 2, device=device))
+    with torch.no_grad():
+        buf = g.input_buffers(torch.zeros(4, 2, device=device))[0]
+        buf.copy_(torch.arange(8.0, device=device).view(4, 2))
+        assert_close(g(buf), torch.arange(8.0, device=device).view(4, 2) * 2)
+
+
+def test_a_batch_argument_pad_does_not_name_is_named_in_the_error(device):
+    f = gt.graphify(lambda x, y: x * y, buckets=(4, 8), pad="x")
+    with pytest.raises(gt.GraphifyError, match=r"args\[1\] also has 5 rows") as info:
+        f(torch.randn(5, 2, device=device), torch.randn(5, 2, device=device))
+    assert "pad=" in str(info.value) and "Fix:" in str(info.value)
+
+
 # -- options
 
 @pytest.mark.parametrize("kw, err, words", [

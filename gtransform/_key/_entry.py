@@ -39,6 +39,7 @@ class Entry:
         "calls", "cuda", "any_rg", "must_static", "alias", "same", "n_leaves", "bwd", "const_vals", "parts",
         "state_src", "env", "env_val", "n_user", "state_static", "glob", "orders", "attrs", "reads_attrs", "grad_none",
         "bits", "_checks", "_match", "handed", "donated", "look_again", "eager_first",
+        "padding_checked",
     )
 
     def __init__(self, key: Hashable, spec: Any, leaves: Sequence[Any], tpos: List[int], statics: Any, plan: Plan, cuda: bool):
@@ -138,6 +139,7 @@ class Entry:
         self.bwd: Dict[Tuple[bool, ...], Any] = {}
         self.parts: Dict[Tuple[bool, ...], Any] = {}
         self.eager_first = False  # its first call ran eagerly (it touches state: see _lookup._settle)
+        self.padding_checked = False  # buckets=: a padded call of it matched eager (see _sized)
 
     def grads_came_or_went(self, leaves: Sequence[Any] = ()) -> bool:
         """Whether a ``.grad`` the recording reads is gone, or one it expects absent is there.
