@@ -326,6 +326,13 @@ class Sizes:
                 return s
         return None
 
+    def counts_now(self, hits: int) -> Dict[int, int]:
+        """The calls per size so far (``hits``: the function's hits now), fast-path replays since the last count included."""
+        c = dict(self.counts)
+        if self.fast_size is not None and hits > self.hits_mark:
+            c[self.fast_size] = c.get(self.fast_size, 0) + hits - self.hits_mark
+        return c
+
     def selected(self, n: int, hits: int) -> bool:
         """Count a call of size ``n`` (``hits``: the function's hits now) and say whether its size is recorded."""
         if self.fixed is not None:
@@ -413,7 +420,7 @@ def describe_lines(g: Any) -> List[str]:
     what = (f"record_sizes={tuple(sorted(sz.fixed))}" if sz.fixed is not None
             else f"record_sizes={sz.top} (the most frequent sizes seen twice or more; a recorded size gives "
                  f"way only to one seen more than {GIVE_WAY} times as often; recorded: "
-                 f"{sorted(sz.chosen) or 'none'}; calls so far: {_by_size(sz.counts) or 'none'})")
+                 f"{sorted(sz.chosen) or 'none'}; calls so far: {_by_size(sz.counts_now(g._hits)) or 'none'})")
     n = sum(sz.eager.values())
     return [f"{what}: ran eagerly, not recorded (size not selected): {n} call(s)"
             + (f" ({_by_size(sz.eager)})" if n else "")]
@@ -429,12 +436,13 @@ def explain_line(g: Any, n: Optional[int]) -> Optional[str]:
         if b is None:
             return (f"{g._desc}: batch size {n} is above the largest bucket ({sz.buckets[-1]}): runs eagerly, "
                     "not recorded")
-        return None if b == n else f"{g._desc}: batch size {n} is padded to bucket {b}, whose recording it replays"
+        return None if b == n else (f"{g._desc}: batch size {n} is padded to bucket {b} and runs that bucket's "
+                                    "recording (made by the first such call)")
     if sz.fixed is not None and n not in sz.fixed:
         return (f"{g._desc}: batch size {n} is not in record_sizes: runs eagerly, not recorded "
                 f"({sz.eager.get(n, 0)} such call(s) so far)")
     if sz.top is not None:
-        c = sz.counts.get(n, 0)
+        c = sz.counts_now(g._hits).get(n, 0)
         if not sz.would_record(n):
             return (f"{g._desc}: batch size {n} is not among the {sz.top} most frequent sizes seen twice or more "
                     f"({c} call(s) so far): runs eagerly, not recorded")

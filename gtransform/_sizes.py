@@ -100,6 +100,13 @@ def _pad(fn: Callable[..., Any], v: Any) -> PadSpec:
             out.append((w, p.name if p is not None and p.kind == p.POSITIONAL_OR_KEYWORD else None, value))
         else:
             raise TypeError(f"graphify(fn, pad=...): {accepted}, got the key {w!r}")
+    seen: dict = {}
+    for (pos, name, _v), (w, _) in zip(out, items):
+        for key in ((("pos", pos),) if pos is not None else ()) + ((("name", name),) if name is not None else ()):
+            if key in seen:
+                raise ValueError(f"graphify(fn, pad=...): {seen[key]!r} and {w!r} name the same argument; "
+                                 "name it once (by name or by position)")
+            seen[key] = w
     return tuple(out)
 
 

@@ -378,6 +378,7 @@ def test_a_batch_argument_pad_does_not_name_is_named_in_the_error(device):
     (dict(buckets=(4, -1), pad=0), ValueError, "positive"),
     (dict(buckets=(4,)), ValueError, "pad={'x': 0}"),
     (dict(pad=0), ValueError, "buckets=(1, 2, 4"),
+    (dict(buckets=(4,), pad={0: 0.0, "x": 7.0}), ValueError, "name the same argument"),
     (dict(record_sizes=(4,), buckets=(4,), pad=0), ValueError, "pass one of them"),
     (dict(buckets=(4,), pad="y"), ValueError, "names no parameter"),
     (dict(buckets=(4,), pad=3), ValueError, "out of range"),
@@ -432,3 +433,12 @@ def test_padded_outputs_equal_eager(buckets, sizes):
 
 def test_tolerances_cover_the_float_dtypes():
     assert {torch.float16, torch.bfloat16, torch.float32, torch.float64} <= set(TOLERANCE)
+
+
+def test_describe_and_explain_count_fast_path_calls(device):
+    f = gt.graphify(lambda x: x + 1, record_sizes=2)
+    for _ in range(20):
+        f(torch.ones(3, device=device))
+    assert "calls so far: size 3: 20" in f.describe()
+    g = gt.graphify(lambda x: x * 2, buckets=(4, 8), pad=0)
+    assert "made by the first such call" in g.explain(torch.ones(3, 1, device=device))
