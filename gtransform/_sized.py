@@ -21,6 +21,7 @@ never go stale.
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import torch
@@ -55,11 +56,18 @@ def sized_call(g: Any, sz: Sizes, args: Tuple[Any, ...], kwargs: Dict[str, Any])
         return _bucketed(g, sz, args, kwargs)
     b = bind(g, args, kwargs)
     n = sz.size_of(b.leaves, b.spec)
-    if n is not None and not sz.selected(n, g._hits):
+    gave_way = len(sz.dropped)
+    selected = n is None or sz.selected(n, g._hits)
+    if len(sz.dropped) > gave_way:
+        # a size gave way: every thread's next call comes here (not its fast path) and closes its recordings
+        for s in list(g._states):
+            s.drop_fast()
+    if len(sz.dropped) > sz.seen.n:
+        _drop_sizes(g, sz)
+    if not selected:
+        assert n is not None
         sz.ran_eagerly(n)  # (not recorded, not traced: no signature, so no storm warning)
         return g._fn(*args, **kwargs)
-    if sz.dropped:
-        _drop_sizes(g, sz)
     st = thread_state(g) if sz.top is not None else None
     before = st.last if st is not None else None
     out = run(g, b, False)
@@ -95,14 +103,21 @@ def refuse_buffers(g: Any, sz: Sizes, b: Bound, args: Tuple[Any, ...], kwargs: D
 
 
 def _drop_sizes(g: Any, sz: Sizes) -> None:
-    """Close this thread's recordings of the sizes that gave way (``record_sizes=N``): N recordings at most."""
+    """Close this thread's recordings of the sizes that gave way since its last call (``record_sizes=N``).
+
+    Every thread closes its own (a recording is a thread's), at its next call: N recordings at most
+    per thread that calls again.
+    """
     st = thread_state(g)
-    for m in sz.dropped:
-        for key in sz.keys.pop(m, ()):
+    chosen = sz.chosen
+    for m in sz.dropped[sz.seen.n:]:
+        if m in chosen:  # (chosen again since: its recordings serve again)
+            continue
+        for key in sz.keys.get(m, ()):
             e = st.cache.get(key)
             if e is not None:
                 st.drop(e)
-    sz.dropped = []
+    sz.seen.n = len(sz.dropped)
 
 
 def _bucketed(g: Any, sz: Sizes, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
@@ -279,11 +294,17 @@ def _max_difference(a: torch.Tensor, e: torch.Tensor) -> Optional[str]:
     return f"{float((a2 - e2).abs().nan_to_num(float('inf')).max()):.3g}"
 
 
+class _Seen(threading.local):
+    """How many of the sizes that gave way a thread has closed its recordings of (see _drop_sizes)."""
+
+    n = 0
+
+
 class Sizes:
     """One graphified function's books on sizes (``record_sizes`` or ``buckets``)."""
 
     __slots__ = ("fixed", "top", "buckets", "pad", "counts", "eager", "above", "dims", "varying",
-                 "hits_mark", "fast_size", "checked", "chosen", "dropped", "keys")
+                 "hits_mark", "fast_size", "checked", "chosen", "dropped", "seen", "keys")
 
     def __init__(self, record_sizes: RecordSizes, buckets: Optional[Tuple[int, ...]], pad: Optional[PadSpec]):
         self.fixed = frozenset(record_sizes) if isinstance(record_sizes, tuple) else None
@@ -300,7 +321,8 @@ class Sizes:
         # record_sizes=N: the sizes recorded (N at most), those that just gave way (their
         # recordings are closed before the next call records), and the signatures of each size
         self.chosen: Dict[int, None] = {}
-        self.dropped: List[int] = []
+        self.dropped: List[int] = []  # every size that gave way, in order (each thread reads on from seen.n)
+        self.seen = _Seen()
         self.keys: Dict[int, Set[Any]] = {}
 
     @property

@@ -442,3 +442,40 @@ def test_describe_and_explain_count_fast_path_calls(device):
     assert "calls so far: size 3: 20" in f.describe()
     g = gt.graphify(lambda x: x * 2, buckets=(4, 8), pad=0)
     assert "made by the first such call" in g.explain(torch.ones(3, 1, device=device))
+
+
+def test_record_sizes_int_closes_another_threads_recording_of_a_size_that_gave_way(device):
+    import queue
+    import threading
+
+    f = gt.graphify(lambda x: x.sin() * 2, record_sizes=1)
+    todo: queue.Queue = queue.Queue()
+    done: queue.Queue = queue.Queue()
+
+    def calls(n, k):
+        for _ in range(k):
+            x = torch.randn(n, 2, device=device)
+            assert_close(f(x), x.sin() * 2)
+
+    def serve():  # a long-lived serving thread (its recordings live while it does)
+        for n, k in iter(todo.get, None):
+            calls(n, k)
+            done.put(None)
+
+    worker = threading.Thread(target=serve)
+    worker.start()
+    try:
+        todo.put((3, 4))  # size 3 recorded in the worker's thread
+        done.get()
+        assert f.cache_info().currsize == 1
+        calls(5, 30)  # size 5, far more frequent, takes size 3's place: recorded in this thread
+        assert f.cache_info().currsize == 2  # (the worker closes its own at its next call)
+        hits = f.cache_info().hits
+        todo.put((3, 3))
+        done.get()
+        assert f.cache_info().hits == hits  # size 3 runs eagerly now, in every thread
+        assert f.cache_info().currsize == 1
+        assert "recorded: [5]" in f.describe()
+    finally:
+        todo.put(None)
+        worker.join()
