@@ -218,10 +218,14 @@ class Graphified(Generic[P, R]):
         not warned about (this function's are).
         """
         if not every_size:
-            return Graphified(fn, maxsize=8, fuse=self._fuse)
-        bounds = [m for m in (self._maxsize, self._sizes.allowance if self._sizes is not None else 0) if m]
-        half = Graphified(fn, maxsize=min(bounds) if bounds else None, fuse=self._fuse)
-        half._storm.quiet()
+            half = Graphified(fn, maxsize=8, fuse=self._fuse)
+        else:
+            bounds = [m for m in (self._maxsize, self._sizes.allowance if self._sizes is not None else 0) if m]
+            half = Graphified(fn, maxsize=min(bounds) if bounds else None, fuse=self._fuse)
+            half._storm.quiet()
+        keep = self.__dict__.get("_keep_held")
+        if keep is not None:  # (a piece of a split function: its halves' held outputs keep their values too)
+            half._keep_held = keep  # type: ignore[attr-defined]
         return half
 
 

@@ -115,6 +115,7 @@ class Frozen:
         self.ptrs: Dict[int, int] = {}  # input index -> its data pointer then
         self.leaf_storage: Dict[int, Any] = {}  # input index -> its fake's storage
         self.candidates: Set[int] = set()  # arguments whose reads would freeze if passed again
+        self.trained: Set[int] = set()  # inputs requiring grad whose reads were not frozen (see read)
         self.leaf_reals: Dict[int, torch.Tensor] = {}  # input index -> its real tensor
         self._memo: Dict[int, Tuple[Any, Any]] = {}  # id(fake) -> (fake, real)
 
@@ -173,6 +174,13 @@ class Frozen:
         new = {d for d in deps if d < self.n_in and d not in self.stable}
         if new:
             self.candidates |= new
+            return NO_VALUE
+        trained = {d for d in deps if d in self.leaf_reals and self.leaf_reals[d].requires_grad}
+        if trained and torch.is_grad_enabled():
+            # a value of tensors being trained (parameters under grad mode): an optimizer changes them
+            # every step (through .data too, which no version counter shows), and a constant would
+            # carry no gradient
+            self.trained |= trained
             return NO_VALUE
         try:
             real_args = [self._real(a) for a in args]
@@ -297,10 +305,11 @@ class _NotFrozen(Exception):
 
 
 def _tensors(v: Any) -> List[torch.Tensor]:
+    """The tensors of ``v``, in nested lists too (``x[mask]``'s indices: ``(x, [mask])``)."""
     if isinstance(v, torch.Tensor):
         return [v]
     if isinstance(v, (list, tuple)):
-        return [t for t in v if isinstance(t, torch.Tensor)]
+        return [t for x in v for t in _tensors(x)]
     return []
 
 

@@ -292,6 +292,13 @@ def _reads_new_arguments(g: Any, st: ThreadState, key: Any, err: GraphifyError, 
     seen = st.frozen_args
     if any(in_paths[k] in seen for k in new):
         seen.clear()  # (passed anew on the call after its eager one: the call's own data)
+        which = ", ".join(in_paths[k] for k in sorted(new))
+        err.args = (str(err) + f"\nThe read depends on {which}: the call before passed another tensor there "
+                    "(and ran eagerly to freeze the read), so its values are taken as the call's data. A graph or "
+                    "mask that stays the same over calls is frozen where the calls pass the very same tensor "
+                    "object (from its second call; guarded by its identity and version counter): keep one object "
+                    "per graph, or close over it. Graphs that change every call need on_break=\"split\" or "
+                    "\"eager\".",)
         return False
     for k in new:
         seen[in_paths[k]] = weakref.ref(tensors[k])

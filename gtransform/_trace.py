@@ -952,6 +952,14 @@ class _Tracing:
             # passes the very same tensors (see _lookup)
             frozen = self.watch.frozen
             err.gt_frozen_args = set(frozen.candidates) if frozen is not None else set()  # type: ignore[attr-defined]
+            if frozen is not None and frozen.trained:
+                names = ", ".join(self.paths[d] if d < len(self.paths) else f"state tensor {d}"
+                                  for d in sorted(frozen.trained))
+                err.args = (str(err) + f"\nThe read depends on {names}, which require grad: tensors being trained "
+                            "change at every optimizer step (also through .data, which no version counter shows), "
+                            "and a value frozen from them would carry no gradient, so it is not frozen. Fix: "
+                            "on_break=\"split\" (the read runs in Python on every call), or call the function "
+                            "under torch.no_grad() where they do not change (inference).",)
             raise
         return gm, host_drew
 

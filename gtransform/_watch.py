@@ -126,6 +126,10 @@ def _extent(t: torch.Tensor) -> Tuple[int, int]:
     return start, start + (reach + 1) * t.element_size()
 
 
+# ops whose data-dependent shape comes from a boolean mask alone (see Frozen.by_index)
+_BY_INDEX = frozenset((torch.ops.aten.index.Tensor, torch.ops.aten.masked_select.default))
+
+
 class _Watch(TorchDispatchMode):
     """Watches every aten op of the trace (runs above make_fx's proxy mode).
 
@@ -342,9 +346,13 @@ class _Watch(TorchDispatchMode):
             out = func(*args, **kwargs)
         except (DataDependentOutputException, DynamicOutputShapeException):
             # an output shape that depends on unchanged tensors: their real result, a constant
-            out = NO_VALUE if self.frozen is None else self.frozen.read(func, args, kwargs, lift=True)
-            if out is NO_VALUE and self.frozen is not None and not kwargs:
-                out = self.frozen.by_index(func, args)  # (an unchanged mask over the call's data)
+            out = NO_VALUE
+            if self.frozen is not None and not kwargs:
+                # x[mask], masked_select: an unchanged mask's indices frozen, the op traced over x
+                # (x's values and gradients follow; only the mask is guarded)
+                out = self.frozen.by_index(func, args)
+            if out is NO_VALUE and self.frozen is not None and func not in _BY_INDEX:
+                out = self.frozen.read(func, args, kwargs, lift=True)
             if out is NO_VALUE:
                 raise
             self.lifted.update(id(t) for t in _tensors_in(out))

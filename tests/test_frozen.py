@@ -188,3 +188,69 @@ def test_frozen_read_of_state_given_new_memory_by_data_traces_again():
     for _ in range(3):
         x = torch.randn(5)
         assert_close(f(x), fn(x))
+
+
+def test_a_closed_over_mask_changed_in_place_is_seen_where_it_indexes_state():
+    """``w[mask]`` with both closed over: the mask's indices are frozen (guarded on the mask), not
+    the indexed values (a change of the mask traces again; w's values follow)."""
+    w = torch.arange(6.0)
+    mask = torch.tensor([True, False, True, True, False, True])
+    fn = lambda x: x * w[mask]  # noqa: E731
+    f = gt.graphify(fn)
+    for _ in range(3):
+        assert_close(f(torch.ones(4)), fn(torch.ones(4)))
+    assert "hangs on mask" in f.describe()
+    mask.copy_(torch.tensor([False, True, True, True, True, False]))  # the same count, other rows
+    assert_close(f(torch.ones(4)), fn(torch.ones(4)))
+    w.add_(1)  # w read in place by the recording: no new trace needed
+    assert_close(f(torch.ones(4)), fn(torch.ones(4)))
+
+
+def test_a_parameter_indexed_by_a_frozen_mask_gets_its_gradient_every_call():
+    w = torch.nn.Parameter(torch.arange(6.0))
+    mask = torch.tensor([True, False, True, True, False, True])
+    f = gt.graphify(lambda x: (x * w[mask]).sum())
+    for _ in range(3):
+        w.grad = None
+        f(torch.ones(4)).backward()
+        assert_close(w.grad, mask.float())
+
+
+def test_a_mask_made_from_a_parameter_is_not_frozen_under_grad_mode():
+    """A read of tensors being trained: an optimizer (or .data) changes them every step, and a
+    constant would carry no gradient. The error says so; under no_grad (inference) it is frozen."""
+    lin = torch.nn.Linear(6, 6)
+    keep = lambda x: x[:, lin.bias > 0]  # noqa: E731
+    f = gt.graphify(keep)
+    x = torch.randn(3, 6)
+    with pytest.raises(gt.GraphifyError) as info:
+        for _ in range(2):
+            f(x)
+    msg = str(info.value)
+    assert "bias" in msg and "require grad" in msg and 'on_break="split"' in msg
+    with torch.no_grad():
+        for _ in range(3):
+            assert_close(f(x), keep(x))
+
+
+def test_a_boolean_mask_argument_passed_again_is_frozen():
+    m = torch.tensor([True, False, True, False])
+    f = gt.graphify(lambda x, mask: x[:, mask] * 2)
+    for _ in range(3):
+        x = torch.randn(2, 4)
+        assert_close(f(x, m), x[:, m] * 2)
+    assert "frozen host read" in f.describe()
+
+
+def test_a_new_graph_on_consecutive_calls_names_the_argument_and_the_fix():
+    def f(x, ei):
+        return x[ei[0][ei[0] != ei[1]]]
+
+    g = gt.graphify(f)
+    x = torch.randn(10, 3)
+    graphs = [torch.randint(0, 10, (2, 12)) for _ in range(3)]
+    with pytest.raises(gt.GraphifyError) as info:
+        for ei in graphs:
+            assert_close(g(x, ei), f(x, ei))
+    msg = str(info.value)
+    assert "args[1]" in msg and "same tensor" in msg and "on_break" in msg

@@ -414,3 +414,22 @@ def test_a_read_inside_a_loop_body_written_inline_says_nothing_was_recorded(devi
     g, told = run_split(called)
     assert not told
     assert "into 0 recorded piece(s)" not in g.describe()
+
+
+def test_backend_held_outputs_of_a_differentiated_graph_keep_their_values(device):
+    """In grad mode a graph goes through the autograd wrapper (a forward and a backward half): the
+    halves' held outputs are copied out as the graph's own are (a siamese step holds two)."""
+    torch.manual_seed(0)
+    net = torch.nn.Linear(5, 1).to(device)
+    cf = torch.compile(lambda x: net(x) * 2, backend="gtransform")
+    xs = [torch.randn(4, 5, device=device) for _ in range(4)]
+    outs = [cf(x) for x in xs]
+    for o, x in zip(outs, xs):
+        assert_close(o, net(x) * 2)
+    z1, z2 = cf(xs[0]), cf(xs[1])
+    (z1 - z2).pow(2).sum().backward()
+    want = [p.grad.clone() for p in net.parameters()]
+    net.zero_grad()
+    ((net(xs[0]) * 2 - net(xs[1]) * 2).pow(2).sum()).backward()
+    for a, b in zip(want, (p.grad for p in net.parameters())):
+        assert_close(a, b)
