@@ -80,8 +80,14 @@ def mark(g: Any, st: Any, key: Hashable, err: GraphifyError) -> None:
     br.reads[read] = None
     if g._options.on_break == "eager":
         fr = user_frame()
+        lines = str(err).split("\n")
+        at = next((k for k, ln in enumerate(lines) if ln.startswith("  at ")), None)
+        where = ""
+        if at is not None:  # (the read's line: where the trace met it)
+            code = lines[at + 1].strip() if at + 1 < len(lines) else ""
+            where = f" {lines[at].strip()}" + (f": `{code}`" if code else "")
         warnings.warn_explicit(
-            EagerWarning(f"{g._desc}: a signature reads the call's own data on the host ({read}): with "
+            EagerWarning(f"{g._desc}: a signature reads the call's own data on the host ({read}){where}; with "
                          "on_break=\"eager\" its calls run eagerly (correct, not faster; shown once per signature, "
                          "f.describe() counts such calls). For recorded pieces between the reads: "
                          "on_break=\"split\"."),

@@ -254,3 +254,21 @@ def test_a_new_graph_on_consecutive_calls_names_the_argument_and_the_fix():
             assert_close(g(x, ei), f(x, ei))
     msg = str(info.value)
     assert "args[1]" in msg and "same tensor" in msg and "on_break" in msg
+
+
+def test_a_frozen_tensor_that_keeps_changing_warns_with_the_on_break_fix():
+    t = torch.linspace(0, 1, 5)
+
+    def f(y):
+        for i in range(len(t) - 1):
+            y = y + (t[i + 1] - t[i]).item() * y.tanh()
+        return y
+
+    g = gt.graphify(f)
+    y = torch.randn(3)
+    with pytest.warns(gt.RerecordWarning) as rec:
+        for _ in range(40):
+            assert_close(g(y), f(y))
+            t.mul_(1.01)  # the grid changes every call: every call traces again
+    msg = "\n".join(str(w.message) for w in rec if issubclass(w.category, gt.RerecordWarning))
+    assert "frozen from it" in msg and 'on_break="split"' in msg

@@ -150,6 +150,7 @@ def test_eager_warns_once_per_signature(device):
     eager = [c for c in caught if issubclass(c.category, gt.EagerWarning)]
     assert len(eager) == 2
     assert 'on_break="eager"' in str(eager[0].message) and 'on_break="split"' in str(eager[0].message)
+    assert "test_split.py:30 in branchy" in str(eager[0].message)  # the read's own line
     assert "5 call(s)" in f.describe()
     assert "runs eagerly" in f.explain(x4, w)
 

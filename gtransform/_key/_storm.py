@@ -187,6 +187,11 @@ def explain_state_storm(desc: str, log: List[List[str]], calls: int) -> str:
     if any("Python attributes changed" in t for t in texts):
         fixes.append("Python attributes set on an input tensor (t.scale = v) change between calls, and "
                      "the trace read them: pass the value as an argument of its own (a tensor) instead.")
+    if any("was frozen from it" in t for t in texts):
+        fixes.append("A value read on the host was frozen from a tensor that keeps changing (written in "
+                     "place, or another object): each change traces again. Keep that tensor fixed (a time "
+                     "grid, a graph), or let Python run the read on every call: "
+                     "graphify(fn, on_break=\"split\") (graph breaks through TorchDynamo) or on_break=\"eager\".")
     if not fixes:
         fixes.append("Keep the tensors the function reads (parameters, buffers, optimizer state, "
                      "caches) the same objects with the same shapes between calls, and change their "
