@@ -191,9 +191,12 @@ def _new_signature(g: Any, st: ThreadState, ck: CallKey, call: Call,
     except GraphifyError as err:
         if _reads_new_arguments(g, st, ck.key, err, in_paths, tensors, record):
             return None
-        if record and ck.key not in st.warmed and getattr(err, "gt_touched_state", False):
+        if (record and ck.key not in st.warmed and getattr(err, "gt_touched_state", False)
+                and not (st.warmed and routes(g, err))):
             # state may be created lazily by the first call (a cache allocated on first
-            # use): run it eagerly, and trace again on the next call
+            # use): run it eagerly, and trace again on the next call (once the function has
+            # run such a call, a read on_break takes is routed: a new shape on every call
+            # would otherwise run eagerly, traced, on every call)
             st.warmed.add(ck.key)
             log.info("%s: the first trace failed after reading state (%s); this call runs "
                      "eagerly, the next one traces again", g._desc, str(err).splitlines()[0])

@@ -434,3 +434,24 @@ def test_backend_held_outputs_of_a_differentiated_graph_keep_their_values(device
     ((net(xs[0]) * 2 - net(xs[1]) * 2).pow(2).sum()).backward()
     for a, b in zip(want, (p.grad for p in net.parameters())):
         assert_close(a, b)
+
+
+def test_split_takes_over_reads_of_index_arguments_of_a_new_shape_every_call():
+    """A read of an integer argument (a prompt) whose shape changes on every call: after the first
+    call (eager: the read might be of a structure passed again), the calls run split; they do not
+    run eagerly, traced, forever."""
+    emb = torch.nn.Embedding(10, 4)
+
+    def f(ids):
+        h = emb(ids).sum()
+        if ids[0, -1].item() == 3:
+            return h * 2
+        return h - 1
+
+    g = gt.graphify(f, on_break="split")
+    with torch.no_grad():
+        for n in range(2, 9):
+            ids = torch.randint(0, 10, (1, n))
+            assert_close(g(ids), f(ids))
+    assert "ran split by TorchDynamo" in g.describe()
+    assert g.cache_info().misses <= 3
