@@ -27,7 +27,7 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 import torch
 
 from ._bind import Bound, bind
-from ._errors import GraphifyError
+from ._errors import GraphifyError, OverwrittenOutputError
 from ._key import Call, global_key
 from ._lookup import lookup, thread_state
 from ._run import run
@@ -149,7 +149,8 @@ def _bucketed(g: Any, sz: Sizes, args: Tuple[Any, ...], kwargs: Dict[str, Any]) 
     try:
         out = run(g, pb, False)
     except RuntimeError as err:
-        hint = _unpadded_batch(g, sz, args, kwargs, found, n, bucket)
+        # (the function's own error, a shape mismatch: not gtransform's refusals)
+        hint = None if isinstance(err, (GraphifyError, OverwrittenOutputError)) else _unpadded_batch(g, sz, args, kwargs, found, n, bucket)
         if hint is None:
             raise
         raise GraphifyError(hint) from err

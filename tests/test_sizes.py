@@ -479,3 +479,15 @@ def test_record_sizes_int_closes_another_threads_recording_of_a_size_that_gave_w
     finally:
         todo.put(None)
         worker.join()
+
+
+def test_a_refusal_of_a_padded_call_is_not_taken_for_an_unpadded_argument(device):
+    def f(x, y):
+        if x.sum() > 0:  # a read of the call's own data: gtransform's refusal, as unbucketed
+            return x * 2
+        return x
+
+    g = gt.graphify(f, buckets=(4, 8), pad="x")
+    with pytest.raises(gt.GraphifyError) as info:
+        g(torch.ones(5, 2, device=device), torch.ones(5, 2, device=device))
+    assert "reads a tensor's value" in str(info.value) and "not padded" not in str(info.value)
