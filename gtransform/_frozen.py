@@ -116,6 +116,7 @@ class Frozen:
         self.leaf_storage: Dict[int, Any] = {}  # input index -> its fake's storage
         self.candidates: Set[int] = set()  # arguments whose reads would freeze if passed again
         self.trained: Set[int] = set()  # inputs requiring grad whose reads were not frozen (see read)
+        self.rewritten: Set[int] = set()  # inputs the function writes whose reads were not frozen
         self.leaf_reals: Dict[int, torch.Tensor] = {}  # input index -> its real tensor
         self._memo: Dict[int, Tuple[Any, Any]] = {}  # id(fake) -> (fake, real)
 
@@ -170,6 +171,7 @@ class Frozen:
         if deps is None:
             return NO_VALUE
         if any(d in self.no_freeze for d in deps):
+            self.rewritten |= deps & self.no_freeze
             return NO_VALUE
         new = {d for d in deps if d < self.n_in and d not in self.stable}
         if new:
@@ -186,6 +188,7 @@ class Frozen:
             real_args = [self._real(a) for a in args]
             real_kwargs = {k: self._real(v) for k, v in kwargs.items()}
         except _NotFrozen:
+            self.rewritten |= {d for d in deps if self.leaf_storage.get(d) in self.written}
             return NO_VALUE
         with _disable_current_modes(), torch.no_grad():
             value = func(*real_args, **real_kwargs)

@@ -952,6 +952,14 @@ class _Tracing:
             # passes the very same tensors (see _lookup)
             frozen = self.watch.frozen
             err.gt_frozen_args = set(frozen.candidates) if frozen is not None else set()  # type: ignore[attr-defined]
+            if frozen is not None and frozen.rewritten:
+                names = ", ".join(self.paths[d] if d < len(self.paths) else f"state tensor {d}"
+                                  for d in sorted(frozen.rewritten))
+                err.args = (str(err) + f"\nThe read depends on {names}, which the function writes in place (a "
+                            "counter, a running statistic): its value changes with every call, so it is not "
+                            "frozen. Fix: keep such a counter as a Python number outside the graphified function "
+                            "(or pass it in as a static argument), keep the test on the device (torch.where), or "
+                            "on_break=\"split\".",)
             if frozen is not None and frozen.trained:
                 names = ", ".join(self.paths[d] if d < len(self.paths) else f"state tensor {d}"
                                   for d in sorted(frozen.trained))

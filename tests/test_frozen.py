@@ -272,3 +272,22 @@ def test_a_frozen_tensor_that_keeps_changing_warns_with_the_on_break_fix():
             t.mul_(1.01)  # the grid changes every call: every call traces again
     msg = "\n".join(str(w.message) for w in rec if issubclass(w.category, gt.RerecordWarning))
     assert "frozen from it" in msg and 'on_break="split"' in msg
+
+
+def test_a_read_of_state_the_function_writes_names_it():
+    class Counter(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("n", torch.zeros((), dtype=torch.long))
+
+        def forward(self, x):
+            self.n += 1
+            if self.n % 100 == 0:
+                return x * 0
+            return x * 2
+
+    f = gt.graphify(Counter())
+    with pytest.raises(gt.GraphifyError) as info:
+        for _ in range(2):
+            f(torch.randn(3))
+    assert "module.n, which the function writes in place" in str(info.value)
