@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import io
+import os
 import traceback
 import warnings
 
@@ -181,6 +182,21 @@ class LivenessMachine(RuleBasedStateMachine):
         else:
             self.views.append((t.unsqueeze(0), e.unsqueeze(0)))
 
+    @precondition(lambda self: self.held)
+    @rule(i=st.integers(0, 1000))
+    def write_in_place(self, i):
+        """The caller writes an output it holds in place (its version counter moves; its values stay,
+        so every expectation holds): gtransform must not hand it out again as if untouched."""
+        h = self.held[i % len(self.held)]
+        if not self._stale(h):
+            h.obj.mul_(1)
+
+    @precondition(lambda self: self.views)
+    @rule(i=st.integers(0, 1000))
+    def write_view_in_place(self, i):
+        """The caller writes a view it derived in place (the output's version counter moves with it)."""
+        self.views[i % len(self.views)][0].add_(0)
+
     @precondition(lambda self: self.views or self.clones)
     @rule(i=st.integers(0, 1000))
     def drop_view_or_clone(self, i):
@@ -202,7 +218,8 @@ class LivenessMachine(RuleBasedStateMachine):
 def test_liveness_state_machine(device, shared):
     run_state_machine_as_test(
         lambda: LivenessMachine(device, shared),
-        settings=settings(max_examples=25, stateful_step_count=20, deadline=None),
+        settings=settings(max_examples=int(os.environ.get("GT_LIVENESS_EXAMPLES", 25)), stateful_step_count=20,
+                          deadline=None),
     )
 
 
