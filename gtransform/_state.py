@@ -252,10 +252,11 @@ def find_roots(fn: Any, extra: Sequence[Tuple[str, Any]] = ()) -> List[Root]:
     roots: List[Root] = []
     seen: Set[int] = set()
 
-    def add(name: str, v: Any, depth: int) -> None:
+    def add(name: str, v: Any, depth: int, at: Any = None) -> None:
+        """``at``: where ``v`` was found inside a container or object (a Slot): its binding there."""
         if id(v) in seen or v is None or depth > _MAX_DEPTH:
             return
-        bound = where.get(id(v)) if depth == 0 else None
+        bound = where.get(id(v)) if depth == 0 else at
         if isinstance(v, _Module):
             seen.add(id(v))
             roots.append(Root(name, v, binding=bound))
@@ -271,7 +272,9 @@ def find_roots(fn: Any, extra: Sequence[Tuple[str, Any]] = ()) -> List[Root]:
             items = v.items() if isinstance(v, dict) else enumerate(v)
             for k, x in items:
                 if isinstance(x, (_Module, _Optimizer, list, dict, torch.Tensor)) or _plain_object(x):
-                    add(f"{name}[{k!r}]", x, depth + 1)
+                    # (a module or optimizer put in its place, `reg["head"] = ...`, is another binding)
+                    at = None if isinstance(x, torch.Tensor) else Slot("item", v, k, f"{name}[{k!r}]")
+                    add(f"{name}[{k!r}]", x, depth + 1, at)
         elif isinstance(v, tuple) and len(v) <= _MAX_CONTAINER:
             seen.add(id(v))
             for k, x in enumerate(v):
@@ -281,7 +284,8 @@ def find_roots(fn: Any, extra: Sequence[Tuple[str, Any]] = ()) -> List[Root]:
             roots.append(Root(name, v, binding=bound))
             for k, x in list(vars(v).items()):
                 if isinstance(x, (_Module, _Optimizer, list, dict, torch.Tensor)) or _plain_object(x):
-                    add(f"{name}.{k}", x, depth + 1)
+                    at = None if isinstance(x, torch.Tensor) else Slot("attr", v, k, f"{name}.{k}")
+                    add(f"{name}.{k}", x, depth + 1, at)
 
     for name, v in cands:
         add(name, v, 0)

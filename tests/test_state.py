@@ -2073,3 +2073,71 @@ def test_a_key_the_function_adds_to_a_closed_over_dict(key):
         x = torch.randn(3)
         assert_close(fg(x), fe(x))
     assert memo_g == memo_e == {key: 7}
+
+
+def _lin(v, device="cpu"):
+    m = torch.nn.Linear(2, 1).to(device)
+    with torch.no_grad():
+        m.weight.fill_(v)
+        m.bias.zero_()
+    return m
+
+
+def test_a_module_replaced_in_a_container_or_object_the_function_reaches_is_seen(device):
+    """A module (or optimizer) reached through a closed-over dict, list or plain object: another
+    one put in its place, or appended, is read on the next calls (as a rebound global is)."""
+    x = torch.ones(1, 2, device=device)
+    reg = {"head": _lin(1.0, device)}
+    layers = [_lin(1.0, device)]
+
+    class Holder:
+        pass
+
+    holder = Holder()
+    holder.model = _lin(1.0, device)
+
+    def run_layers(x):
+        out = x.sum() * 0
+        for m in layers:
+            out = out + m(x).sum()
+        return out
+
+    fns = {"dict": (gt.graphify(lambda x: reg["head"](x)), lambda x: reg["head"](x)),
+           "list": (gt.graphify(run_layers), run_layers),
+           "object": (gt.graphify(lambda x: holder.model(x)), lambda x: holder.model(x))}
+    with torch.no_grad():
+        for f, fn in fns.values():
+            for _ in range(2):
+                assert_close(f(x), fn(x))
+        reg["head"], layers[0], holder.model = _lin(5.0, device), _lin(7.0, device), _lin(3.0, device)
+        layers.append(_lin(2.0, device))
+        for f, fn in fns.values():
+            for _ in range(3):
+                assert_close(f(x), fn(x))
+
+
+def test_an_optimizer_swapped_on_self_of_a_graphified_method_is_seen():
+    torch.manual_seed(0)
+
+    class Trainer:
+        def __init__(self):
+            self.model = torch.nn.Linear(3, 1)
+            self.opt = torch.optim.SGD(self.model.parameters(), lr=0.1)
+
+        def step(self, x, y):
+            loss = (self.model(x) - y).pow(2).mean()
+            self.opt.zero_grad()
+            loss.backward()
+            self.opt.step()
+            return loss.detach()
+
+    a, b = Trainer(), Trainer()
+    b.model.load_state_dict(a.model.state_dict())
+    f = gt.graphify(a.step)
+    for k in range(8):
+        if k == 3:
+            a.opt = torch.optim.SGD(a.model.parameters(), lr=0.5, momentum=0.9)
+            b.opt = torch.optim.SGD(b.model.parameters(), lr=0.5, momentum=0.9)
+        x, y = torch.randn(4, 3), torch.randn(4, 1)
+        assert_close(f(x, y), b.step(x, y))
+    assert_close(a.model.weight, b.model.weight)

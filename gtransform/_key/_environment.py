@@ -73,7 +73,8 @@ def env_key_fn(roots: Sequence[Root], reads: Optional[AttrReads] = None) -> Opti
     b_items = [r.binding for r in bound if r.binding.kind == "item"]
     b_attrs = [r.binding for r in bound if r.binding.kind == "attr"]
     env = _compile_env(slots.attr_dicts, hook_dicts, gdicts, groups, keys, opts, sub_dicts, mods, slots.extra(), conts,
-                       ([b.obj for b in b_items], [b.key for b in b_items], [b.obj for b in b_attrs]) if bound else None,
+                       ([b.obj for b in b_items], [b.key for b in b_items], [b.obj for b in b_attrs],
+                        [b.key for b in b_attrs]) if bound else None,
                        grad_hooks=GradHooks(mods, groups))
     env.keep = ([r.obj for r in bound] + [o.state for o in opts] + groups + [g["params"] for g in groups]  # type: ignore[attr-defined]
                 + [s for o in opts for s in o.state.values()]  # each parameter's state (opt.state[p] = {})
@@ -107,13 +108,13 @@ def _named_modules(roots: Sequence[Root], reads: Optional[AttrReads]) -> List[Tu
 
 
 def _tensor_containers(roots: Sequence[Root]) -> Tuple[List[Any], List[Tuple[Dict[str, Any], str, str]]]:
-    """Closed-over lists and dicts of tensors, and a plain object's containers of tensors (by slot).
+    """Closed-over lists and dicts of tensors (or modules, optimizers), and a plain object's containers of tensors (by slot).
 
-    A tensor added or removed changes what the function reads (`caches.append(t)`,
-    `obj.ts = [new]`).
+    A tensor (a module) added or removed changes what the function reads (`caches.append(t)`,
+    `layers.append(nn.Linear(...))`, `obj.ts = [new]`).
     """
     conts = [r.obj for r in roots if type(r.obj) in (list, dict) and any(
-        isinstance(v, torch.Tensor) for v in (r.obj.values() if isinstance(r.obj, dict) else r.obj))]
+        isinstance(v, (torch.Tensor, _Module, _Optimizer)) for v in (r.obj.values() if isinstance(r.obj, dict) else r.obj))]
     obj_slots = [(vars(r.obj), k, f"{r.name}.{k}") for r in roots
                  if _plain_object(r.obj) and not isinstance(r.obj, (_Module, _Optimizer))
                  for k, v in vars(r.obj).items() if type(v) in (list, dict, tuple) and any(
@@ -281,6 +282,14 @@ def _differ(env: Callable[[], Any], slots: _Slots, named: Sequence[Tuple[str, An
     return diff
 
 
+def _at(c: Any, k: Any) -> Any:
+    """``c[k]``, or None where it has no such item (a list grown shorter)."""
+    try:
+        return c[k]
+    except (IndexError, KeyError, TypeError):
+        return None
+
+
 def _compile_env(attr_dicts: Sequence[Tuple[Dict[str, Any], Tuple[str, ...]]], hook_dicts: Sequence[Dict[Any, Any]],
                  gdicts: Sequence[Dict[Any, Any]], groups: Sequence[Dict[str, Any]], keys: Sequence[Tuple[str, ...]],
                  opts: Sequence[Any], sub_dicts: Sequence[Dict[str, Any]], mods: Sequence[Any], extra: Any,
@@ -296,7 +305,7 @@ def _compile_env(attr_dicts: Sequence[Tuple[Dict[str, Any], Tuple[str, ...]]], h
     submodules, module classes, the parameters' gradient hooks (:class:`GradHooks`), identity
     slots / absent names / class attributes, container lengths, name bindings.
     """
-    ns: Dict[str, Any] = {"_TRACE_HOOKS": _TRACE_HOOKS, "_id": id}
+    ns: Dict[str, Any] = {"_TRACE_HOOKS": _TRACE_HOOKS, "_id": id, "_at": _at}
     n = [0]
 
     def name(value: Any, prefix: str) -> str:
@@ -350,9 +359,13 @@ def _compile_env(attr_dicts: Sequence[Tuple[Dict[str, Any], Tuple[str, ...]]], h
         conts_expr = tup([f"len({name(c, 'L')})" for c in conts])
     bind_expr = "None"
     if bound is not None:
-        b_dicts, b_keys, b_cells = bound
-        items = [f"_id({name(d, 'D')}.get({name(k, 'K')}))" for d, k in zip(b_dicts, b_keys)]
-        items += [f"_id({name(c, 'Z')}.cell_contents)" for c in b_cells]
+        # a name's binding (a global, a closure cell, a module's attribute) and what a container
+        # or object the function reaches holds (a dict's entry, a list's item, an attribute)
+        b_dicts, b_keys, b_objs, b_attrs = bound
+        items = [f"_id({name(d, 'D')}.get({name(k, 'K')}))" if type(d) is dict
+                 else f"_id(_at({name(d, 'D')}, {name(k, 'K')}))" for d, k in zip(b_dicts, b_keys)]
+        items += [f"_id({name(c, 'Z')}.cell_contents)" if a == "cell_contents"
+                  else f"_id(getattr({name(c, 'Z')}, {name(a, 'K')}, None))" for c, a in zip(b_objs, b_attrs)]
         lines += ["    try:", f"        binds = {tup(items)}", "    except ValueError:  # a cell was emptied (del)",
                   "        binds = None"]
         bind_expr = "binds"
