@@ -126,9 +126,11 @@ def _forget(g: Any, st: ThreadState, key: Any, e: Entry, call: Call, env_only: b
     """A cached signature the call no longer matches: kept as an alternate, or dropped; noted for the warnings."""
     if log.isEnabledFor(logging.INFO):
         log.info("%s: tracing a signature again: %s", g._desc, "; ".join(e.explain(call)) or "its state changed")
-    if e.plan.touches_state and not (env_only and e.env_keeps_lazy_state()) and not grads_only:
+    if e.plan.touches_state and (not (env_only and e.env_keeps_lazy_state()) and not grads_only
+                                 or any(q.grad is not None for q in e.opt_grad_none)):
         # what changed may have emptied lazily created state (optimizer.state.clear(),
-        # load_state_dict): the next call runs eagerly again before anything is traced
+        # load_state_dict), or the step will make some (a parameter with a .grad now, its
+        # momentum): the next call runs eagerly again before anything is traced
         st.warmed.discard(key)
     if grads_only:
         st.set_aside(e)  # kept: gradient accumulation switches back (see Entry.grads_came_or_went)

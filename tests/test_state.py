@@ -2141,3 +2141,34 @@ def test_an_optimizer_swapped_on_self_of_a_graphified_method_is_seen():
         x, y = torch.randn(4, 3), torch.randn(4, 1)
         assert_close(f(x, y), b.step(x, y))
     assert_close(a.model.weight, b.model.weight)
+
+
+@pytest.mark.parametrize("make", [
+    lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+    lambda p: torch.optim.AdamW(p, lr=1e-2, fused=True),
+    lambda p: torch.optim.RMSprop(p, lr=1e-2),
+], ids=["sgd-momentum", "adamw", "rmsprop"])
+def test_a_graphified_update_sees_parameters_that_start_getting_gradients(device, make):
+    """`update()` (opt.step(); opt.zero_grad()) graphified, backward outside: a layer unfrozen later
+    gets its .grad then; its step (and its lazily made optimizer state) is eager's."""
+    params = {}
+    for use in (True, False):
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)).to(device)
+        opt = make(m.parameters())
+
+        def update(opt=opt):
+            opt.step()
+            opt.zero_grad()
+
+        up = gt.graphify(update) if use else update
+        m[0].requires_grad_(False)
+        torch.manual_seed(1)
+        for step in range(7):
+            if step == 3:
+                m[0].requires_grad_(True)
+            m(torch.randn(16, 4, device=device)).pow(2).mean().backward()
+            up()
+        params[use] = [p.detach().clone() for p in m.parameters()]
+    for a, b in zip(params[True], params[False]):
+        assert_close(a, b)

@@ -39,7 +39,7 @@ class Entry:
         "calls", "cuda", "any_rg", "must_static", "alias", "same", "n_leaves", "bwd", "const_vals", "parts",
         "state_src", "env", "env_val", "n_user", "state_static", "glob", "orders", "attrs", "reads_attrs", "grad_none",
         "bits", "_checks", "_match", "handed", "donated", "look_again", "eager_first",
-        "padding_checked",
+        "padding_checked", "opt_grad_none",
     )
 
     def __init__(self, key: Hashable, spec: Any, leaves: Sequence[Any], tpos: List[int], statics: Any, plan: Plan, cuda: bool):
@@ -92,6 +92,19 @@ class Entry:
         # the last call left, unless something set it to None in between), so a .grad being
         # there at call time is another signature
         self.grad_none = [s.obj for s in plan.escape_slots if s.kind == "grad" and s.get() is None]
+        # and an optimizer's parameters without a .grad when traced: the step skipped them (a
+        # frozen layer, a head not used yet); one that has a .grad at call time (unfrozen) is
+        # another signature, where the step updates it and makes its state
+        seen = {id(t) for t in self.grad_none}
+        self.opt_grad_none: List[torch.Tensor] = []  # (those of them: its state may be made then)
+        for r in plan.roots:
+            if isinstance(r.obj, torch.optim.Optimizer):
+                for g in r.obj.param_groups:
+                    for q in g["params"]:
+                        if q.grad is None and id(q) not in seen:
+                            seen.add(id(q))
+                            self.grad_none.append(q)
+                            self.opt_grad_none.append(q)
         # state read in place (a .grad that is replaced every step is copied instead)
         self.state_static = {self.n_user + k for k, s in enumerate(plan.state_slots) if s is None or s.kind != "grad"}
         rg = [t.requires_grad for t in tensors]
