@@ -435,7 +435,11 @@ class Change:
         """Put the old value back, unless something else changed it since."""
         if self.where is None:
             return
-        cur = self.where.get(self.key, _MISSING)
+        where = self.where
+        if isinstance(where, list):  # (a list's item: `cnt[0] += 1`)
+            cur = where[self.key] if -len(where) <= self.key < len(where) else _MISSING
+        else:
+            cur = where.get(self.key, _MISSING)
         if cur is self.new or (not isinstance(cur, torch.Tensor) and not isinstance(self.new, torch.Tensor)
                                and cur == self.new):
             self.where[self.key] = self.old
@@ -650,6 +654,10 @@ class Snapshot:
                             res.appended.append(f"{path} (appended at index {i})")
                             res.sites.append(v.__dict__.get("_gt_site", ""))
                             res.grown.append(path)
+                    elif (i < len(old) and len(obj) == len(old) and type(v) in _NUMBERS
+                          and type(old[i]) in _NUMBERS and old[i] != v):
+                        # a number changed in place (`cnt[0] += 1`), as a dict's (`ctr["i"] += 1`)
+                        res.changes.append(Change(f"{path}[{i}]", old[i], v, obj, i))
                     elif not any(v is x for x in old):  # (an item moved along by an insert is no new one)
                         res.note_stored(f"{path}[{i}]", v, _MISSING, is_fake, appended_to=None if i < len(old) else path)
             elif kind == "dict":

@@ -2172,3 +2172,22 @@ def test_a_graphified_update_sees_parameters_that_start_getting_gradients(device
         params[use] = [p.detach().clone() for p in m.parameters()]
     for a, b in zip(params[True], params[False]):
         assert_close(a, b)
+
+
+def test_a_number_counted_in_a_closed_over_list_is_seen_as_a_dicts_is():
+    """`cnt[0] += 1` in a function that reaches state: undone after the trace, the first call
+    runs eagerly (counted once), a change on every call is refused, as `ctr["i"] += 1` is."""
+    lin = torch.nn.Linear(3, 3)
+    cnt = [0]
+
+    def step(x):
+        cnt[0] += 1
+        return lin(x)
+
+    f = gt.graphify(step)
+    with torch.no_grad():
+        assert_close(f(torch.ones(3)), lin(torch.ones(3)))
+        assert cnt == [1]
+        with pytest.raises(gt.GraphifyError, match=r"cnt\[0\]: 1 -> 2"):
+            f(torch.ones(3))
+        assert cnt == [1]  # (undone: the refused call changed nothing)
