@@ -436,13 +436,17 @@ class Change:
         if self.where is None:
             return
         where = self.where
-        if isinstance(where, list):  # (a list's item: `cnt[0] += 1`)
-            cur = where[self.key] if -len(where) <= self.key < len(where) else _MISSING
+        if isinstance(where, list):  # (a list's item: `cnt[0] += 1`; or all of it: a slice)
+            k = self.key
+            cur = where[k] if isinstance(k, slice) or -len(where) <= k < len(where) else _MISSING
         else:
             cur = where.get(self.key, _MISSING)
         if cur is self.new or (not isinstance(cur, torch.Tensor) and not isinstance(self.new, torch.Tensor)
                                and cur == self.new):
-            self.where[self.key] = self.old
+            if self.old is _MISSING:  # (made by the trace: taken away)
+                del where[self.key]
+            else:
+                where[self.key] = self.old
 
     @property
     def rebinds(self) -> bool:
@@ -452,6 +456,8 @@ class Change:
     def text(self) -> str:
         if self.rebinds:
             return f"{self.path}: bound to another tensor"
+        if self.old is _MISSING:
+            return f"{self.path}: made ({self.new!r})"
         return f"{self.path}: {self.old!r} -> {self.new!r}"
 
 
@@ -591,6 +597,10 @@ class Snapshot:
                     res.escapes.append((Slot("attr", obj, k, f"{path}.{k}"), v))
                 elif type(v) in _NUMBERS and k in old and type(old[k]) in _NUMBERS and old[k] != v:
                     res.changes.append(Change(f"{path}.{k}", old[k], v, now, k, model, obj))
+                elif k not in old and (type(v) in _NUMBERS or (type(v) in (list, dict) and not _holds_tensor(v))):
+                    # an attribute the trace made (`self.n = getattr(self, "n", 0) + 1`, `self.history = []`):
+                    # taken away after the trace, as a changed one is put back (the eager call makes it)
+                    res.changes.append(Change(f"{path}.{k}", _MISSING, v, now, k, model, obj))
                 elif _rebound(v, old.get(k)):
                     res.changes.append(Change(f"{path}.{k}", old[k], v, now, k, True, obj))
                 else:
@@ -646,6 +656,11 @@ class Snapshot:
                     res.escapes.append((where, where.get()))
             elif kind == "list":
                 old = saved
+                if len(obj) > len(old) and all(a is b for a, b in zip(obj, old)) and not any(
+                        is_fake(v) or _holds_tensor(v) for v in obj[len(old):]):
+                    # plain values appended (`self.history.append("called")`): a replay appends nothing
+                    res.changes.append(Change(f"{path}", list(old), list(obj), obj, slice(None)))
+                    continue
                 for i, v in enumerate(obj):
                     if is_fake(v):
                         if i < len(old):

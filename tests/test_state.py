@@ -2191,3 +2191,30 @@ def test_a_number_counted_in_a_closed_over_list_is_seen_as_a_dicts_is():
         with pytest.raises(gt.GraphifyError, match=r"cnt\[0\]: 1 -> 2"):
             f(torch.ones(3))
         assert cnt == [1]  # (undone: the refused call changed nothing)
+
+
+def test_python_state_the_trace_makes_is_taken_away_after_it():
+    """An attribute the first call makes (`getattr(self, "n", 0) + 1`) or values it appends to a
+    list: the trace's own change is undone (the eager first call makes it once), and a change on
+    every call is refused, as a changed number is."""
+
+    class Counting(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(3, 3)
+
+        def forward(self, x):
+            self.ncalls = getattr(self, "ncalls", 0) + 1
+            if not hasattr(self, "history"):
+                self.history = []
+            self.history.append("called")
+            return self.lin(x)
+
+    m = Counting()
+    f = gt.graphify(m)
+    with torch.no_grad():
+        f(torch.ones(3))
+        assert m.ncalls == 1 and m.history == ["called"]
+        with pytest.raises(gt.GraphifyError, match="changes Python"):
+            f(torch.ones(3))
+        assert m.ncalls == 1 and m.history == ["called"]
