@@ -314,6 +314,21 @@ def find_roots(fn: Any, extra: Sequence[Tuple[str, Any]] = ()) -> List[Root]:
                         for name, v in hmore:
                             if type(v) in (list, dict) or _plain_object(v):
                                 add(f"{path} hook: {name}", v, 1)
+            # gradient hooks' closures (an optimizer stepped in backward from
+            # register_post_accumulate_grad_hook): the optimizers and containers there are state
+            for prm in m._parameters.values():
+                if prm is None:
+                    continue
+                for hd in (getattr(prm, "_post_accumulate_grad_hooks", None), getattr(prm, "_backward_hooks", None)):
+                    for h in list((hd or {}).values()):
+                        if id(h) in seen:
+                            continue
+                        seen.add(id(h))
+                        gmore: List[Tuple[str, Any]] = []
+                        _candidates(h, 1, gmore, set(), where)
+                        for name, v in gmore:
+                            if isinstance(v, (_Module, _Optimizer)) or type(v) in (list, dict) or _plain_object(v):
+                                add(f"{path} gradient hook: {name}", v, 1)
             fwd = type(m).__dict__.get("forward")
             if isinstance(fwd, types.FunctionType) and not _is_library_code(fwd) and id(type(m)) not in seen:
                 seen.add(id(type(m)))

@@ -2218,3 +2218,41 @@ def test_python_state_the_trace_makes_is_taken_away_after_it():
         with pytest.raises(gt.GraphifyError, match="changes Python"):
             f(torch.ones(3))
         assert m.ncalls == 1 and m.history == ["called"]
+
+
+def test_an_optimizer_stepped_in_a_gradient_hook_is_state_the_step_reaches(device):
+    """The "optimizer in backward" pattern: each parameter's optimizer steps in its
+    post-accumulate-grad hook, the whole step (forward and backward) graphified."""
+    import copy
+
+    torch.manual_seed(0)
+    m = torch.nn.Linear(4, 2).to(device)
+    me = copy.deepcopy(m)
+
+    def setup(mod):
+        opts = {p: torch.optim.SGD([p], lr=0.1, momentum=0.9) for p in mod.parameters()}
+
+        def hook(p):
+            opts[p].step()
+            opts[p].zero_grad()
+
+        for p in mod.parameters():
+            p.register_post_accumulate_grad_hook(hook)
+
+    setup(m)
+    setup(me)
+
+    def make(mod):
+        def step(x):
+            loss = mod(x).pow(2).sum()
+            loss.backward()
+            return loss.detach()
+
+        return step
+
+    g, e = gt.graphify(make(m)), make(me)
+    for _ in range(4):
+        x = torch.randn(3, 4, device=device)
+        assert_close(g(x), e(x))
+        for a, b in zip(m.parameters(), me.parameters()):
+            assert_close(a, b)
