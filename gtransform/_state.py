@@ -319,7 +319,9 @@ def find_roots(fn: Any, extra: Sequence[Tuple[str, Any]] = ()) -> List[Root]:
             for prm in m._parameters.values():
                 if prm is None:
                     continue
-                for hd in (getattr(prm, "_post_accumulate_grad_hooks", None), getattr(prm, "_backward_hooks", None)):
+                hook_dicts: List[Any] = [getattr(prm, "_post_accumulate_grad_hooks", None),
+                                         getattr(prm, "_backward_hooks", None)]
+                for hd in hook_dicts:
                     for h in list((hd or {}).values()):
                         if id(h) in seen:
                             continue
