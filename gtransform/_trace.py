@@ -277,6 +277,8 @@ class Plan:
     roots: List[Any] = field(default_factory=list)
     attr_reads: Any = None  # _state.AttrReads: the root modules' attributes the function read
     grad_cleared: List[torch.Tensor] = field(default_factory=list)  # .grad set to None by the function
+    # state tensors whose .grad the function read before setting it to None (see _watch)
+    grad_read_first: List[torch.Tensor] = field(default_factory=list)
     mutated_at: Dict[int, Tuple[str, str]] = field(default_factory=dict)  # input -> (op, line) of a write
     ran_backward: bool = False  # the function ran a backward itself (.backward(), autograd.grad)
     # the user's function and how to call it on the flat tensors (for the joint
@@ -914,6 +916,7 @@ class _Tracing:
         # .grad set to None by the function (zero_grad()) and not made again by its backward
         # (a parameter this signature does not use): eager leaves it None after every call
         box["grad_cleared"] = [t for t in self.fnwatch.grad_cleared.values() if leaf_grad(t) is None]
+        box["grad_read_first"] = list(self.fnwatch.grad_read_first.values())
         outs = [x for x in leaves if isinstance(x, torch.Tensor)] + [f for _, f in scan.escapes]
         return tuple(_resolved(outs, list(tensors) + list(watch.state_fakes)))
 
@@ -1108,6 +1111,7 @@ class _Tracing:
             state_names=paths[len(self.fakes):],
             escape_slots=[s for s, _ in scan.escapes],
             grad_cleared=self.box.get("grad_cleared", []),
+            grad_read_first=self.box.get("grad_read_first", []),
             escape_entries=esc_entries,
             py_changes=list(scan.changes),
             roots=list(self.roots),

@@ -801,6 +801,10 @@ class _FnWatch(TorchFunctionMode):
         self.printed = False  # a tensor printed inside (warned once per trace)
         # state tensors whose .grad the function set to None (zero_grad(), `p.grad = None`)
         self.grad_cleared: Dict[int, torch.Tensor] = {}
+        # state tensors whose .grad the function reads before it sets it to None (an optimizer's
+        # step before its zero_grad(): a .grad there at call time is read), by id
+        self.grad_read_first: Dict[int, torch.Tensor] = {}
+        self._grad_seen: Set[int] = set()
 
     def _input(self, t: Any) -> Optional[int]:
         if not isinstance(t, FakeTensor):
@@ -844,6 +848,7 @@ class _FnWatch(TorchFunctionMode):
                 and getattr(func, "__name__", "") == "__set__" and isinstance(args[0], torch.Tensor)
                 and not isinstance(args[0], FakeTensor)):
             self.grad_cleared[id(args[0])] = args[0]
+            self._grad_seen.add(id(args[0]))  # (set before any read: a .grad there at call time is not read)
         if args and getattr(func, "__self__", None) is _DATA_SET and getattr(func, "__name__", "") == "__set__":
             self._data_set(args[0])
         if args and func in _LAYOUT_READS:
@@ -907,6 +912,10 @@ class _FnWatch(TorchFunctionMode):
         caller = _caller()
         if caller.f_code in _ZERO_GRADS:
             self._zero_grad_reads(t, caller)
+        elif isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor) and id(t) not in self._grad_seen:
+            self.grad_read_first[id(t)] = t
+        if isinstance(t, torch.Tensor):
+            self._grad_seen.add(id(t))
         idx = self._input(t)
         if idx is not None and t is self.inputs[idx]:
             if idx < len(self.grads) and self.grads[idx]:

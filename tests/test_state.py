@@ -2256,3 +2256,26 @@ def test_an_optimizer_stepped_in_a_gradient_hook_is_state_the_step_reaches(devic
         assert_close(g(x), e(x))
         for a, b in zip(m.parameters(), me.parameters()):
             assert_close(a, b)
+
+
+def test_a_zero_grad_before_the_step_keeps_a_gradient_filled_outside_out_of_the_signature():
+    """Which .grads a graphified step reads: zero_grad() first clears what the caller filled (the
+    recording is replayed); a step before zero_grad() reads it (a new signature: see
+    test_a_graphified_update_sees_parameters_that_start_getting_gradients)."""
+    torch.manual_seed(0)
+    m = torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)])
+    o = torch.optim.SGD(m.parameters(), lr=0.1)
+
+    def step(x):
+        o.zero_grad()
+        loss = m[0](x).pow(2).mean()  # the head is not used
+        loss.backward()
+        o.step()
+        return loss.detach()
+
+    f = gt.graphify(step)
+    for i in range(6):
+        if i >= 2:
+            m[1](m[0](torch.randn(3, 4))).sum().backward()  # fills the head's .grad outside
+        f(torch.randn(3, 4))
+    assert f.cache_info().hits >= 3

@@ -97,11 +97,12 @@ class Entry:
         # another signature, where the step updates it and makes its state
         seen = {id(t) for t in self.grad_none}
         self.opt_grad_none: List[torch.Tensor] = []  # (those of them: its state may be made then)
+        read = {id(t) for t in plan.grad_read_first}  # (.grads read before any zero_grad() cleared them)
         for r in plan.roots:
             if isinstance(r.obj, torch.optim.Optimizer):
                 for g in r.obj.param_groups:
                     for q in g["params"]:
-                        if q.grad is None and id(q) not in seen:
+                        if q.grad is None and id(q) not in seen and id(q) in read:
                             seen.add(id(q))
                             self.grad_none.append(q)
                             self.opt_grad_none.append(q)
