@@ -1080,7 +1080,14 @@ class _Tracing:
         if frozen is not None and frozen.written_leaves():
             raise Refreeze(frozen.written_leaves() | set(frozen.no_freeze))
         self.check(host_drew)
-        self.graph(gm)
+        try:
+            self.graph(gm)
+        except GraphifyError as err:
+            # (a tensor the trace stored in state and read back: an optimizer's lazily made
+            # momentum, where the state did not exist yet; the first call may run eagerly)
+            if not hasattr(err, "gt_touched_state"):
+                err.gt_touched_state = bool(self.watch.state)  # type: ignore[attr-defined]
+            raise
         entries, esc_entries = self.outputs()
         watch, fnwatch, scan, paths = self.watch, self.fnwatch, self.box["scan"], self.paths
         state_slots = [self.index.slot_of(t) for t in watch.state]
