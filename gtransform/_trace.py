@@ -955,24 +955,25 @@ class _Tracing:
             # passes the very same tensors (see _lookup)
             frozen = self.watch.frozen
             err.gt_frozen_args = set(frozen.candidates) if frozen is not None else set()  # type: ignore[attr-defined]
-            if frozen is not None and frozen.rewritten:
-                names = ", ".join(self.paths[d] if d < len(self.paths) else f"state tensor {d}"
-                                  for d in sorted(frozen.rewritten))
-                err.args = (str(err) + f"\nThe read depends on {names}, which the function writes in place (a "
-                            "counter, a running statistic): its value changes with every call, so it is not "
-                            "frozen. Fix: keep such a counter as a Python number outside the graphified function "
-                            "(or pass it in as a static argument), keep the test on the device (torch.where), or "
-                            "on_break=\"split\".",)
-            if frozen is not None and frozen.trained:
-                names = ", ".join(self.paths[d] if d < len(self.paths) else f"state tensor {d}"
-                                  for d in sorted(frozen.trained))
-                err.args = (str(err) + f"\nThe read depends on {names}, which require grad: tensors being trained "
-                            "change at every optimizer step (also through .data, which no version counter shows), "
-                            "and a value frozen from them would carry no gradient, so it is not frozen. Fix: "
-                            "on_break=\"split\" (the read runs in Python on every call), or call the function "
-                            "under torch.no_grad() where they do not change (inference).",)
+            if frozen is not None:
+                self._why_not_frozen(err, frozen.rewritten, (
+                    "which the function writes in place (a counter, a running statistic): its value changes "
+                    "with every call, so it is not frozen. Fix: keep such a counter as a Python number outside "
+                    "the graphified function (or pass it in as a static argument), keep the test on the device "
+                    "(torch.where), or on_break=\"split\"."))
+                self._why_not_frozen(err, frozen.trained, (
+                    "which require grad: tensors being trained change at every optimizer step (also through "
+                    ".data, which no version counter shows), and a value frozen from them would carry no "
+                    "gradient, so it is not frozen. Fix: on_break=\"split\" (the read runs in Python on every "
+                    "call), or call the function under torch.no_grad() where they do not change (inference)."))
             raise
         return gm, host_drew
+
+    def _why_not_frozen(self, err: GraphifyError, leaves: Set[int], why: str) -> None:
+        """Say in ``err`` which inputs kept a host read from being frozen, and ``why``."""
+        if leaves:
+            names = ", ".join(self.paths[d] if d < len(self.paths) else f"state tensor {d}" for d in sorted(leaves))
+            err.args = (str(err) + f"\nThe read depends on {names}, {why}",)
 
     def check(self, host_drew: List[str]) -> None:
         """Refuse what the trace did that a replay cannot do as eager does."""
