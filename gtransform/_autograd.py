@@ -28,6 +28,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ._compat import TRANSFORM_VMAP as _VMAP
+from ._compat import autograd_excluded
 from ._compat import DisableTorchFunctionSubclass, retrieve_all_functorch_interpreters
 from ._compat import get_unwrapped as _get_unwrapped
 from ._compat import is_batchedtensor as _is_batched
@@ -43,16 +44,30 @@ __all__ = ["call_with_autograd", "GraphFn", "partition_for", "backward_for", "un
 
 
 class no_functorch:
-    """Run the backward recording outside torch.func's interpreters (first order)."""
+    """Run the backward recording outside torch.func's interpreters (first order).
+
+    Under ``torch.inference_mode()``, torch.func.grad runs the function with inference mode
+    off; clearing its interpreters brings back inference mode's dispatch keys (autograd left
+    out) while inference mode reads as off, so nothing in there would record a gradient (a
+    ``grad`` of zeros). Inference mode is then turned off for real, grad mode kept.
+    """
 
     def __enter__(self) -> None:
-        self.cm = _clear_stack() if _clear_stack is not None else None
-        if self.cm is not None:
-            self.cm.__enter__()
+        self.cms: List[Any] = []
+        if _clear_stack is not None:
+            self._enter(_clear_stack())
+            if autograd_excluded():
+                grad = torch.is_grad_enabled()  # (inference_mode(False) keeps forward-mode AD's)
+                self._enter(torch.inference_mode(False))
+                self._enter(torch.set_grad_enabled(grad))
+
+    def _enter(self, cm: Any) -> None:
+        cm.__enter__()
+        self.cms.append(cm)
 
     def __exit__(self, *exc: Any) -> None:
-        if self.cm is not None:
-            self.cm.__exit__(*exc)
+        for cm in reversed(self.cms):
+            cm.__exit__(*exc)
 
 
 def unwrap(t: torch.Tensor) -> Tuple[torch.Tensor, int]:
@@ -185,7 +200,7 @@ def partition_for(e: Any, need: Tuple[bool, ...], owner: Any, tensors: Sequence[
     part = None
     if any(need) and not e.plan.mutated:
         try:
-            with torch.enable_grad(), _clear_stack() if _clear_stack is not None else _Null():
+            with torch.enable_grad(), no_functorch():
                 part = partition(e.plan, e.guard.metas, need, owner, tensors)
         except Exception as exc:  # the recompute path is always available
             if getattr(exc, "gt_final", False):
@@ -205,14 +220,6 @@ def backward_for(e: Any, need: Tuple[bool, ...], owner: Any) -> Any:
         fn.__qualname__ = fn.__name__ = f"backward of {owner._desc}"
         g = e.bwd[need] = owner._spawn(fn)
     return g
-
-
-class _Null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
 
 
 class GraphFn(torch.autograd.Function):

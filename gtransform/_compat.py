@@ -95,6 +95,7 @@ __all__ = [
     # torch.func's Python interpreters
     "retrieve_all_functorch_interpreters", "coerce_cinterpreter", "temporarily_pop_interpreter_stack",
     "temporarily_clear_interpreter_stack",
+    "autograd_excluded",
     # tensors, autograd and version counters
     "TensorBase", "TENSOR_VERSION_ATTR", "tensor_version", "TENSOR_PRIVATE_SPARSE_READS",
     "DisableTorchFunctionSubclass", "VariableFunctions", "storage_use_count", "increment_version",
@@ -204,6 +205,18 @@ temporarily_pop_interpreter_stack: Any = getattr(_pyfunctorch, "temporarily_pop_
 # the backward recording outside the transforms (_autograd.no_functorch; None: under them).
 # Checked: 2.11 (GPU image; run by the GPU suite), 2.13.0, 2.14.1.
 temporarily_clear_interpreter_stack: Any = getattr(_pyfunctorch, "temporarily_clear_interpreter_stack", None)
+# whether the thread's dispatch keys leave autograd out: clearing the interpreters of a
+# torch.func.grad called under torch.inference_mode() restores inference mode's keys while
+# inference mode reads as off (_autograd.no_functorch then turns it off for real).
+# Checked: 2.11 (GPU image; run by the GPU suite), 2.13.0, 2.14.1.
+_tls_excluded: Any = getattr(torch._C, "_dispatch_tls_is_dispatch_key_excluded", None)
+_AUTOGRAD_KEY: Any = getattr(torch._C.DispatchKey, "AutogradFunctionality", None)
+
+
+def autograd_excluded() -> bool:
+    """Whether autograd is left out of this thread's dispatch (False where torch cannot say)."""
+    return bool(_tls_excluded is not None and _AUTOGRAD_KEY is not None and _tls_excluded(_AUTOGRAD_KEY))
+
 
 
 # -- tensors, autograd and version counters ---------------------------------------------------------

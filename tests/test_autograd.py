@@ -283,6 +283,38 @@ def test_jacrev_through_partitioned_backward(device):
     assert_close(torch.func.jacrev(gt.graphify(fn))(x), torch.func.jacrev(fn)(x))
 
 
+@pytest.mark.parametrize("how", ["grad", "vjp", "jacrev", "aliasing", "closed_over"])
+def test_torch_func_under_inference_mode_gives_eager_gradients(device, how):
+    # torch.func.grad runs its function with inference mode off; the recording's autograd
+    # wrapper used to run with inference mode's dispatch keys back on: zero gradients
+    lin = torch.nn.Linear(3, 3, device=device)
+    fns = {
+        "grad": lambda x: (x.sin() * x).sum(),
+        "vjp": lambda x: x.sin() * x,
+        "jacrev": lambda x: (x.sin() * x[:1]).tanh(),
+        "aliasing": lambda x: (x, (x.sin() ** 2).sum()),  # the recompute path
+        "closed_over": lambda x: lin(x).tanh().sum(),
+    }
+    fn = fns[how]
+    gf = gt.graphify(fn)
+
+    def apply(h, x):
+        if how == "vjp":
+            return torch.func.vjp(h, x)[1](torch.ones_like(x))[0]
+        if how == "jacrev":
+            return torch.func.jacrev(h)(x)
+        if how == "aliasing":
+            return torch.func.grad(lambda t: h(t)[1] + h(t)[0].sum())(x)
+        return torch.func.grad(h)(x)
+
+    for i in range(3):
+        x = torch.randn(3, device=device) + i
+        with torch.inference_mode():
+            got, want = apply(gf, x), apply(fn, x)
+        assert want.abs().sum() > 0
+        assert_close(got, want)
+
+
 # -- never silently wrong ------------------------------------------------------------------
 #
 # Closed-over tensors that require grad (an nn.Module's parameters reached from
