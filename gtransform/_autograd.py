@@ -28,8 +28,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ._compat import TRANSFORM_VMAP as _VMAP
-from ._compat import autograd_excluded
-from ._compat import DisableTorchFunctionSubclass, retrieve_all_functorch_interpreters
+from ._compat import DisableTorchFunctionSubclass, autograd_excluded, retrieve_all_functorch_interpreters
 from ._compat import get_unwrapped as _get_unwrapped
 from ._compat import is_batchedtensor as _is_batched
 from ._compat import is_functorch_wrapped_tensor as _is_wrapped
