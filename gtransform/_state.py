@@ -363,15 +363,36 @@ class GeneratorGuard:
             items = (obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list)
                      else vars(obj).items() if hasattr(obj, "__dict__") and not isinstance(obj, torch.Tensor) else ())
             cands += [(f"{r.name}.{k}" if hasattr(obj, "__dict__") else f"{r.name}[{k!r}]", v) for k, v in items]
-        defaults = [torch.default_generator]
+        self.defaults = [torch.default_generator]
         if torch.cuda.is_available() and torch.cuda.is_initialized():
-            defaults += list(torch.cuda.default_generators)
+            self.defaults += list(torch.cuda.default_generators)
         seen: Set[int] = set()
         for name, v in cands:
-            if isinstance(v, torch.Generator) and id(v) not in seen and all(v is not d for d in defaults):
-                seen.add(id(v))
-                found.append((name, v))
+            _generators_in(name, v, 0, seen, found)
+        found = [(name, g) for name, g in found if all(g is not d for d in self.defaults)]
         self.saved = [(name, g, g.initial_seed(), g.get_state()) for name, g in found]
+
+    def refuse_unknown(self, desc: str, used: Sequence[Tuple[torch.Generator, str]]) -> None:
+        """Refuse a generator the random ops drew from that is none of the caller's (made inside the function).
+
+        ``used``: each generator the trace's random ops took, with the line of its first draw.
+        (The ops see a new Python object for the caller's own generator: it is matched by a
+        probe of the seed, set back at once.)
+        """
+        known = self.defaults + [g for _, g, _, _ in self.saved]
+        for gen, line in used:
+            if not any(_same_generator(gen, k) for k in known):
+                raise GraphifyError(
+                    f"{desc}: a random op draws from a torch.Generator that the function makes "
+                    f"(torch.Generator().manual_seed(...) inside it), or reaches where graphify does not look.\n"
+                    f"  at {line}\n"
+                    "Why: the function runs once, while tracing; eager makes a new generator on every "
+                    "call (the same numbers every call), a recording would go on drawing from the one "
+                    "made while tracing (new numbers every call).\n"
+                    "Fix: make the generator outside the function and pass it as an argument, seeding it "
+                    "before each call where the same numbers are wanted (g.manual_seed(0); f(x, g)); or "
+                    "draw the numbers outside and pass them in."
+                )
 
     def check(self, desc: str, raise_: bool) -> None:
         """Undo a seed or state the trace set on a generator; refuse it where ``raise_``."""
@@ -390,6 +411,47 @@ class GeneratorGuard:
                 f"Fix: seed {changed[0]} outside the function, before each call where the same numbers "
                 "are wanted (g.manual_seed(5); f(x)), or draw them outside and pass them in."
             )
+
+
+def _generators_in(name: str, v: Any, depth: int, seen: Set[int], out: List[Tuple[str, torch.Generator]]) -> None:
+    """The ``torch.Generator`` objects in ``v``: itself, or in its containers, attributes and submodules (3 levels)."""
+    if id(v) in seen or depth > 3:
+        return
+    seen.add(id(v))
+    if isinstance(v, torch.Generator):
+        out.append((name, v))
+        return
+    if isinstance(v, _Module):
+        for sub_name, sub in v.named_modules():
+            for k, x in vars(sub).items():
+                if isinstance(x, torch.Generator) or (k[:1] != "_" and (_plain_object(x) or type(x) in (list, tuple, dict))):
+                    _generators_in(f"{name}.{sub_name}.{k}" if sub_name else f"{name}.{k}", x, depth + 1, seen, out)
+        return
+    if type(v) in (list, tuple):
+        items: Any = enumerate(v)
+    elif type(v) is dict:
+        items = v.items()
+    elif _plain_object(v):
+        items = vars(v).items()
+    else:
+        return
+    for k, x in list(items):
+        _generators_in(f"{name}[{k!r}]" if type(v) in (list, tuple, dict) else f"{name}.{k}", x, depth + 1, seen, out)
+
+
+def _same_generator(a: torch.Generator, b: torch.Generator) -> bool:
+    """Whether ``a`` and ``b`` are one generator (two Python objects of one: a probe of ``b``'s seed)."""
+    if a is b:
+        return True
+    if a.device != b.device:
+        return False
+    state = b.get_state()
+    probe = (b.initial_seed() ^ 0x5DEECE66D) & 0x7FFFFFFFFFFFFFFF or 1
+    b.manual_seed(probe)
+    try:
+        return a.initial_seed() == probe
+    finally:
+        b.set_state(state)
 
 
 def root_modules(roots: Sequence[Root]) -> List[Tuple[str, _Module]]:

@@ -250,6 +250,7 @@ class Plan:
     random: bool
     op_count: int
     generators: List[Any] = field(default_factory=list)
+    generator_at: List[str] = field(default_factory=list)  # the line of each one's first draw
     notes: List[str] = field(default_factory=list)
     # caller's inputs whose storage offset / layout the function reads: keyed on being plain
     layout_idx: Set[int] = field(default_factory=set)
@@ -832,6 +833,7 @@ def trace(
         gens.check(desc, raise_=False)
         raise
     gens.check(desc, raise_=True)
+    gens.refuse_unknown(desc, list(zip(plan.generators, plan.generator_at)))
     return plan
 
 
@@ -1114,6 +1116,7 @@ class _Tracing:
             random=watch.random,
             op_count=watch.ops,
             generators=watch.generators,
+            generator_at=watch.generator_at,
             state=list(watch.state),
             state_slots=state_slots,
             state_names=paths[len(self.fakes):],

@@ -159,6 +159,7 @@ class _Watch(TorchDispatchMode):
         self.ops = 0
         self.lifted: Set[int] = set()  # ids of constants made inside the function
         self.generators: List[torch.Generator] = []  # explicit generators used by random ops
+        self.generator_at: List[str] = []  # the line of each one's first draw
         self.state: List[torch.Tensor] = []
         self.state_fakes: List[FakeTensor] = []
         # state tensors without autograd history when first seen: an in-place write of a value
@@ -333,6 +334,7 @@ class _Watch(TorchDispatchMode):
         gen = kwargs.get("generator")
         if isinstance(gen, torch.Generator) and all(gen is not g for g in self.generators):
             self.generators.append(gen)
+            self.generator_at.append(format_frame(user_frame(traceback.extract_stack())))
         last = None
         if self.cuda:
             if func in _CUDA_REWRITES:

@@ -146,6 +146,63 @@ def test_explicit_generator_draws_fresh_numbers_like_eager(device):
         got = f(x, g1).clone()
 
 
+class _Env:
+    def __init__(self, gen):
+        self.rng = gen
+
+
+class _Noisy(torch.nn.Module):
+    def __init__(self, gen):
+        super().__init__()
+        self.inner = torch.nn.Module()
+        self.inner.gen = gen
+
+    def forward(self, x):
+        return x + torch.randn(x.shape, generator=self.inner.gen, device=x.device)
+
+
+@pytest.mark.parametrize("where", ["closure", "list", "nested_object", "submodule"])
+def test_a_reached_generator_draws_like_eager(device, where):
+    # the random ops see a new Python object for the caller's generator: it is still the caller's
+    if _TORCH < (2, 13):
+        pytest.skip("this torch cannot trace an explicit Generator (see the test above)")
+    gen = torch.Generator(device=device).manual_seed(7)
+    twin = torch.Generator(device=device).manual_seed(7)
+    holder = {"agent": _Env(None)}
+    holder["agent"].env = _Env(gen)
+    gens = [gen]
+    fns = {
+        "closure": lambda x: x + torch.randn(x.shape, generator=gen, device=x.device),
+        "list": lambda x: x + torch.randn(x.shape, generator=gens[0], device=x.device),
+        "nested_object": lambda x: x + torch.randn(x.shape, generator=holder["agent"].env.rng, device=x.device),
+        "submodule": _Noisy(gen),
+    }
+    f = gt.graphify(fns[where])
+    x = torch.zeros(5, device=device)
+    for _ in range(4):
+        got = f(x).clone()
+        assert torch.equal(got, x + torch.randn(x.shape, generator=twin, device=device))
+    assert gen.initial_seed() == 7
+
+
+def test_a_generator_made_inside_the_function_is_refused(device):
+    # eager makes and seeds it on every call (the same numbers every call); a recording would
+    # go on drawing from the one the trace made
+    if _TORCH < (2, 13):
+        pytest.skip("this torch cannot trace an explicit Generator (see the test above)")
+
+    def noisy(x):
+        g = torch.Generator(device=x.device).manual_seed(0)
+        return x + torch.randn(x.shape, generator=g, device=x.device)  # DRAW-LINE
+
+    f = gt.graphify(noisy)
+    x = torch.zeros(3, device=device)
+    with pytest.raises(gt.GraphifyError, match=r"(?s)torch\.Generator that the function makes.*DRAW-LINE.*"
+                       r"Fix: make the generator outside the function and pass it"):
+        for _ in range(3):
+            f(x)
+
+
 def test_dropout_mask_of_a_transposed_activation_under_autograd_is_eagers(device):
     """Under autograd the forward is a functionalized, partitioned graph, where dropout's
     empty_like(x).bernoulli_(p) had become bernoulli(x, p): contiguous whatever x's strides,
