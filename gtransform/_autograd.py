@@ -29,6 +29,7 @@ import torch
 
 from ._compat import TRANSFORM_VMAP as _VMAP
 from ._compat import DisableTorchFunctionSubclass, autograd_excluded, retrieve_all_functorch_interpreters
+from ._compat import backward_keeps_graph as _keeps_graph
 from ._compat import get_unwrapped as _get_unwrapped
 from ._compat import is_batchedtensor as _is_batched
 from ._compat import is_functorch_wrapped_tensor as _is_wrapped
@@ -349,7 +350,9 @@ class GraphFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Tuple[Any, ...]:  # type: ignore[override]
         box: _Box = ctx.box
-        box.keep = None  # the nodes after this one, which may have saved the outputs, have run
+        if _keeps_graph is None or not _keeps_graph():
+            box.keep = None  # the nodes after this one, which may have saved the outputs, have run
+        # (backward(retain_graph=True): they may run again, with what they saved)
         need = tuple(bool(n) for n in ctx.needs_input_grad[1:])
         if box.part is not None:
             return (None, *_partitioned_backward(box, ctx.saved_tensors, grads, need))

@@ -95,7 +95,7 @@ __all__ = [
     # torch.func's Python interpreters
     "retrieve_all_functorch_interpreters", "coerce_cinterpreter", "temporarily_pop_interpreter_stack",
     "temporarily_clear_interpreter_stack",
-    "autograd_excluded",
+    "autograd_excluded", "backward_keeps_graph",
     # tensors, autograd and version counters
     "TensorBase", "TENSOR_VERSION_ATTR", "tensor_version", "TENSOR_PRIVATE_SPARSE_READS",
     "DisableTorchFunctionSubclass", "VariableFunctions", "storage_use_count", "increment_version",
@@ -141,6 +141,7 @@ OPTIONAL: Dict[str, str] = {
     "aten_linalg_check_errors": "None where the op is missing: nothing to refuse",
     "LR_SCHEDULER_LEGACY_BASE": "None where torch dropped the alias: LRScheduler covers it",
     "temporarily_clear_interpreter_stack": "None: the backward recording runs under the interpreters",
+    "backward_keeps_graph": "None: outputs are let go after the first backward, even with retain_graph=True",
     "unsafe_set_version_counter": "None: a take-back keeps the bumped version counter",
     "TRANSFORM_GRAD": "None: no call counts as under torch.func.grad",
     "TRANSFORM_VMAP": "None: no call counts as under torch.func.vmap",
@@ -211,6 +212,13 @@ temporarily_clear_interpreter_stack: Any = getattr(_pyfunctorch, "temporarily_cl
 # Checked: 2.11 (GPU image; run by the GPU suite), 2.13.0, 2.14.1.
 _tls_excluded: Any = getattr(torch._C, "_dispatch_tls_is_dispatch_key_excluded", None)
 _AUTOGRAD_KEY: Any = getattr(torch._C.DispatchKey, "AutogradFunctionality", None)
+
+
+# whether the backward running now was asked to keep its graph (backward(retain_graph=True)):
+# _autograd.GraphFn keeps its outputs' memory for a second backward then. None where missing:
+# the outputs are let go after the first backward, and a second one after another call raises
+# torch's "modified by an inplace operation". Checked: 2.13.0, 2.14.1 (2.11: the GPU suite).
+backward_keeps_graph: Any = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
 
 
 def autograd_excluded() -> bool:

@@ -126,6 +126,28 @@ def test_an_output_saved_by_an_eager_loss_survives_a_second_call_before_backward
             assert_close(q.grad, p.grad)
 
 
+@pytest.mark.parametrize("partitioned", [True, False], ids=["partitioned", "recompute"])
+def test_a_retained_graph_backpropagates_again_after_another_call(device, partitioned):
+    """backward(retain_graph=True), another call, then the retained graph's backward again."""
+    torch.manual_seed(3)
+    eager = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).to(device)
+    mod = copy.deepcopy(eager)
+    # an output that is an input as it came in takes the recompute path
+    g = gt.graphify(mod if partitioned else (lambda x: (mod(x), x)))
+    call = g if partitioned else (lambda x: g(x)[0])
+    F = torch.nn.functional
+    for step in range(3):
+        x, t = torch.randn(5, 3, device=device) + step, torch.randn(5, 2, device=device)
+        for m, f in ((eager, eager), (mod, call)):
+            m.zero_grad()
+            loss = F.mse_loss(f(x), t)  # saves f(x) for its backward
+            loss.backward(retain_graph=True)
+            f(2 * x)  # another call, its output dropped
+            loss.backward()
+        for p, q in zip(eager.parameters(), mod.parameters()):
+            assert_close(q.grad, p.grad)
+
+
 def test_a_held_output_still_raises_on_the_autograd_path(device):
     torch.manual_seed(3)
     m = nn.Linear(3, 2).to(device)
