@@ -586,7 +586,8 @@ class CUDARecording(Recording):
         if self.escapes is not None:
             self.escapes.reuse = True
         self.graph: Optional[torch.cuda.CUDAGraph] = None
-        self.device = next((t.device for t in tensors), torch.device("cuda", torch.cuda.current_device()))
+        # (the first CUDA tensor's: an optimizer's step counts may be CPU scalars read first)
+        self.device = next((t.device for t in tensors if t.is_cuda), torch.device("cuda", torch.cuda.current_device()))
         # Output generations (see Recording._maybe_retire): the first is captured in
         # the function's pool, later ones each in a private pool of their own,
         # so that no generation's intermediates overlap another's outputs. The
