@@ -406,9 +406,9 @@ def _unpoisoned(saved: Sequence[torch.Tensor]) -> List[torch.Tensor]:
 def _recompute_backward(ctx: Any, box: _Box, grads: Sequence[Any], need: Tuple[bool, ...], bwd: Any,
                         create_graph: bool, batched: bool) -> Tuple[Any, ...]:
     if batched:
-        if _differentiated_again() or (box.outer and torch.is_grad_enabled()):
+        if _differentiated_again():
             raise _higher_order(box.g._desc)
-        got = _eager_backward(box.entry.plan.gm, _unpoisoned(ctx.saved_tensors), grads, need)
+        got = _outer_graph(box, _eager_backward(box.entry.plan.gm, _unpoisoned(ctx.saved_tensors), grads, need))
         return (None, *[got.pop(0) if n else None for n in need])
     with no_functorch():
         prims, depth = [], 0
@@ -472,9 +472,9 @@ def _partitioned_backward(box: _Box, saved: Sequence[torch.Tensor], grads: Seque
     res: Optional[List[Any]] = None
     if any(unwrap(t)[1] < 0 for t in list(saved) + list(tangents)):
         # vmap over the backward (jacrev): the backward graph, eagerly
-        if _differentiated_again() or (box.outer and torch.is_grad_enabled()):
+        if _differentiated_again():
             raise _higher_order(box.g._desc)
-        res = _to_autograd(list(part.bw_gm(*saved, *tangents)))
+        res = _outer_graph(box, _to_autograd(list(part.bw_gm(*saved, *tangents))))
     else:
         create_graph = torch.is_grad_enabled()
         with no_functorch():
@@ -522,7 +522,7 @@ def _gradient_differentiated(desc: str) -> GraphifyError:
     """The refusal of :class:`_NotDifferentiable`: a torch.func gradient differentiated by an outer backward."""
     return GraphifyError(
         f"{desc}: higher-order differentiation through a graphified function: a gradient that torch.func "
-        "(grad, vjp) computed through it is differentiated again by a backward outside the transform, "
+        "(grad, vjp, jacrev) computed through it is differentiated again by a backward outside the transform, "
         "whose inputs require grad there too (a gradient penalty on torch.func.grad(f)(w); MAML's inner "
         "step p - lr * torch.func.grad(inner)(p), then loss.backward()).\n"
         "Why: the backward pass is a recording; its result is not differentiable again (eager's gradient "
@@ -535,12 +535,20 @@ def _gradient_differentiated(desc: str) -> GraphifyError:
 
 
 class _NotDifferentiable(torch.autograd.Function):
-    """A gradient that eager could differentiate again, and whose backward refuses to."""
+    """A gradient that eager could differentiate again, and whose backward refuses to.
+
+    (Also under torch.func.vmap: jacrev's vmapped backward.)
+    """
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx: Any, desc: str, r: torch.Tensor, *deps: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        ctx.desc = desc
+    def forward(desc: str, r: torch.Tensor, *deps: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         return r.view_as(r)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: Tuple[Any, ...], output: Any) -> None:
+        ctx.desc = inputs[0]
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:  # type: ignore[override]

@@ -315,6 +315,24 @@ def test_torch_func_under_inference_mode_gives_eager_gradients(device, how):
         assert_close(got, want)
 
 
+@pytest.mark.parametrize("path", ["partitioned", "recompute"])
+def test_jacrev_with_closed_over_parameters_that_require_grad(device, path):
+    # eager's Jacobian depends on the parameters again (it requires grad); the recording's
+    # is a value that requires grad too, and whose backward refuses (it was refused outright)
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh()).to(device)
+    fn = m if path == "partitioned" else (lambda x: (m(x), x))  # an input returned: recompute
+    g = gt.graphify(fn)
+    first = (lambda h: h) if path == "partitioned" else (lambda h: (lambda t: h(t)[0]))
+    for i in range(3):
+        x = torch.randn(3, device=device) + i
+        got, want = torch.func.jacrev(first(g))(x), torch.func.jacrev(first(fn))(x)
+        assert_close(got, want)
+        assert got.requires_grad == want.requires_grad
+    with pytest.raises(gt.GraphifyError, match=r"(?s)differentiated again.*Fix:"):
+        got.sum().backward()
+
+
 # -- never silently wrong ------------------------------------------------------------------
 #
 # Closed-over tensors that require grad (an nn.Module's parameters reached from
