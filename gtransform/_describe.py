@@ -21,6 +21,7 @@ from ._sized import describe_lines as size_lines
 from ._sized import explain_line as size_line
 from ._sized import pad_size
 from ._symbolic import sizes_line
+from ._tree import leaf_paths, unflatten
 
 __all__ = ["trace", "describe", "explain"]
 
@@ -51,6 +52,12 @@ def describe(g: Any) -> str:
     return "\n".join(lines)
 
 
+def _short(v: Any) -> str:
+    """A static value for describe(): its repr, cut at 80 characters."""
+    r = repr(v)
+    return r if len(r) <= 80 else r[:77] + "..."
+
+
 def _signature_lines(n: int, e: Entry, pools: Dict[Any, int]) -> List[str]:
     rec = e.rec
     backend = "cuda" if e.cuda else "cpu"
@@ -74,8 +81,12 @@ def _signature_lines(n: int, e: Entry, pools: Dict[Any, int]) -> List[str]:
             how += ", updated in place"
         what = "state" if i >= e.n_user else "in   "
         lines.append(f"  {what} {path}: {meta[3]} {list(meta[1])} ({how})")
-    for i, v in e.const_vals.items():
-        lines.append(f"  static leaf {i}: {v!r}")
+    if e.statics or e.const_vals:
+        paths = leaf_paths(unflatten(e.spec, [0] * e.n_leaves), statics=e.statics)
+        for w, v, _k in sorted(e.statics, key=lambda s: (isinstance(s[0], str), s[0])):
+            lines.append(f"  static {f'args[{w}]' if isinstance(w, int) else f'kwargs[{w!r}]'}: {_short(v)}")
+        for i, v in e.const_vals.items():
+            lines.append(f"  static {paths[i]}: {_short(v)}")
     for k, oe in enumerate(e.plan.out_entries):
         if oe.kind == "const":
             lines.append(f"  out {k}: constant {oe.value!r}")

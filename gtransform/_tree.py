@@ -47,25 +47,38 @@ def unflatten(spec: optree.PyTreeSpec, leaves: Sequence[Any]) -> Any:
     return optree.tree_unflatten(spec, leaves)
 
 
-def leaf_paths(tree: Any, root: str = "args") -> List[str]:
+def leaf_paths(tree: Any, root: str = "args", statics: Sequence[Any] = ()) -> List[str]:
     """Human paths of every leaf, e.g. ``args[0]['w']`` or ``kwargs['lr']``.
 
     ``tree`` is the ``(args, kwargs)`` pair for inputs (``root="args"``), or an
-    output tree (``root="output"``).
+    output tree (``root="output"``). ``statics``: the call's static arguments
+    ``(where, value, key)``, taken out of ``tree``: positions count them, as the
+    caller passed the arguments (``f(n, x)`` with ``n`` static: ``x`` is ``args[1]``).
     """
     accessors = optree.tree_flatten_with_accessor(tree, none_is_leaf=False, namespace=NAMESPACE)[0]
+    skipped = sorted(s[0] for s in statics if isinstance(s[0], int))
     out = []
     for acc in accessors:
         code = acc.codify("")
         if root == "args":
             if code.startswith("[0]"):
-                code = "args" + code[3:]
+                code = "args" + (_renumbered(code[3:], skipped) if skipped else code[3:])
             elif code.startswith("[1]"):
                 code = "kwargs" + code[3:]
         else:
             code = root + code
         out.append(code)
     return out
+
+
+def _renumbered(code: str, skipped: Sequence[int]) -> str:
+    """``[k]...`` of the k-th non-static argument as the position the caller passed it at."""
+    end = code.index("]")
+    k = int(code[1:end])
+    for p in skipped:  # (ascending)
+        if p <= k:
+            k += 1
+    return f"[{k}]{code[end + 1:]}"
 
 
 class _NaN:

@@ -139,3 +139,20 @@ def test_the_fast_path_sees_an_argument_that_is_or_views_state_written_in_place(
     a, a_ref = torch.ones(3, device=device), torch.ones(3, device=device)
     assert_close(gh(a, a), h(a_ref, a_ref))  # the same object twice: 4, not 2 + 1
     assert_close(a, a_ref)
+
+
+def test_describe_shows_static_values_and_paths_count_static_arguments():
+    # f(n, x) with n static: x is args[1] in describe() and in errors, as the caller passed it
+    def f(n, x, y=None, scale=1.0):
+        return x * n * scale + (0 if y is None else y["b"])
+
+    g = gt.graphify(f, static_argnums=(0,), static_argnames=("scale",))
+    x = torch.ones(2)
+    for n in (2, 3):
+        assert_close(g(n, x, {"b": 7, "c": torch.ones(2)}, scale=0.5), f(n, x, {"b": 7}, scale=0.5))
+    text = g.describe()
+    assert "in    args[1]: torch.float32 [2]" in text and "in    args[2]['c']" in text
+    assert "static args[0]: 2" in text and "static args[0]: 3" in text
+    assert "static kwargs['scale']: 0.5" in text and "static args[2]['b']: 7" in text
+    with pytest.raises(gt.GraphifyError, match=r"input args\[1\] is a torch.sparse_coo tensor"):
+        g(2, torch.ones(2).to_sparse())

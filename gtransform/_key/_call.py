@@ -46,14 +46,14 @@ def call_key(desc: str, leaves: Sequence[Any], spec: Any, tree: Any, statics: Tu
     device = ts[0].device if ts else None
     for i, t in zip(tpos, ts):
         if not _plain(t) or t.device != device:
-            _refuse(desc, leaves, tree, i)
+            _refuse(desc, leaves, tree, i, statics)
     alias = (alias_pattern(ts), same_objects(ts), tensor_bits(ts))
     parts: List[Any] = []
     try:
         for x in leaves:
             parts.append(tensor_meta(x) if isinstance(x, torch.Tensor) else static_leaf_key(x))
     except TypeError:
-        _refuse(desc, leaves, tree, len(parts))
+        _refuse(desc, leaves, tree, len(parts), statics)
     return CallKey((spec, tuple(parts), alias, statics, glob, dict_orders(tree)), parts, tpos, device, [])
 
 
@@ -63,13 +63,13 @@ def _plain(t: torch.Tensor) -> bool:
             and t.device.type != "meta" and not t.is_quantized)
 
 
-def _refuse(desc: str, leaves: Sequence[Any], tree: Any, i: int) -> None:
+def _refuse(desc: str, leaves: Sequence[Any], tree: Any, i: int, statics: Sequence[Any] = ()) -> None:
     """Raise the error of the leaf at ``i``, which a recording cannot take, with its path and the fix."""
     x = leaves[i]
     if isinstance(x, StaleOutput):
         msg = stale_message(x)
-        raise OverwrittenOutputError(f"{msg}\n(passed as input {leaf_paths(tree)[i]} to {desc})")
-    paths = leaf_paths(tree)
+        raise OverwrittenOutputError(f"{msg}\n(passed as input {leaf_paths(tree, statics=statics)[i]} to {desc})")
+    paths = leaf_paths(tree, statics=statics)
     if not isinstance(x, torch.Tensor):
         raise TypeError(
             f"{desc}: the non-tensor leaf {paths[i]} of type {type(x).__name__} is not "

@@ -57,7 +57,7 @@ class Call:
     def paths(self) -> List[str]:
         """The leaves' paths (``args[0]['w']``), for messages."""
         if self._paths is None:
-            self._paths = leaf_paths(self.tree) if self.tree is not None else [f"leaf {i}" for i in range(len(self.leaves))]
+            self._paths = leaf_paths(self.tree, statics=self.statics) if self.tree is not None else [f"leaf {i}" for i in range(len(self.leaves))]
         return self._paths
 
 
