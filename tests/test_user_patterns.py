@@ -825,6 +825,33 @@ def test_state_rebound_or_growing_before_every_call_warns_once_with_the_fix():
 
 
 
+@pytest.mark.parametrize("change", ["requires_grad", "dtype"])
+def test_state_whose_metadata_keeps_changing_warns_with_what_changed(change):
+    """The warning names the field that changed (it printed `float32[8, 4] -> float32[8, 4]`
+    for a requires_grad toggle) and the fix for that field, not the growing cache's."""
+    import warnings
+
+    m = nn.Linear(4, 3)
+    fn = lambda x: m(x.to(m.weight.dtype)).float()  # noqa: E731 (the argument's dtype stays)
+    g = gt.graphify(fn)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        for step in range(12):
+            if change == "requires_grad":
+                m.weight.requires_grad_(step % 2 == 0)
+            else:
+                m.to(torch.float64 if step % 2 else torch.float32)
+            x = torch.randn(2, 4)
+            assert_close(g(x), fn(x))
+    msgs = [str(x.message) for x in w if issubclass(x.category, gt.RerecordWarning)]
+    assert msgs
+    if change == "requires_grad":
+        assert "state m.weight: requires_grad " in msgs[0] and "frozen and unfrozen" in msgs[0]
+    else:
+        assert "state m.weight: dtype torch.float" in msgs[0] and "convert it once" in msgs[0]
+    assert "KV cache" not in msgs[0]
+
+
 def test_a_growing_kv_cache_argument_warns_with_the_static_cache_fix():
     import warnings
 

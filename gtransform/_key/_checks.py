@@ -342,16 +342,24 @@ def _guard_explain(e: Any, call: Call) -> List[str]:
         x = call.leaves[i] if i < len(call.leaves) else None
         if not isinstance(x, torch.Tensor):
             continue
-        old, new = e.guard.metas[k], tensor_meta(x)
-        for j, name in ((1, "shape"), (3, "dtype"), (2, "strides"), (5, "requires_grad"), (4, "device"), (0, "type")):
-            if old[j] != new[j]:
-                out.append(f"{call.paths[i]}: {name} {old[j]} -> {new[j]}")
+        out += _meta_diffs(call.paths[i], e.guard.metas[k], tensor_meta(x))
     state = e.resolve_state() if e.state_src else []
     for k, t in enumerate(state or ()):
-        old, new = e.guard.metas[e.n_user + k], tensor_meta(t)
-        if old != new:
-            out.append(f"state {e.plan.state_names[k]}: {old[3]}{list(old[1])} -> {new[3]}{list(new[1])}")
+        out += _meta_diffs(f"state {e.plan.state_names[k]}", e.guard.metas[e.n_user + k], tensor_meta(t))
     return out
+
+
+_META_FIELDS = ((1, "shape"), (3, "dtype"), (2, "strides"), (5, "requires_grad"), (4, "device"), (0, "type"))
+
+
+def _meta_diffs(label: str, old: Any, new: Any) -> List[str]:
+    """Lines "label: field old -> new" for each field of :func:`tensor_meta` that differs."""
+    return [f"{label}: {name} {_meta_value(old[j])} -> {_meta_value(new[j])}"
+            for j, name in _META_FIELDS if old[j] != new[j]]
+
+
+def _meta_value(v: Any) -> Any:
+    return v.__name__ if isinstance(v, type) else v
 
 
 def _env_code(e: Any, n: Names) -> List[str]:

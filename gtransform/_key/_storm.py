@@ -173,11 +173,20 @@ def explain_state_storm(desc: str, log: List[List[str]], calls: int) -> str:
     lines += [f"  {last[w]}" + (f" ({counts[w]} times)" if counts[w] > 1 else "") for w in whats[:6]]
     texts = list(last.values())
     fixes = []
-    if any(" -> " in t and t.startswith("state ") for t in texts):
+    if any(t.startswith("state ") and ": shape " in t for t in texts):
         fixes.append("A state tensor changes shape between calls (a KV cache that grows, such as "
                      "transformers' DynamicCache): keep it at a fixed size and write into it in place "
                      "(transformers' StaticCache with cache_position; a preallocated buffer and a mask), "
                      "or keep the growing part outside the graphified function.")
+    if any(t.startswith("state ") and ": requires_grad " in t for t in texts):
+        fixes.append("A state tensor's requires_grad keeps changing between calls (layers frozen and "
+                     "unfrozen): each setting is a signature of its own. Keep it fixed, and leave a layer out "
+                     "of training inside the function instead (its output under torch.no_grad(), or .detach()).")
+    if any(t.startswith("state ") and (": dtype " in t or ": device " in t or ": strides " in t or ": type " in t)
+           for t in texts):
+        fixes.append("A state tensor keeps changing dtype, device, layout or type between calls (model.double() "
+                     "then model.float(), .to(), a parameter replaced by a plain tensor): convert it once, "
+                     "before the calls.")
     if any("rebound between calls" in t for t in texts):
         fixes.append("A state tensor is bound to a new tensor before every call (model.h = h.detach()): "
                      "keep one tensor there and write the new values into it in place "
