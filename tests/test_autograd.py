@@ -287,6 +287,8 @@ def test_jacrev_through_partitioned_backward(device):
 def test_torch_func_under_inference_mode_gives_eager_gradients(device, how):
     # torch.func.grad runs its function with inference mode off; the recording's autograd
     # wrapper used to run with inference mode's dispatch keys back on: zero gradients
+    if tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13):
+        pytest.skip("torch.func under inference_mode fails in eager before torch 2.13 (inference tensors saved)")
     lin = torch.nn.Linear(3, 3, device=device)
     fns = {
         "grad": lambda x: (x.sin() * x).sum(),
