@@ -27,6 +27,7 @@ shared pool would overwrite one piece's outputs with the next one's. Nothing her
 from __future__ import annotations
 
 import itertools
+import operator
 import warnings
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence
@@ -67,7 +68,7 @@ class GraphBackend:
         piece._keep_held = self.keep  # its outputs held across its next call keep their values
         piece._dynamo_piece = True  # (its tensors' Python attributes are dynamo's to guard: see _lookup)
         self.pieces.append(weakref.ref(piece))
-        return _Piece(piece, gm)
+        return _Piece(piece, gm, _scalar_ints(gm, example_inputs))
 
     def live(self) -> List[Any]:
         """The pieces made so far that dynamo still holds, in order."""
@@ -83,14 +84,18 @@ class _Piece:
     function still runs, and never silently eagerly.
     """
 
-    __slots__ = ("piece", "gm", "eager", "__weakref__")
+    __slots__ = ("piece", "gm", "eager", "scalars", "__weakref__")
 
-    def __init__(self, piece: Any, gm: torch.fx.GraphModule):
+    def __init__(self, piece: Any, gm: torch.fx.GraphModule, scalars: Any = None):
         self.piece, self.gm, self.eager = piece, gm, False
+        # (position, device) of each int the graph only combines with tensors (see _scalar_ints)
+        self.scalars = scalars
 
     def __call__(self, *args: Any) -> Any:
         if self.eager:
             return self.gm(*args)
+        if self.scalars:
+            args = tuple(_as_tensors(args, self.scalars))
         try:
             return self.piece(*args)
         except GraphifyError as e:
@@ -99,6 +104,58 @@ class _Piece:
             warnings.warn(f"{self.piece._desc}: this piece cannot be recorded, so it runs eagerly from now "
                           f"on (the rest stays recorded). The reason:\n{e}", EagerWarning, stacklevel=2)
             return self.gm(*args)
+
+
+# Arithmetic where an int and a 0-dim int64 tensor give the same dtype and values, when the
+# other operand is a tensor with dimensions or of a floating or complex type (a 0-dim integer
+# tensor would promote to int64 with a tensor, but not with an int). Not pow: an int exponent
+# takes other kernels (x ** 2 is x * x) than a tensor one.
+_SCALAR_FNS = frozenset([operator.add, operator.sub, operator.mul, operator.truediv,
+                         torch.add, torch.sub, torch.mul, torch.div, torch.true_divide])
+_SCALAR_METHODS = frozenset(["add", "sub", "mul", "div", "true_divide", "__add__", "__radd__", "__sub__",
+                             "__rsub__", "__mul__", "__rmul__", "__truediv__", "__rtruediv__"])
+
+
+def _scalar_ints(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Optional[List[Any]]:
+    """The int inputs (``SymInt`` in dynamo's examples) that the graph only combines with tensors.
+
+    Dynamo passes a Python number that changes (a step counter) as an input of the graph; a
+    recording would take it as a static value, a signature (a trace and a capture) per value.
+    Where its every use is arithmetic with a tensor, a 0-dim int64 tensor computes the same:
+    it is passed as one, on the device of the graph's tensors, and copied into its static
+    buffer like any input. Returns ``[(position, device), ...]``, or None.
+    """
+    phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(phs) != len(example_inputs):
+        return None
+    device = next((x.device for x in example_inputs if isinstance(x, torch.Tensor)), None)
+    if device is None:
+        return None
+    out = [(k, device) for k, (ph, ex) in enumerate(zip(phs, example_inputs))
+           if isinstance(ex, torch.SymInt) and ph.users and all(_with_a_tensor(u, ph) for u in ph.users)]
+    return out or None
+
+
+def _with_a_tensor(use: torch.fx.Node, ph: torch.fx.Node) -> bool:
+    """Whether ``use`` is arithmetic of ``ph`` with a tensor, where an int or a 0-dim int64 tensor agree."""
+    if not ((use.op == "call_function" and use.target in _SCALAR_FNS)
+            or (use.op == "call_method" and use.target in _SCALAR_METHODS)):
+        return False
+    if len(use.args) != 2 or ph in use.kwargs.values():
+        return False
+    other = use.args[1] if use.args[0] is ph else use.args[0] if use.args[1] is ph else None
+    v = other.meta.get("example_value") if isinstance(other, torch.fx.Node) else None
+    return isinstance(v, torch.Tensor) and (v.dim() > 0 or v.is_floating_point() or v.is_complex())
+
+
+def _as_tensors(args: Sequence[Any], scalars: List[Any]) -> List[Any]:
+    """``args`` with the ints at ``scalars``' positions as 0-dim int64 tensors (see _scalar_ints)."""
+    out = list(args)
+    for k, device in scalars:
+        v = out[k]
+        if type(v) is int:
+            out[k] = torch.tensor(v, dtype=torch.int64, device=device)
+    return out
 
 
 def backend_options(mode: Optional[str], options: Optional[Dict[str, Any]]) -> Dict[str, Any]:

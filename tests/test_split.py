@@ -455,3 +455,32 @@ def test_split_takes_over_reads_of_index_arguments_of_a_new_shape_every_call():
             assert_close(g(ids), f(ids))
     assert "ran split by TorchDynamo" in g.describe()
     assert g.cache_info().misses <= 3
+
+
+def _counted(x, n, k):
+    y = x * 2
+    if y.float().sum() > 0:  # a host read: a break
+        y = y + 1
+    # n (a step counter) only meets tensors in arithmetic; k also sizes a tensor
+    return y * n + n, n - y, y / n, (x.float().sum() * n), torch.ones(k, device=x.device) * k
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int32, torch.bool, torch.float16])
+def test_a_step_counter_passed_to_a_piece_is_one_signature_not_one_per_value(device, dtype):
+    # dynamo passes a Python number that changes as an input of the piece after the break: it
+    # was a static value there, a trace and a capture for every value of the counter
+    f = gt.graphify(_counted, on_break="split")
+    base = (torch.arange(6, device=device) % 3).to(dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", gt.RerecordWarning)
+        for n in range(1, 25):
+            x = base.clone()  # (a new tensor each call: the read is the call's data, not frozen)
+            got, want = f(x, n, 2), _counted(x, n, 2)
+            for g, w in zip(got, want):
+                assert g.dtype == w.dtype and torch.equal(g, w), (n, g, w)
+    counts = [h.cache_info().currsize for h in f._breaks.backend.live()]
+    assert max(counts) <= 2, counts
+    # a number that sizes a tensor stays a value of the signature (and is right)
+    for k in (3, 4):
+        x = base.clone()
+        assert torch.equal(f(x, 5, k)[-1], _counted(x, 5, k)[-1])
