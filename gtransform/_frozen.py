@@ -105,8 +105,15 @@ def _short(v: Any) -> str:
 class Frozen:
     """The sources of a trace's fakes, the storages it writes, and the reads it froze."""
 
-    def __init__(self, n_in: int, stable: Dict[int, torch.Tensor], no_freeze: FrozenSet[int]):
+    def __init__(self, n_in: int, stable: Dict[int, torch.Tensor], no_freeze: FrozenSet[int],
+                 in_storages: Sequence[Any] = ()):
         self.n_in = n_in
+        # input index -> the real tensor's storage (the caller's arguments', then state's): an
+        # argument that is also closed over (or its view) has a fake of its own in the trace,
+        # but a write through one is a write of the other
+        self.real_storage: Dict[int, Any] = dict(enumerate(in_storages))
+        self.written_real: Set[Any] = set()  # real storages of inputs written in place
+        self._leaves_of: Dict[Any, List[int]] = {}  # a fake storage -> the inputs over it
         self.stable = stable  # argument index -> the caller's tensor, where it may be frozen
         self.no_freeze = no_freeze  # input indices whose reads stay errors (written by the function)
         self.written: Set[Any] = set()  # storages of fakes written in place
@@ -125,8 +132,12 @@ class Frozen:
         """Mark ``fake`` as input ``idx`` of the trace (``real``: the caller's or the state's tensor)."""
         if idx in self.no_freeze or (idx < self.n_in and idx not in self.stable):
             real = None
+        if idx >= self.n_in and real is not None:
+            self.real_storage[idx] = StorageWeakRef(real.untyped_storage())
         fake.__dict__[_SRC] = ("leaf", real, frozenset((idx,)))
-        self.leaf_storage[idx] = StorageWeakRef(fake.untyped_storage())
+        key = StorageWeakRef(fake.untyped_storage())
+        self.leaf_storage[idx] = key
+        self._leaves_of.setdefault(key, []).append(idx)
         if real is not None:
             self.leaf_reals[idx] = real
 
@@ -138,7 +149,12 @@ class Frozen:
                     continue
                 v = args[i] if (i < len(args) and not a.kwarg_only) else kwargs.get(a.name)
                 for t in _tensors(v):
-                    self.written.add(StorageWeakRef(t.untyped_storage()))
+                    key = StorageWeakRef(t.untyped_storage())
+                    self.written.add(key)
+                    for idx in self._leaves_of.get(key, ()):
+                        rs = self.real_storage.get(idx)
+                        if rs is not None:
+                            self.written_real.add(rs)
         outs = _tensors(out)
         if not outs or seeded or kwargs.get("generator") is not None:
             return
@@ -188,7 +204,7 @@ class Frozen:
             real_args = [self._real(a) for a in args]
             real_kwargs = {k: self._real(v) for k, v in kwargs.items()}
         except _NotFrozen:
-            self.rewritten |= {d for d in deps if self.leaf_storage.get(d) in self.written}
+            self.rewritten |= {d for d in deps if self._was_written(d)}
             return NO_VALUE
         with _disable_current_modes(), torch.no_grad():
             value = func(*real_args, **real_kwargs)
@@ -260,8 +276,8 @@ class Frozen:
             raise _NotFrozen
         if src[0] == "leaf":
             real = src[1]
-            if real is None:
-                raise _NotFrozen
+            if real is None or (len(src[2]) == 1 and self._was_written(next(iter(src[2])))):
+                raise _NotFrozen  # (an input written through another one over its memory)
         else:
             _, func, args, kwargs, k, _deps = src
             ra = [self._real(a) for a in args]
@@ -272,9 +288,13 @@ class Frozen:
         self._memo[id(v)] = (v, real)
         return real
 
+    def _was_written(self, idx: int) -> bool:
+        """Whether input ``idx``'s memory was written so far: through its fake, or another input's over it."""
+        return self.leaf_storage.get(idx) in self.written or self.real_storage.get(idx) in self.written_real
+
     def written_leaves(self) -> Set[int]:
         """Frozen inputs the function wrote (before or after the read)."""
-        return {d for d in self.versions if self.leaf_storage.get(d) in self.written}
+        return {d for d in self.versions if self._was_written(d)}
 
 
 class Held:

@@ -755,13 +755,15 @@ class _Inputs:
     attrs: List[Optional[Dict[str, Any]]]  # its Python attributes (t.__dict__), set on the stand-in
     histories: List[Any]  # its grad_fn in the caller's graph (None: a leaf): what is_leaf / grad_fn read
     bits: List[Tuple[bool, bool, bool]]  # conjugate, negative, inference (part of the signature)
+    storages: List[Any]  # weak references to their storages (which inputs share memory with state)
 
     @classmethod
     def of(cls, tensors: Sequence[torch.Tensor]) -> _Inputs:
         return cls([(tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad) for t in tensors],
                    [plain_layout(t) for t in tensors], [has_grad(t) for t in tensors],
                    [dict(t.__dict__) or None for t in tensors], [t.grad_fn for t in tensors],
-                   [(t.is_conj(), t.is_neg(), t.is_inference()) for t in tensors])
+                   [(t.is_conj(), t.is_neg(), t.is_inference()) for t in tensors],
+                   [StorageWeakRef(t.untyped_storage()) for t in tensors])
 
     @property
     def any_rg(self) -> bool:
@@ -866,7 +868,7 @@ class _Tracing:
         self.reads = AttrReads(roots)
         self.watch = watch = _Watch(self.storages, paths, desc, cuda, mode, self.index, len(self.fakes))
         watch.overlapping = {i for i, sp in enumerate(inputs.specs) if _overlaps(sp[0], sp[1])}
-        watch.frozen = Frozen(len(self.fakes), dict(stable or {}), no_freeze)
+        watch.frozen = Frozen(len(self.fakes), dict(stable or {}), no_freeze, self.inputs.storages)
         self.fnwatch = _FnWatch(watch, self.storages, len(self.fakes), inputs.plain, inputs.grads,
                                 inputs.histories, inputs.bits)
         for i, (t, a) in enumerate(zip(self.fakes, inputs.attrs)):

@@ -291,3 +291,29 @@ def test_a_read_of_state_the_function_writes_names_it():
         for _ in range(2):
             f(torch.randn(3))
     assert "module.n, which the function writes in place" in str(info.value)
+
+
+@pytest.mark.parametrize("how", ["same", "view"])
+def test_a_read_of_state_the_call_writes_through_an_argument_is_not_frozen(how):
+    # the argument is the closed-over tensor (or its base): a write through the argument is a
+    # write of the state, whose read was frozen from its value before the write (silently wrong)
+    def make(state, seen):
+        def step(x):
+            x.mul_(2) if how == "same" else x.add_(1)
+            n = int((seen > (3 if how == "same" else 1.5)).sum())
+            return x[:n] + 0
+        return step
+
+    def start():
+        return torch.tensor([1.0, 2.0, 3.0]) if how == "same" else torch.zeros(6)
+
+    te, tg = start(), start()
+    eager = make(te, te if how == "same" else te[:3])
+    f = gt.graphify(make(tg, tg if how == "same" else tg[:3]))
+    with pytest.raises(gt.GraphifyError, match=r"(?s)reads a tensor's value on the host.*which the function writes"):
+        for _ in range(3):
+            assert_close(f(tg), eager(te))
+    s = gt.graphify(make(tg, tg if how == "same" else tg[:3]), on_break="split")
+    te.copy_(tg)
+    for _ in range(3):
+        assert_close(s(tg), eager(te))
