@@ -123,6 +123,7 @@ class Frozen:
         self.leaf_storage: Dict[int, Any] = {}  # input index -> its fake's storage
         self.candidates: Set[int] = set()  # arguments whose reads would freeze if passed again
         self.trained: Set[int] = set()  # inputs requiring grad whose reads were not frozen (see read)
+        self.training = torch.is_grad_enabled()  # the call's grad mode (a read may sit in a no_grad block)
         self.rewritten: Set[int] = set()  # inputs the function writes whose reads were not frozen
         self.leaf_reals: Dict[int, torch.Tensor] = {}  # input index -> its real tensor
         self._memo: Dict[int, Tuple[Any, Any]] = {}  # id(fake) -> (fake, real)
@@ -194,10 +195,10 @@ class Frozen:
             self.candidates |= new
             return NO_VALUE
         trained = {d for d in deps if d in self.leaf_reals and self.leaf_reals[d].requires_grad}
-        if trained and torch.is_grad_enabled():
-            # a value of tensors being trained (parameters under grad mode): an optimizer changes them
-            # every step (through .data too, which no version counter shows), and a constant would
-            # carry no gradient
+        if trained and (self.training or torch.is_grad_enabled()):
+            # a value of tensors being trained (parameters of a call under grad mode, read there or in
+            # a no_grad block of it): an optimizer changes them every step (through .data too, which
+            # no version counter shows), and a constant would carry no gradient
             self.trained |= trained
             return NO_VALUE
         try:

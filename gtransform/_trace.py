@@ -968,8 +968,9 @@ class _Tracing:
                 self._why_not_frozen(err, frozen.trained, (
                     "which require grad: tensors being trained change at every optimizer step (also through "
                     ".data, which no version counter shows), and a value frozen from them would carry no "
-                    "gradient, so it is not frozen. Fix: on_break=\"split\" (the read runs in Python on every "
-                    "call), or call the function under torch.no_grad() where they do not change (inference)."))
+                    "gradient, so it is not frozen (in a torch.no_grad() block of a call under grad mode too). Fix: "
+                    "on_break=\"split\" (the read runs in Python on every call), or call the function under "
+                    "torch.no_grad() where they do not change (inference)."))
             raise
         return gm, host_drew
 

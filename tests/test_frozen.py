@@ -317,3 +317,30 @@ def test_a_read_of_state_the_call_writes_through_an_argument_is_not_frozen(how):
     te.copy_(tg)
     for _ in range(3):
         assert_close(s(tg), eager(te))
+
+
+def test_a_parameter_read_in_a_no_grad_block_of_a_training_call_is_not_frozen():
+    # magnitude pruning: the threshold read under no_grad inside a training forward. Updated
+    # through .data (no version counter moves), a frozen threshold went stale silently
+    class Pruned(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            with torch.no_grad():
+                thr = float(self.lin.weight.abs().flatten().kthvalue(32).values)
+            w = self.lin.weight * (self.lin.weight.abs() > thr)
+            return torch.nn.functional.linear(x, w, self.lin.bias)
+
+    torch.manual_seed(0)
+    m = Pruned()
+    f = gt.graphify(m)
+    x = torch.randn(16, 8)
+    with pytest.raises(gt.GraphifyError, match=r"(?s)module\.lin\.weight, which require grad.*no_grad\(\) block"):
+        for _ in range(2):
+            f(x).sum().backward()
+    with torch.no_grad():  # inference: the weights do not change, the read is frozen and recorded
+        for _ in range(3):
+            assert_close(f(x), m(x))
+    assert f.cache_info().hits >= 1
