@@ -256,7 +256,7 @@ def _family_plan(g: Any, st: ThreadState, ck: CallKey, call: Call, fam: Any, ten
     if plan is None:
         return None
     e = new_entry(g, ck, call, shared_plan(plan, g._fuse and cuda, tensors), cuda)
-    state = e.match(call)
+    state = e.match(call) if fam.serves(e) else None
     if state is None:
         fam.forget()
         return None

@@ -163,7 +163,7 @@ def _row_major(shape: Sequence[int]) -> Tuple[int, ...]:
 class Family:
     """The calls of one family key: the first call's sizes, the symbolic plan and its dimensions."""
 
-    __slots__ = ("shapes", "dims", "plan", "tries", "why", "warm", "layouts")
+    __slots__ = ("shapes", "dims", "plan", "tries", "why", "warm", "layouts", "made_with")
 
     def __init__(self, shapes: List[Tuple[int, ...]], layouts: Optional[Layouts] = None):
         self.shapes = shapes  # the tensor inputs' sizes of the first call
@@ -171,6 +171,8 @@ class Family:
         self.layouts = layouts
         self.dims: FrozenSet[Tuple[int, int]] = frozenset()  # the symbolic plan's (input, dim)
         self.plan: Any = None  # the symbolic plan (a _trace.Plan whose ``sizes`` is set)
+        # the Python side the plan was traced with, as its signature saw it (see python_of)
+        self.made_with: Any = None
         self.tries = 0
         self.why = ""  # why the last symbolic trace is not shared (for describe/logs)
         # the key of a call of the family that ran the eager first call of a signature touching
@@ -216,7 +218,17 @@ class Family:
         if plan.sizes is not None or plan.sizes_pinned:
             if entry is not None or plan.sizes is None:
                 self.adopt(plan, dims, entry is not None and shareable(plan), desc)
+                if self.plan is plan:
+                    self.made_with = python_of(entry)
 
+    def serves(self, entry: Any) -> bool:
+        """Whether a new size's ``entry`` over the symbolic plan sees the Python side the plan was traced with.
+
+        Module attributes, hooks, training flags, optimizer settings (the environment), the
+        tensors' Python attributes and which ``.grad`` are None are constants of the trace:
+        changed since, the plan no longer holds (it computed with the old values).
+        """
+        return self.made_with is not None and python_of(entry) == self.made_with
     def state_made(self, key: Hashable, warmed: Any) -> None:
         """Note a call of the family whose key is in ``warmed`` (its eager first call made the state)."""
         if key in warmed:
@@ -237,8 +249,8 @@ class Family:
         log.info("%s: %s; traced per size", desc, self.why)
 
     def forget(self) -> None:
-        """The symbolic plan no longer serves (the state it reads was replaced)."""
-        self.plan, self.dims = None, frozenset()
+        """The symbolic plan no longer serves (the state it reads was replaced, or its Python side changed)."""
+        self.plan, self.dims, self.made_with = None, frozenset(), None
 
     def adopt(self, plan: Any, dims: FrozenSet[Tuple[int, int]], shared: bool, desc: str) -> None:
         """The result of a symbolic trace over ``dims``: kept for the family's next sizes where ``shared``."""
@@ -251,6 +263,11 @@ class Family:
             self.why = why
             log.info("%s: the symbolic trace over %s is kept for this size alone: %s", desc,
                      ", ".join(dim_names(plan, dims)), why)
+
+
+def python_of(entry: Any) -> Any:
+    """What of the Python side an entry's signature checks, as values (see ``Family.serves``)."""
+    return (entry.env_val, entry.attrs, tuple(map(id, entry.grad_none)))
 
 
 def _not_shared(plan: Any) -> str:

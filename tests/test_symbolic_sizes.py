@@ -696,3 +696,47 @@ def test_record_sizes_with_the_backward_outside_records_the_chosen_sizes_only(de
             assert_close(p.grad, q.grad)
     assert f.cache_info().currsize == 3  # (3, 5 and 7 ran eagerly: no signature, no trace)
     assert len(traces) == 2  # 4 as is, 8 symbolically; 16 recorded from it
+
+
+class _Scaled(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.bn = torch.nn.BatchNorm1d(4)
+        self.scale = 1.0
+
+    def forward(self, x):
+        return self.bn(self.lin(x)) * self.scale
+
+
+@pytest.mark.parametrize("change", ["attribute", "hook", "submodule", "train", "tensor_attr"])
+def test_a_python_change_after_a_second_size_is_seen_at_every_size(device, change):
+    # a symbolic plan holds the Python side it was traced with (module attributes, hooks, the
+    # training flag, the tensors' attributes): a size recorded from it after a change computed
+    # with the old values
+    torch.manual_seed(0)
+    m = _Scaled().to(device).eval()
+    w = torch.ones(4, device=device)
+    fn = lambda x, w: m(x) * getattr(w, "s", 1.0)  # noqa: E731
+    g = gt.graphify(fn)
+    changes = {
+        "attribute": lambda: setattr(m, "scale", 3.0),
+        "hook": lambda: m.lin.register_forward_hook(lambda mod, i, o: o * 10),
+        "submodule": lambda: setattr(m, "lin", torch.nn.Linear(4, 4).to(device)),
+        "train": lambda: m.train(),
+        "tensor_attr": lambda: setattr(w, "s", 3.0),
+    }
+    with torch.no_grad():
+        for n in (4, 5, 6):
+            x = torch.randn(n, 4, device=device)
+            assert_close(g(x, w), fn(x, w))
+        changes[change]()
+        em = copy.deepcopy(m)
+        ew = torch.ones(4, device=device)
+        if change == "tensor_attr":
+            ew.s = 3.0
+        ef = lambda x, w: em(x) * getattr(w, "s", 1.0)  # noqa: E731
+        for n in (4, 7, 5, 4):
+            x = torch.randn(n, 4, device=device)
+            assert_close(g(x, w), ef(x, ew))
+        assert_close(m.bn.running_mean, em.bn.running_mean)
