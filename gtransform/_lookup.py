@@ -360,7 +360,9 @@ def _settle(g: Any, st: ThreadState, ck: CallKey, call: Call, plan: Any, cuda: b
     if model_changes and record:
         for c in model_changes:
             c.undo()
-        if key in st.warmed:
+        # (only attributes and hooks the trace made: a library's lazy set-up for a setting changed
+        # since the eager call, e.g. output_hidden_states turned on; the eager call makes them)
+        if key in st.warmed and not all(c.made for c in model_changes):
             raise change_error(g._desc, model_changes)
     ran_eagerly = key in st.warmed  # (this key's first call ran eagerly: describe says so)
     warm = not (plan.touches_state or model_changes) or ran_eagerly

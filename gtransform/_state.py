@@ -528,6 +528,11 @@ class Change:
                 where[self.key] = self.old
 
     @property
+    def made(self) -> bool:
+        """Something the trace made where there was nothing (an attribute, hooks): set-up, not a count."""
+        return self.old is _MISSING
+
+    @property
     def rebinds(self) -> bool:
         """A tensor slot bound to another existing tensor (``self.a, self.b = self.b, self.a``)."""
         return isinstance(self.new, torch.Tensor)
@@ -538,6 +543,39 @@ class Change:
         if self.old is _MISSING:
             return f"{self.path}: made ({self.new!r})"
         return f"{self.path}: {self.old!r} -> {self.new!r}"
+
+
+_HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
+               "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks")
+
+
+class HookChange(Change):
+    """Hooks the trace registered on a module (a library installing its hooks on first use).
+
+    Undone with the trace's other Python changes (Hugging Face's output capturing installs
+    forward hooks and marks the model with an attribute the undo takes away: the eager
+    first call installed them again, and every layer's output was captured twice).
+    """
+
+    def undo(self) -> None:
+        module, added = self.owner, self.key
+        for name in _HOOK_DICTS:
+            d = getattr(module, name, None)
+            if isinstance(d, dict):
+                for k in added:
+                    d.pop(k, None)
+
+    @property
+    def made(self) -> bool:
+        return True
+
+    def text(self) -> str:
+        return f"{self.path}: {len(self.key)} hook(s) registered"
+
+
+def _hooks_of(m: _Module) -> Dict[str, Set[Any]]:
+    """The keys of a module's hook dicts (see HookChange)."""
+    return {n: set(d) for n in _HOOK_DICTS if isinstance(d := getattr(m, n, None), dict)}
 
 
 @dataclass
@@ -595,7 +633,8 @@ class Snapshot:
                         continue
                     seen.add(id(m))
                     grads = {n: leaf_grad(p) for n, p in m._parameters.items() if p is not None}
-                    self.items.append(("module", path, m, (dict(m.__dict__), dict(m._parameters), dict(m._buffers), dict(m._modules), grads)))
+                    self.items.append(("module", path, m, (dict(m.__dict__), dict(m._parameters), dict(m._buffers),
+                                                           dict(m._modules), grads, _hooks_of(m))))
             elif isinstance(obj, _Optimizer):
                 if id(obj) in seen:
                     continue
@@ -687,8 +726,12 @@ class Snapshot:
 
         for kind, path, obj, saved in self.items:
             if kind == "module":
-                d, params, bufs, _mods, grads = saved
+                d, params, bufs, _mods, grads, hooks = saved
                 attrs(path, obj, obj.__dict__, d, {"_parameters", "_buffers", "_modules"}, True)
+                added = {k for n, keys in _hooks_of(obj).items() for k in keys - hooks.get(n, set())}
+                if added:
+                    res.changes.append(HookChange(f"{path or type(obj).__name__}", None, None, None, tuple(added),
+                                                  True, obj))
                 for n, p in obj._parameters.items():
                     if p is None:
                         continue
@@ -783,7 +826,11 @@ class Snapshot:
         for kind, _path, obj, saved in self.items:
             try:
                 if kind == "module":
-                    d, params, bufs, mods, grads = saved
+                    d, params, bufs, mods, grads, hooks = saved
+                    if full:  # (hooks a failed trace registered)
+                        added = tuple(k for n, keys in _hooks_of(obj).items() for k in keys - hooks.get(n, set()))
+                        if added:
+                            HookChange("", None, None, None, added, True, obj).undo()
                     _restore_dict(obj.__dict__, d, full)
                     _restore_dict(obj._parameters, params, full)
                     _restore_dict(obj._buffers, bufs, full)

@@ -2279,3 +2279,62 @@ def test_a_zero_grad_before_the_step_keeps_a_gradient_filled_outside_out_of_the_
             m[1](m[0](torch.randn(3, 4))).sum().backward()  # fills the head's .grad outside
         f(torch.randn(3, 4))
     assert f.cache_info().hits >= 3
+
+
+class _CapturesOnFirstUse(torch.nn.Module):
+    """Installs forward hooks on its layers the first time it is asked to (Hugging Face's output
+    capturing: hooks on every layer, and an attribute marking the model as hooked)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(2))
+
+    def forward(self, x, capture=False):
+        if capture and not getattr(self, "_hooks_installed", False):
+            for layer in self.layers:
+                layer.register_forward_hook(lambda mod, i, o: _COLLECTED[-1].append(o) if _COLLECTED else None)
+            self._hooks_installed = True
+        _COLLECTED.append([])  # (per call, as transformers' output collection)
+        try:
+            for layer in self.layers:
+                x = layer(x).tanh()
+            return x, tuple(_COLLECTED[-1]) if capture else ()
+        finally:
+            _COLLECTED.pop()
+
+
+_COLLECTED: list = []
+
+
+def test_hooks_a_library_installs_on_first_use_are_installed_once(device):
+    # the trace installed them, the undo took the marking attribute away, the eager first call
+    # installed them again: every layer captured twice, in graphify and in eager afterwards
+    torch.manual_seed(0)
+    m = _CapturesOnFirstUse().to(device)
+    f = gt.graphify(lambda x, capture: m(x, capture), static_argnums=(1,))
+    x = torch.randn(3, 4, device=device)
+    for capture in (False, True, True, True):
+        out, seen = f(x, capture)
+        assert len(seen) == (2 if capture else 0)
+    assert all(len(layer._forward_hooks) == 1 for layer in m.layers)
+    out, seen = m(x, True)
+    assert len(seen) == 2
+
+
+def test_hugging_face_hidden_states_are_captured_once_when_graphify_calls_first():
+    tr = pytest.importorskip("transformers")
+    cfg = tr.BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=32, max_position_embeddings=32)
+    torch.manual_seed(0)
+    model = tr.BertModel(cfg).eval()
+    ids = torch.randint(1, 50, (2, 7))
+    f = gt.graphify(lambda ids, hs: model(input_ids=ids, output_hidden_states=hs).hidden_states,
+                    static_argnums=(1,))
+    for hs in (True, True, False, True):
+        got = f(ids, hs)
+        want = model(input_ids=ids, output_hidden_states=hs).hidden_states
+        assert (got is None) == (want is None)
+        if want is not None:
+            assert len(got) == len(want) == 3
+            for a, b in zip(got, want):
+                assert_close(a, b)
