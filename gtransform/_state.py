@@ -32,6 +32,7 @@ The rule (DESIGN semantics 10):
 
 from __future__ import annotations
 
+import collections
 import enum
 import functools
 import inspect
@@ -235,6 +236,8 @@ def leaf_grad(t: torch.Tensor) -> Any:
 # `self.state.nets["g"]` (a module three levels below `self`) is state like `self.net`;
 # an optimizer it does not reach would keep what a trace made (its lazily made moments).
 _MAX_DEPTH = 4
+# the mutable sequences of state: a list, or a deque (a replay buffer) read by position
+_SEQUENCES = (list, collections.deque)
 
 
 def find_roots(fn: Any, extra: Sequence[Tuple[str, Any]] = ()) -> List[Root]:
@@ -266,24 +269,26 @@ def find_roots(fn: Any, extra: Sequence[Tuple[str, Any]] = ()) -> List[Root]:
         elif isinstance(v, torch.Tensor):
             seen.add(id(v))
             roots.append(Root(name, v, bound))
-        elif isinstance(v, (list, dict)) and len(v) <= _MAX_CONTAINER:
+        elif isinstance(v, _SEQUENCES + (dict,)) and len(v) <= _MAX_CONTAINER:
             seen.add(id(v))
             roots.append(Root(name, v, binding=bound))
             items = v.items() if isinstance(v, dict) else enumerate(v)
             for k, x in items:
-                if isinstance(x, (_Module, _Optimizer, list, dict, torch.Tensor)) or _plain_object(x):
+                if isinstance(x, (_Module, _Optimizer, list, dict, tuple, torch.Tensor)) or _plain_object(x):
                     # (a module or optimizer put in its place, `reg["head"] = ...`, is another binding)
                     at = None if isinstance(x, torch.Tensor) else Slot("item", v, k, f"{name}[{k!r}]")
                     add(f"{name}[{k!r}]", x, depth + 1, at)
         elif isinstance(v, tuple) and len(v) <= _MAX_CONTAINER:
             seen.add(id(v))
             for k, x in enumerate(v):
-                add(f"{name}[{k}]", x, depth + 1)
+                # (read again through where the tuple is bound, a dict's entry, a global: rebinding
+                # the tuple, `state["hc"] = (h, c)`, is seen; the tuple itself never changes)
+                add(f"{name}[{k}]", x, depth + 1, Slot("path", bound, k, f"{name}[{k}]") if bound is not None else None)
         elif _plain_object(v):
             seen.add(id(v))
             roots.append(Root(name, v, binding=bound))
             for k, x in list(vars(v).items()):
-                if isinstance(x, (_Module, _Optimizer, list, dict, torch.Tensor)) or _plain_object(x):
+                if isinstance(x, (_Module, _Optimizer, list, dict, tuple, torch.Tensor)) or _plain_object(x):
                     at = None if isinstance(x, torch.Tensor) else Slot("attr", v, k, f"{name}.{k}")
                     add(f"{name}.{k}", x, depth + 1, at)
 
@@ -472,7 +477,11 @@ def root_modules(roots: Sequence[Root]) -> List[Tuple[str, _Module]]:
 
 @dataclass
 class Slot:
-    """A place in Python state that holds a tensor: ``kind`` is "grad", "attr" or "item"."""
+    """A place in Python state that holds a tensor: ``kind`` is "grad", "attr", "item" or "path".
+
+    "path": item ``key`` of the tuple that the Slot ``obj`` holds (a tuple is immutable: the
+    place is where the tuple is bound, ``state["hc"] = (h, c)`` rebinds it).
+    """
 
     kind: str
     obj: Any
@@ -485,15 +494,24 @@ class Slot:
         if self.kind == "attr":
             return getattr(self.obj, self.key, None)
         try:
+            if self.kind == "path":
+                return self.obj.get()[self.key]
             return self.obj[self.key]
-        except (KeyError, IndexError):
+        except (KeyError, IndexError, TypeError):
             return None
+
+    @property
+    def value(self) -> Any:
+        """What the place holds now (see ``_key._environment``: a binding inside a tuple)."""
+        return self.get()
 
     def set(self, value: Any) -> None:
         if self.kind == "grad":
             self.obj.grad = value
         elif self.kind == "attr":
             setattr(self.obj, self.key, value)
+        elif self.kind == "path":
+            raise TypeError(f"{self.path} is inside a tuple: it cannot be set")
         else:
             self.obj[self.key] = value
 
@@ -652,7 +670,7 @@ class Snapshot:
                     continue
                 seen.add(id(obj))
                 self.items.append(("tensor", r.name, obj, (leaf_grad(obj), r.slot)))
-            elif isinstance(obj, list):
+            elif isinstance(obj, _SEQUENCES):
                 seen.add(id(obj))
                 self.items.append(("list", r.name, obj, list(obj)))
             elif isinstance(obj, dict):
@@ -778,7 +796,7 @@ class Snapshot:
                     res.escapes.append((where, where.get()))
             elif kind == "list":
                 old = saved
-                if len(obj) > len(old) and all(a is b for a, b in zip(obj, old)) and not any(
+                if isinstance(obj, list) and len(obj) > len(old) and all(a is b for a, b in zip(obj, old)) and not any(
                         is_fake(v) or _holds_tensor(v) for v in obj[len(old):]):
                     # plain values appended (`self.history.append("called")`): a replay appends nothing
                     res.changes.append(Change(f"{path}", list(old), list(obj), obj, slice(None)))
@@ -862,7 +880,11 @@ class Snapshot:
                         where.set(obj)
                 elif kind == "list":
                     if _list_changed(obj, saved, full):
-                        obj[:] = saved
+                        if isinstance(obj, list):
+                            obj[:] = saved
+                        else:  # (a deque)
+                            obj.clear()
+                            obj.extend(saved)
                 elif kind == "dict":
                     _restore_dict(obj, saved, full)
                 elif kind == "object":
@@ -1054,7 +1076,7 @@ class StateIndex:
                 for k, v in obj.items():
                     if isinstance(v, torch.Tensor):
                         self._add(v, Slot("item", obj, k, f"{r.name}[{k!r}]"))
-            elif isinstance(obj, list):
+            elif isinstance(obj, _SEQUENCES):
                 for i, v in enumerate(obj):
                     if isinstance(v, torch.Tensor):
                         self._add(v, Slot("item", obj, i, f"{r.name}[{i}]"))

@@ -2338,3 +2338,71 @@ def test_hugging_face_hidden_states_are_captured_once_when_graphify_calls_first(
             assert len(got) == len(want) == 3
             for a, b in zip(got, want):
                 assert_close(a, b)
+
+
+@pytest.mark.parametrize("where", ["dict", "global", "namedtuple", "object"])
+def test_a_tuple_of_tensors_rebound_in_state_is_read_again(device, where):
+    # truncated BPTT: state["hc"] = (h, c) after each chunk; the replays kept the tuple's tensors
+    # from the recording call (a tensor, list or dict in that place was read again)
+    import collections
+
+    NT = collections.namedtuple("NT", "h c")
+    holder = {"hc": None}
+    obj = types.SimpleNamespace(hc=None)
+    global _HC
+
+    def put(v):
+        global _HC
+        if where in ("dict", "namedtuple"):
+            holder["hc"] = NT(*v) if where == "namedtuple" else v
+        elif where == "global":
+            _HC = v
+        else:
+            obj.hc = v
+
+    def get():
+        return holder["hc"] if where in ("dict", "namedtuple") else _HC if where == "global" else obj.hc
+
+    f = gt.graphify(lambda x: x * get()[0] + get()[1])
+    x = torch.ones(2, device=device)
+    for i in range(4):
+        put((torch.full((2,), float(i), device=device), torch.full((2,), 10.0 * i, device=device)))
+        assert_close(f(x), x * i + 10.0 * i)
+
+
+_HC = None
+
+
+@pytest.mark.parametrize("kind", ["deque", "list_of_tuples"])
+def test_a_replay_buffer_filled_between_calls_is_read_again(device, kind):
+    import collections
+
+    torch.manual_seed(0)
+    losses = {}
+    for use in (False, True):
+        q = torch.nn.Linear(2, 1).to(device)
+        torch.nn.init.constant_(q.weight, 0.1)
+        torch.nn.init.zeros_(q.bias)
+        opt = torch.optim.SGD(q.parameters(), lr=0.01)
+        buf = collections.deque(maxlen=4) if kind == "deque" else []
+        step = _buffer_step(buf, q, opt)
+        f = gt.graphify(step) if use else step
+        out = []
+        for i in range(6):
+            buf.append((torch.tensor([float(i), 1.0], device=device), torch.tensor([2.0 * i], device=device)))
+            out.append(f().clone())
+        losses[use] = torch.stack(out)
+    assert_close(losses[True], losses[False])
+
+
+def _buffer_step(buf, q, opt):
+    def step():
+        obs = torch.stack([t[0] for t in buf])
+        tgt = torch.stack([t[1] for t in buf])
+        loss = torch.nn.functional.mse_loss(q(obs), tgt)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    return step

@@ -189,7 +189,9 @@ def _state_code(e: Any, n: Names) -> List[str]:
             lines.append(f"{s} = {g.const(const, 'S')}")
             continue
         obj = g.const(slot.obj, "S")
-        if slot.kind == "grad":
+        if slot.kind == "path":  # (inside a tuple: through where the tuple is bound)
+            lines.append(f"{s} = {g.const(slot, 'S')}.get()")
+        elif slot.kind == "grad":
             lines.append(f"{s} = {obj}.grad")
         elif slot.kind == "attr":
             lines.append(f"{s} = {obj}.{slot.key}" if str(slot.key).isidentifier()

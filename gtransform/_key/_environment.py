@@ -10,6 +10,7 @@ function per signature that computes all of it (it is on every call's path), and
 
 from __future__ import annotations
 
+import collections
 import operator
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -22,6 +23,7 @@ from .._state import (
     AttrReads,
     GradHooks,
     Root,
+    Slot,
     _Module,
     _Optimizer,
     _plain_attr,
@@ -71,7 +73,9 @@ def env_key_fn(roots: Sequence[Root], reads: Optional[AttrReads] = None) -> Opti
     sub_dicts = [m._modules for m in mods if m._modules]
     sub_names = [name for name, m in named if m._modules]
     b_items = [r.binding for r in bound if r.binding.kind == "item"]
-    b_attrs = [r.binding for r in bound if r.binding.kind == "attr"]
+    # (a place inside a tuple, `layers = (a, b)` rebound: read through the Slot's value)
+    b_attrs = [r.binding for r in bound if r.binding.kind == "attr"] + [
+        Slot("attr", r.binding, "value", r.binding.path) for r in bound if r.binding.kind == "path"]
     env = _compile_env(slots.attr_dicts, hook_dicts, gdicts, groups, keys, opts, sub_dicts, mods, slots.extra(), conts,
                        ([b.obj for b in b_items], [b.key for b in b_items], [b.obj for b in b_attrs],
                         [b.key for b in b_attrs]) if bound else None,
@@ -113,8 +117,10 @@ def _tensor_containers(roots: Sequence[Root]) -> Tuple[List[Any], List[Tuple[Dic
     A tensor (a module) added or removed changes what the function reads (`caches.append(t)`,
     `layers.append(nn.Linear(...))`, `obj.ts = [new]`).
     """
-    conts = [r.obj for r in roots if type(r.obj) in (list, dict) and any(
-        isinstance(v, (torch.Tensor, _Module, _Optimizer)) for v in (r.obj.values() if isinstance(r.obj, dict) else r.obj))]
+    conts = [r.obj for r in roots if type(r.obj) in (list, dict, collections.deque) and any(
+        isinstance(v, (torch.Tensor, _Module, _Optimizer))
+        or (isinstance(v, tuple) and any(isinstance(x, torch.Tensor) for x in v))  # (a list of transitions)
+        for v in (r.obj.values() if isinstance(r.obj, dict) else r.obj))]
     obj_slots = [(vars(r.obj), k, f"{r.name}.{k}") for r in roots
                  if _plain_object(r.obj) and not isinstance(r.obj, (_Module, _Optimizer))
                  for k, v in vars(r.obj).items() if type(v) in (list, dict, tuple) and any(
