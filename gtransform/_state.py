@@ -37,6 +37,7 @@ import enum
 import functools
 import inspect
 import os
+import random
 import re
 import sys
 import types
@@ -374,7 +375,10 @@ class GeneratorGuard:
         seen: Set[int] = set()
         for name, v in cands:
             _generators_in(name, v, 0, seen, found)
-        found = [(name, g) for name, g in found if all(g is not d for d in self.defaults)]
+        # host generators the function reaches (random.Random, numpy's Generator and RandomState):
+        # their numbers would be constants of the recording (see _trace._host_rng_state)
+        self.host: List[Tuple[str, Any]] = [(name, g) for name, g in found if _is_host_rng(g)]
+        found = [(name, g) for name, g in found if isinstance(g, torch.Generator) and all(g is not d for d in self.defaults)]
         self.saved = [(name, g, g.initial_seed(), g.get_state()) for name, g in found]
 
     def refuse_unknown(self, desc: str, used: Sequence[Tuple[torch.Generator, str]]) -> None:
@@ -418,18 +422,27 @@ class GeneratorGuard:
             )
 
 
-def _generators_in(name: str, v: Any, depth: int, seen: Set[int], out: List[Tuple[str, torch.Generator]]) -> None:
-    """The ``torch.Generator`` objects in ``v``: itself, or in its containers, attributes and submodules (3 levels)."""
+def _is_host_rng(v: Any) -> bool:
+    """A Python or numpy random generator object (not a module's global one)."""
+    if isinstance(v, random.Random):
+        return True
+    np = sys.modules.get("numpy")
+    return np is not None and isinstance(v, (np.random.Generator, np.random.RandomState))
+
+
+def _generators_in(name: str, v: Any, depth: int, seen: Set[int], out: List[Tuple[str, Any]]) -> None:
+    """The generators in ``v`` (torch's, Python's, numpy's): itself, or in its containers, attributes and submodules (3 levels)."""
     if id(v) in seen or depth > 3:
         return
     seen.add(id(v))
-    if isinstance(v, torch.Generator):
+    if isinstance(v, torch.Generator) or _is_host_rng(v):
         out.append((name, v))
         return
     if isinstance(v, _Module):
         for sub_name, sub in v.named_modules():
             for k, x in vars(sub).items():
-                if isinstance(x, torch.Generator) or (k[:1] != "_" and (_plain_object(x) or type(x) in (list, tuple, dict))):
+                if isinstance(x, torch.Generator) or _is_host_rng(x) or (
+                        k[:1] != "_" and (_plain_object(x) or type(x) in (list, tuple, dict))):
                     _generators_in(f"{name}.{sub_name}.{k}" if sub_name else f"{name}.{k}", x, depth + 1, seen, out)
         return
     if type(v) in (list, tuple):

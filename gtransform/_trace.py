@@ -14,6 +14,7 @@ for ``fuse=True``.
 from __future__ import annotations
 
 import os
+import random
 import re
 import sys
 import threading
@@ -578,11 +579,14 @@ _STEP_COUNT_OPTIMIZERS = frozenset(("adam.py", "adamw.py", "adamax.py", "nadam.p
                                     "adagrad.py", "_adafactor.py", "adafactor.py", "sparse_adam.py", "optimizer.py"))
 
 
-def _host_rng_state() -> List[Tuple[str, Any, Any]]:
-    """The state of numpy's global generator, if numpy is loaded.
+def _host_rng_state(found: Sequence[Tuple[str, Any]] = ()) -> List[Tuple[str, Any, Any]]:
+    """The state of the host's random generators, to see which ones a trace drew from.
 
-    (Python's own ``random`` is not watched: torch.distributed draws from it while
-    tracing, for its own purposes.)
+    numpy's global one (if numpy is loaded), Python's ``random`` and the generator objects
+    the function reaches (``found``: ``random.Random``, numpy's ``Generator`` and ``RandomState``).
+
+    (Python's global ``random`` is not watched where torch.distributed is initialized: it
+    draws from it while tracing, for its own purposes.)
     """
     out: List[Tuple[str, Any, Any]] = []
     np = sys.modules.get("numpy")
@@ -591,18 +595,47 @@ def _host_rng_state() -> List[Tuple[str, Any, Any]]:
             out.append(("numpy.random", np.random, np.random.get_state()))
         except Exception:  # pragma: no cover - a numpy without the legacy global generator
             pass
+    dist = getattr(torch, "distributed", None)
+    if not (dist is not None and dist.is_available() and dist.is_initialized()):
+        out.append(("random", random, random.getstate()))
+    for name, g in found:
+        out.append((name, g, _rng_get(g)))
     return out
+
+
+def _rng_get(g: Any) -> Any:
+    """The state of a host generator (a module such as ``random``, or a generator object)."""
+    if hasattr(g, "get_state"):  # (numpy.random, a RandomState)
+        return g.get_state()
+    if hasattr(g, "getstate"):  # (random, a random.Random)
+        return g.getstate()
+    return g.bit_generator.state  # (numpy's Generator)
+
+
+def _rng_set(g: Any, st: Any) -> None:
+    if hasattr(g, "set_state"):
+        g.set_state(st)
+    elif hasattr(g, "setstate"):
+        g.setstate(st)
+    else:
+        g.bit_generator.state = st
+
+
+def _rng_same(a: Any, b: Any) -> bool:
+    """Two states of one host generator (numpy's legacy states hold an array)."""
+    if isinstance(a, tuple) and len(a) == 5 and hasattr(a[1], "shape"):
+        return a[0] == b[0] and a[2] == b[2] and a[3] == b[3] and bool((a[1] == b[1]).all())
+    return bool(a == b)
 
 
 def _host_rng_restore(saved: List[Tuple[str, Any, Any]]) -> List[str]:
     """Put the host generators back; the names of those the trace moved."""
     moved = []
-    for name, mod, st in saved:
+    for name, g, st in saved:
         try:
-            now = mod.get_state()
-            if not (now[2] == st[2] and now[3] == st[3] and bool((now[1] == st[1]).all())):
+            if not _rng_same(_rng_get(g), st):
                 moved.append(name)
-                mod.set_state(st)
+                _rng_set(g, st)
         except Exception:  # pragma: no cover
             pass
     return moved
@@ -820,7 +853,7 @@ def trace(
         while True:
             try:
                 plan = _Tracing(fn, rebuild, inputs, list(in_paths), desc, cuda, roots, snap, real, no_freeze,
-                                dims, layouts).plan()
+                                dims, layouts, gens.host).plan()
                 break
             except Refreeze as again:
                 # a frozen read of a tensor the function writes: not unchanged; traced again
@@ -845,8 +878,10 @@ class _Tracing:
     def __init__(self, fn: Callable[..., Any], rebuild: Callable[..., Any], inputs: _Inputs, paths: List[str],
                  desc: str, cuda: bool, roots: Sequence[Root], snap: Snapshot,
                  stable: Optional[Dict[int, torch.Tensor]] = None, no_freeze: FrozenSet[int] = frozenset(),
-                 dims: FrozenSet[Tuple[int, int]] = frozenset(), layouts: Optional[Layouts] = None):
+                 dims: FrozenSet[Tuple[int, int]] = frozenset(), layouts: Optional[Layouts] = None,
+                 host_rngs: Sequence[Tuple[str, Any]] = ()):
         self.fn, self.rebuild, self.inputs, self.paths = fn, rebuild, inputs, paths
+        self.host_rngs = host_rngs  # the host generator objects the function reaches (see _host_rng_state)
         self.desc, self.cuda, self.roots, self.snap = desc, cuda, roots, snap
         self.dims = dims
         self.symbols: Dict[Any, Tuple[int, int]] = {}  # each symbol's (input, dim)
@@ -927,7 +962,7 @@ class _Tracing:
     def make_fx(self) -> Tuple[torch.fx.GraphModule, List[str]]:
         """``make_fx`` of :meth:`flat_fn`, its failures told as the user's; and what it drew on the host."""
         desc, cuda = self.desc, self.cuda
-        host_rng = _host_rng_state()
+        host_rng = _host_rng_state(self.host_rngs)
         host_drew: List[str] = []
         try:
             try:
@@ -990,7 +1025,8 @@ class _Tracing:
                 "Why: host random numbers become constants of the recording: every replay would reuse "
                 "the numbers drawn while tracing (torch's random ops draw fresh ones on every call).\n"
                 "Fix: draw them with torch (torch.rand, torch.randint, torch.bernoulli... follow "
-                "torch.manual_seed), or draw them outside and pass them in as tensor arguments. For "
+                "torch.manual_seed), or draw them outside and pass them in as tensor arguments (a "
+                "decision such as `if random.random() < p` as a static argument). For "
                 "Hugging Face speech models (wav2vec2, HuBERT, WavLM, Whisper), SpecAugment masks time "
                 "steps with numpy: set config.mask_time_prob = config.mask_feature_prob = 0 (or "
                 "apply_spec_augment=False) while graphified."

@@ -296,24 +296,42 @@ def test_checkpointed_attention_without_dropout_is_not_a_draw():
     assert g.cache_info().hits >= 2
 
 
-@pytest.mark.parametrize("source", ["numpy"])
+@pytest.mark.parametrize("source", ["numpy", "random", "random_instance", "numpy_generator", "numpy_randomstate"])
 def test_host_random_numbers_are_refused_and_the_host_generator_left_as_it_was(source):
-    """np.random / random inside the function: the trace's draws would be constants of every
-    replay (Hugging Face's SpecAugment masks). Before: silently the same mask on every call."""
+    """np.random / random inside the function, or a generator object it reaches (epsilon-greedy,
+    stochastic depth, mixup): the trace's draws would be constants of every replay (Hugging Face's
+    SpecAugment masks). Before: silently the same numbers on every call."""
     import random
 
     import numpy as np
 
+    gens = {"random_instance": random.Random(0), "numpy_generator": np.random.default_rng(0),
+            "numpy_randomstate": np.random.RandomState(0)}
+
     def step(x):
-        k = np.random.randint(0, 4) if source == "numpy" else random.randint(0, 3)
+        if source == "numpy":
+            k = np.random.randint(0, 4)
+        elif source == "random":
+            k = random.randint(0, 3)
+        elif source == "random_instance":
+            k = gens[source].randint(0, 3)
+        else:
+            k = int(gens[source].integers(0, 4) if source == "numpy_generator" else gens[source].randint(0, 4))
         return x * 2 + k
 
     np.random.seed(0)
     random.seed(0)
-    before = (np.random.get_state()[2], random.getstate())
+
+    def states():
+        g = gens.get(source)
+        own = None if g is None else (g.bit_generator.state if source == "numpy_generator" else
+                                      g.get_state()[2] if source == "numpy_randomstate" else g.getstate())
+        return np.random.get_state()[2], random.getstate(), own
+
+    before = states()
     with pytest.raises(gt.GraphifyError, match=r"(?s)draws random numbers on the host.*Fix: draw them with torch"):
         gt.graphify(step)(torch.ones(2))
-    assert (np.random.get_state()[2], random.getstate()) == before
+    assert states() == before
 
 
 def test_reentrant_checkpoint_in_a_graphified_module_names_use_reentrant_false():
