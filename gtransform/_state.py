@@ -646,14 +646,85 @@ class ScanResult:
             self.stored_sites.append(site)
 
 
+class BindingChange(Change):
+    """A Python number bound to a name the function reaches.
+
+    ``global step; step += 1``, a closure's ``nonlocal`` count, ``Trainer.global_step += 1``
+    on the user's class.
+    """
+
+    def undo(self) -> None:
+        where, key = self.where, self.key
+        cur = where.get(key, _MISSING) if isinstance(where, dict) else getattr(where, key, _MISSING)
+        if cur is self.new or cur == self.new:
+            if isinstance(where, dict):
+                where[key] = self.old
+            else:
+                setattr(where, key, self.old)
+
+
+def number_bindings(fn: Any) -> List[Tuple[str, Any, str]]:
+    """Names bound to Python numbers that ``fn`` reaches: ``(path, where, key)``.
+
+    Its globals and closure cells (and those of the functions it names, 3 levels), and the
+    attributes of the user's own classes and modules it names. A trace that changes one (a
+    counter: the trace's increment happens once, a replay's never) is seen as any other
+    Python change the trace makes (see Snapshot.scan).
+    """
+    out: List[Tuple[str, Any, str]] = []
+    seen: Set[int] = set()
+
+    def walk(f: Any, depth: int) -> None:
+        if depth > 3 or id(f) in seen:
+            return
+        seen.add(id(f))
+        if isinstance(f, functools.partial):
+            walk(f.func, depth + 1)
+            return
+        if inspect.ismethod(f):
+            f = f.__func__
+        if not isinstance(f, types.FunctionType) or (depth > 0 and _is_library_code(f)):
+            return
+        code = f.__code__
+        names = _code_names(code)
+        for name, cell in zip(code.co_freevars, f.__closure__ or ()):
+            try:
+                v = cell.cell_contents
+            except ValueError:
+                continue
+            if type(v) in _COUNTS:
+                out.append((name, cell, "cell_contents"))
+            elif isinstance(v, types.FunctionType):
+                walk(v, depth + 1)
+        g = f.__globals__
+        for name in names:
+            if name not in g:
+                continue
+            v = g[name]
+            if type(v) in _COUNTS:
+                out.append((name, g, name))
+            elif isinstance(v, types.FunctionType):
+                walk(v, depth + 1)
+            elif isinstance(v, (type, types.ModuleType)) and _users_namespace(v):
+                out.extend((f"{name}.{a}", v, a) for a in names if type(v.__dict__.get(a)) in _COUNTS)
+
+    walk(fn, 0)
+    return out
+
+
+_COUNTS = (int, float, bool)
+
+
 class Snapshot:
     """Shallow copies of the roots' Python state, to undo what a trace did to it.
 
     Args:
         roots: what the function reaches.
+        bindings: names bound to Python numbers it reaches (see :func:`number_bindings`).
     """
 
-    def __init__(self, roots: Sequence[Root]):
+    def __init__(self, roots: Sequence[Root], bindings: Sequence[Tuple[str, Any, str]] = ()):
+        self.bindings = [(path, where, key, _bound_value(where, key)) for path, where, key in bindings]
         self.items: List[Tuple[str, str, Any, Any]] = []  # (kind, path, obj, saved)
         seen: Set[int] = set()
         for r in roots:
@@ -737,6 +808,10 @@ class Snapshot:
     def scan(self, is_fake: Callable[[Any], bool]) -> ScanResult:
         """What the trace left in the roots: fakes (escapes) and changed Python numbers."""
         res = ScanResult()
+        for path, where, key, old_v in self.bindings:
+            now = _bound_value(where, key)
+            if type(now) in _COUNTS and (type(now) is not type(old_v) or now != old_v):
+                res.changes.append(BindingChange(path, old_v, now, where, key))
 
         def attrs(path: str, obj: Any, now: Dict[str, Any], old: Dict[str, Any], skip: Set[str], model: bool) -> None:
             for k, v in now.items():
@@ -854,6 +929,10 @@ class Snapshot:
                 After a failed trace: the call then runs eagerly, or raises, and either way
                 must find the state as the caller left it (DESIGN semantics 9).
         """
+        if full:
+            for _path, where, key, old_v in self.bindings:
+                if _bound_value(where, key) is not old_v:
+                    BindingChange("", old_v, _bound_value(where, key), where, key).undo()
         for kind, _path, obj, saved in self.items:
             try:
                 if kind == "module":
@@ -907,6 +986,13 @@ class Snapshot:
 
 
 _MISSING = object()
+
+
+def _bound_value(where: Any, key: str) -> Any:
+    try:
+        return where.get(key, _MISSING) if isinstance(where, dict) else getattr(where, key, _MISSING)
+    except ValueError:  # (an emptied cell)
+        return _MISSING
 
 
 # how far _inside looks into a value stored in state, and into how many items per container

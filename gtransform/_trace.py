@@ -60,6 +60,7 @@ from ._state import (
     escape_error,
     is_dynamic_cache,
     leaf_grad,
+    number_bindings,
     stored_error,
 )
 from ._symbolic import (
@@ -846,7 +847,7 @@ def trace(
     """
     inputs = _Inputs.of(tensors)
     gens = GeneratorGuard(fn, extra, roots)
-    snap = Snapshot(roots)
+    snap = Snapshot(roots, number_bindings(fn))
     real = {i: tensors[i] for i in stable}
     no_freeze: FrozenSet[int] = frozenset()
     try:

@@ -2406,3 +2406,53 @@ def _buffer_step(buf, q, opt):
         return loss.detach()
 
     return step
+
+
+_MICRO = 0
+
+
+class _Trainer:
+    global_step = 0
+
+
+@pytest.mark.parametrize("where", ["global", "nonlocal", "class"])
+def test_a_counter_in_a_global_closure_or_class_that_the_step_changes_is_refused(where):
+    # gradient accumulation on a global count: the trace incremented it (the eager first call saw
+    # 2 and stepped) and replays never did: the branch was frozen, silently wrong training
+    global _MICRO
+    _MICRO = 0
+    _Trainer.global_step = 0
+    m = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+
+    def bump():
+        global _MICRO
+        if where == "global":
+            _MICRO += 1
+            return _MICRO
+        _Trainer.global_step += 1
+        return _Trainer.global_step
+
+    def make():
+        micro = 0
+
+        def step(x):
+            nonlocal micro
+            if where == "nonlocal":
+                micro += 1
+                n = micro
+            else:
+                n = bump()
+            loss = m(x).pow(2).mean()
+            loss.backward()
+            if n % 2 == 0:
+                opt.step()
+                opt.zero_grad()
+            return loss
+
+        return step
+
+    f = gt.graphify(make())
+    with pytest.raises(gt.GraphifyError, match=r"(?s)changes Python numbers.*static argument"):
+        for i in range(4):
+            f(torch.full((2, 4), float(i + 1)))
