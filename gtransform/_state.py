@@ -40,6 +40,7 @@ import os
 import random
 import re
 import sys
+import threading
 import types
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
@@ -168,7 +169,8 @@ def _candidates(fn: Any, depth: int, out: List[Tuple[str, Any]], seen: Set[int],
                 if where is not None and _users_namespace(v):
                     for attr in names:
                         x = v.__dict__.get(attr)
-                        if isinstance(x, torch.Tensor):
+                        if isinstance(x, (torch.Tensor, _Module, _Optimizer, list, dict, tuple)) or _plain_object(x):
+                            # (also a model and its optimizer kept on a registry class, `Holder.opt`)
                             out.append((f"{name}.{attr}", x))
                             where.setdefault(id(x), Slot("attr", v, attr, f"{name}.{attr}"))
                         elif isinstance(x, (staticmethod, classmethod)) or isinstance(x, types.FunctionType):
@@ -267,6 +269,9 @@ def find_roots(fn: Any, extra: Sequence[Tuple[str, Any]] = ()) -> List[Root]:
         elif isinstance(v, _Optimizer):
             seen.add(id(v))
             roots.append(Root(name, v, binding=bound))
+            for attr, x in list(vars(v).items()):  # (one it wraps: SAM's base_optimizer, Lookahead's)
+                if isinstance(x, _Optimizer):
+                    add(f"{name}.{attr}", x, depth + 1, Slot("attr", v, attr, f"{name}.{attr}"))
         elif isinstance(v, torch.Tensor):
             seen.add(id(v))
             roots.append(Root(name, v, bound))
@@ -307,8 +312,9 @@ def find_roots(fn: Any, extra: Sequence[Tuple[str, Any]] = ()) -> List[Root]:
             for k, v in vars(m).items():
                 if k in _MODULE_DICTS:
                     continue
-                if type(v) in (list, dict, tuple) or _plain_object(v):
-                    add(f"{path}.{k}", v, 1)
+                if type(v) in (list, dict, tuple) or _plain_object(v) or isinstance(v, _Optimizer):
+                    # (an optimizer the module keeps, `self.opt` of a graphified train_step method)
+                    add(f"{path}.{k}", v, 1, Slot("attr", m, k, f"{path}.{k}"))
             # hooks' closures and globals (`acts.append(o)` in a forward hook): what they
             # store there is seen like what the function stores
             for hd in (m._forward_hooks, m._forward_pre_hooks):
@@ -470,6 +476,47 @@ def _same_generator(a: torch.Generator, b: torch.Generator) -> bool:
         return a.initial_seed() == probe
     finally:
         b.set_state(state)
+
+
+class UnseenOptimizers:
+    """While a trace runs: an optimizer the function steps that is none of the roots is refused before it steps.
+
+    Its lazily made state (momentum, Adam's moments) would be made while tracing, left in
+    ``opt.state`` as placeholders that no snapshot puts back (the optimizer broken for eager
+    use too). A global step pre-hook (torch's public one) that acts in the tracing thread only.
+    """
+
+    def __init__(self, roots: Sequence[Root], desc: str):
+        self.known = {id(r.obj) for r in roots if isinstance(r.obj, _Optimizer)}
+        self.desc = desc
+        self.handle: Any = None
+
+    def __enter__(self) -> UnseenOptimizers:
+        self.thread = threading.get_ident()
+        try:
+            from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+            self.handle = register_optimizer_step_pre_hook(self._check)
+        except ImportError:  # pragma: no cover - an older torch: not watched
+            self.handle = None
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.handle is not None:
+            self.handle.remove()
+
+    def _check(self, opt: Any, args: Any, kwargs: Any) -> None:
+        if threading.get_ident() != self.thread or id(opt) in self.known:
+            return
+        raise GraphifyError(
+            f"{self.desc}: the function steps a {type(opt).__name__} optimizer that gtransform does not find "
+            "among the objects it reaches.\n"
+            "Why: the state an optimizer makes on its first step (momentum, Adam's moments) would be made "
+            "while tracing, out of gtransform's sight, and a replay would not update it.\n"
+            "Fix: let the function reach it through a closure, a global name, an argument (a module or "
+            "object holding it), or an attribute of a module or object it reaches, at most 4 levels deep "
+            "(not through a weakref or a cached factory function); or keep opt.step() outside."
+        )
 
 
 def root_modules(roots: Sequence[Root]) -> List[Tuple[str, _Module]]:

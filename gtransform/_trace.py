@@ -55,6 +55,7 @@ from ._state import (
     Slot,
     Snapshot,
     StateIndex,
+    UnseenOptimizers,
     contains,
     dynamic_cache_error,
     escape_error,
@@ -853,8 +854,9 @@ def trace(
     try:
         while True:
             try:
-                plan = _Tracing(fn, rebuild, inputs, list(in_paths), desc, cuda, roots, snap, real, no_freeze,
-                                dims, layouts, gens.host).plan()
+                with UnseenOptimizers(roots, desc):
+                    plan = _Tracing(fn, rebuild, inputs, list(in_paths), desc, cuda, roots, snap, real, no_freeze,
+                                    dims, layouts, gens.host).plan()
                 break
             except Refreeze as again:
                 # a frozen read of a tensor the function writes: not unchanged; traced again

@@ -2456,3 +2456,74 @@ def test_a_counter_in_a_global_closure_or_class_that_the_step_changes_is_refused
     with pytest.raises(gt.GraphifyError, match=r"(?s)changes Python numbers.*static argument"):
         for i in range(4):
             f(torch.full((2, 4), float(i + 1)))
+
+
+class _Registry:  # a "global registry" class holding the model and its optimizer
+    model = None
+    opt = None
+
+
+class _TrainsItself(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 2)
+        self.opt = torch.optim.Adam(self.parameters(), lr=0.1, fused=True)
+
+    def train_step(self, x):
+        self.opt.zero_grad()
+        loss = self.lin(x).pow(2).mean()
+        loss.backward()
+        self.opt.step()
+        return loss.detach()
+
+
+class _Wrapping(torch.optim.Optimizer):  # SAM / Lookahead style: an optimizer around another
+    def __init__(self, params, **kw):
+        super().__init__(params, {})
+        self.base_optimizer = torch.optim.SGD(self.param_groups, **kw)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        self.base_optimizer.step()
+
+
+@pytest.mark.parametrize("how", ["class_attribute", "module_attribute", "wrapped", "weakref"])
+def test_an_optimizer_reached_indirectly_is_state_or_refused_without_leaving_placeholders(how):
+    # its lazily made state was made while tracing and left in opt.state as placeholders: the
+    # call failed with a misleading message and the optimizer was broken for eager use too
+    import weakref
+
+    def build():
+        torch.manual_seed(0)
+        if how == "module_attribute":
+            net = _TrainsItself()
+            return net, net.opt, net.train_step
+        m = torch.nn.Linear(4, 2)
+        opt = (_Wrapping(m.parameters(), lr=0.1, momentum=0.9) if how == "wrapped"
+               else torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9))
+        _Registry.model, _Registry.opt = m, (None if how == "weakref" else opt)
+        ref = weakref.ref(opt)
+
+        def step(x):
+            o = ref() if how == "weakref" else _Registry.opt
+            o.zero_grad()
+            loss = _Registry.model(x).pow(2).mean()
+            loss.backward()
+            o.step()
+            return loss.detach()
+
+        return m, opt, step
+
+    xs = [torch.randn(3, 4, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    m, opt, step = build()
+    want = [step(x).item() for x in xs]
+    m, opt, step = build()
+    f = gt.graphify(step)
+    if how == "weakref":
+        with pytest.raises(gt.GraphifyError, match=r"(?s)steps a SGD optimizer that gtransform does not find.*Fix:"):
+            for x in xs:
+                f(x)
+        assert all(type(v) is torch.Tensor for s in opt.state.values() for v in s.values())
+        return
+    got = [f(x).item() for x in xs]
+    assert_close(torch.tensor(got), torch.tensor(want))
