@@ -57,8 +57,12 @@ def _copier(tensors: Sequence[torch.Tensor]) -> Any:
     if len(by_dtype) <= 1:
         return foreach_copy_ if all(dt in _FOREACH_DTYPES for dt in by_dtype) else _copy_each
     parts = [(idx, foreach_copy_ if dt in _FOREACH_DTYPES else _copy_each) for dt, idx in by_dtype.items()]
+    n = len(tensors)
 
     def copy_by_dtype(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
+        if len(dsts) != n:  # (some of them: those input_buffers' callers did not pass as the buffers)
+            _copier(dsts)(dsts, srcs)
+            return
         for idx, copy in parts:
             copy([dsts[i] for i in idx], [srcs[i] for i in idx])
 

@@ -129,6 +129,23 @@ def test_mixing_buffer_calls_and_fresh_tensors(device):
     assert torch.equal(bufs[0], a) and torch.equal(bufs[1], b)
 
 
+def test_some_buffers_and_some_fresh_tensors_of_several_dtypes(device):
+    # the copy per dtype was made for all the buffers: a call passing some of them crashed
+    def fn(x, m, s):
+        return (x * m.float()).sum() + s
+
+    f = gt.graphify(fn)
+    x0, m0, s0 = torch.zeros(4, 3, device=device), torch.zeros(4, 3, dtype=torch.bool, device=device), \
+        torch.zeros((), dtype=torch.float64, device=device)
+    bufs = f.input_buffers(x0, m0, s0)
+    for i in range(6):
+        x, m = _rand(4, 3, device=device), _rand(4, 3, device=device) > 0
+        s = torch.tensor(float(i), dtype=torch.float64, device=device)
+        bufs[0].copy_(x)
+        args = [bufs[0], m, s] if i % 2 else [x, bufs[1].copy_(m), s]
+        assert_close(f(*args), fn(x, m, s))
+
+
 def test_buffers_passed_in_each_others_places(device):
     fn = lambda a, b: a - 2 * b  # noqa: E731
     f = gt.graphify(fn)
