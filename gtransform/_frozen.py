@@ -124,6 +124,7 @@ class Frozen:
         self.candidates: Set[int] = set()  # arguments whose reads would freeze if passed again
         self.trained: Set[int] = set()  # inputs requiring grad whose reads were not frozen (see read)
         self.training = torch.is_grad_enabled()  # the call's grad mode (a read may sit in a no_grad block)
+        self.inference: Set[int] = set()  # inputs made under inference_mode whose reads were not frozen
         self.rewritten: Set[int] = set()  # inputs the function writes whose reads were not frozen
         self.leaf_reals: Dict[int, torch.Tensor] = {}  # input index -> its real tensor
         self._memo: Dict[int, Tuple[Any, Any]] = {}  # id(fake) -> (fake, real)
@@ -193,6 +194,11 @@ class Frozen:
         new = {d for d in deps if d < self.n_in and d not in self.stable}
         if new:
             self.candidates |= new
+            return NO_VALUE
+        made_in_inference = {d for d in deps if d in self.leaf_reals and self.leaf_reals[d].is_inference()}
+        if made_in_inference:
+            # (no version counter: an in-place change under inference_mode could not be seen)
+            self.inference |= made_in_inference
             return NO_VALUE
         trained = {d for d in deps if d in self.leaf_reals and self.leaf_reals[d].requires_grad}
         if trained and (self.training or torch.is_grad_enabled()):

@@ -1003,6 +1003,11 @@ class _Tracing:
                     "with every call, so it is not frozen. Fix: keep such a counter as a Python number outside "
                     "the graphified function (or pass it in as a static argument), keep the test on the device "
                     "(torch.where), or on_break=\"split\"."))
+                self._why_not_frozen(err, frozen.inference, (
+                    "which was made under torch.inference_mode(): an inference tensor has no version counter, "
+                    "so an in-place change of it could not be seen, and it is not frozen. Fix: make it outside "
+                    "inference mode (under torch.no_grad(), or t = t.clone() outside torch.inference_mode()), "
+                    "or on_break=\"split\"."))
                 self._why_not_frozen(err, frozen.trained, (
                     "which require grad: tensors being trained change at every optimizer step (also through "
                     ".data, which no version counter shows), and a value frozen from them would carry no "

@@ -344,3 +344,23 @@ def test_a_parameter_read_in_a_no_grad_block_of_a_training_call_is_not_frozen():
         for _ in range(3):
             assert_close(f(x), m(x))
     assert f.cache_info().hits >= 1
+
+
+def test_a_read_of_a_tensor_made_under_inference_mode_is_refused_with_the_fix():
+    # an inference tensor has no version counter: freezing it raised torch's internal
+    # "Inference tensors do not track version counter"
+    lin = torch.nn.Linear(4, 4)
+    with torch.inference_mode():
+        mask = torch.tensor([True, False, True, False])
+    f = gt.graphify(lambda y: lin(y)[:, mask] * 1)
+    with torch.inference_mode():
+        y = torch.randn(2, 4)
+        with pytest.raises(gt.GraphifyError, match=r"(?s)depends on mask, which was made under torch\.inference_mode"
+                                                   r".*Fix: make it outside inference mode"):
+            for _ in range(3):  # (the first call, which reads state, runs eagerly)
+                f(y)
+    mask = mask.clone()  # (outside inference mode: a normal tensor, frozen and guarded)
+    g = gt.graphify(lambda y: lin(y)[:, mask] * 1)
+    with torch.inference_mode():
+        for _ in range(3):
+            assert_close(g(y), lin(y)[:, mask])
