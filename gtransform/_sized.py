@@ -137,9 +137,10 @@ def _bucketed(g: Any, sz: Sizes, args: Tuple[Any, ...], kwargs: Dict[str, Any]) 
     pb = bind(g, pargs, pkwargs)
     hits, misses = g._hits, g._misses
     entry = _padded_entry(g, pb)
-    # each signature's first padded call is checked (a bucket may hold several: another static
-    # argument, module.train() after eval())
-    first = entry is None or not entry.padding_checked
+    # each signature's first padded call of each batch size is checked (a bucket may hold several
+    # signatures: another static argument, module.train() after eval(); and a function may read
+    # the batch size, `if x.shape[0] > 6`, which padding changes)
+    first = entry is None or n not in entry.padding_checked
     ref = None
     if first:
         if entry is not None:
@@ -160,7 +161,7 @@ def _bucketed(g: Any, sz: Sizes, args: Tuple[Any, ...], kwargs: Dict[str, Any]) 
     if first:
         _compare(g, out, ref, n, bucket)
         if entry is not None:
-            entry.padding_checked = True
+            entry.padding_checked.add(n)
         sz.checked.add(bucket)  # (for describe: the buckets a padded call was checked in)
     return out
 
@@ -276,6 +277,12 @@ def _compare(g: Any, out: Any, ref: Any, n: int, bucket: int) -> None:
                             f"structure than eager: {so} vs {sr}.\n" + _FIX)
     for k, (a, e) in enumerate(zip(lo, lr)):
         if not isinstance(e, torch.Tensor):
+            if type(e) in (int, float, bool, str, tuple, torch.Size) and type(a) is type(e) and a != e:
+                raise GraphifyError(
+                    f"{g._desc}: with buckets= (bucket {bucket}, batch {n}), {paths[k]} of the padded call is "
+                    f"{a!r} where an unpadded eager run of the same call returns {e!r}.\n"
+                    "Why: the function returns a Python value of the batch's size (x.shape[0]), which the "
+                    "padded call sees as the bucket's.\n" + _FIX)
             continue
         worst = _max_difference(a, e)
         if worst is not None:
@@ -283,8 +290,9 @@ def _compare(g: Any, out: Any, ref: Any, n: int, bucket: int) -> None:
                 f"{g._desc}: with buckets= (bucket {bucket}, batch {n}), {paths[k]} of the padded call "
                 f"differs from an unpadded eager run of the same call (max difference {worst}).\n"
                 "Why: the rows interact (a BatchNorm in training mode, a sum, mean or softmax over dim 0), so "
-                "the padded rows change the true rows' results (or the function is random: dropout in "
-                "training mode). Each signature's first padded call is checked against eager.\n" + _FIX)
+                "the padded rows change the true rows' results; or the function depends on the batch size "
+                "(`if x.shape[0] > 6`, a table sliced by it), which the padded call sees as the bucket's; or it "
+                "is random (dropout in training mode). Each signature's first padded call of each batch size is checked against eager.\n" + _FIX)
 
 
 def _max_difference(a: torch.Tensor, e: torch.Tensor) -> Optional[str]:

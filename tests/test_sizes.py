@@ -328,6 +328,33 @@ def test_padded_rows_that_are_not_finite_are_refused_where_gradients_flow(device
         assert_close(a, b)
 
 
+@pytest.mark.parametrize("how", ["branch", "sliced_table", "returned_size"])
+def test_a_function_that_depends_on_the_batch_size_is_refused_at_the_size_that_differs(device, how):
+    # each signature's first padded call was checked, at one size: if that size agreed by chance,
+    # the bucket's other sizes gave wrong numbers silently
+    table = torch.arange(16.0, device=device)
+
+    def fn(x):
+        if how == "branch":
+            return x * 2 if x.shape[0] > 6 else x * 3
+        if how == "sliced_table":
+            return x * float(table[: x.shape[0]].sum())
+        return x * 2, x.shape[0]
+
+    f = gt.graphify(fn, buckets=(8, 16), pad={"x": 0})
+    x7 = torch.randn(7, 3, device=device)
+    if how == "returned_size":
+        with pytest.raises(gt.GraphifyError, match=r"(?s)output\[1\] of the padded call is 8 where an unpadded.*7"):
+            f(x7)
+        return
+    if how == "branch":
+        assert_close(f(x7), fn(x7))  # (7 and its bucket, 8, take the same branch)
+    with pytest.raises(gt.GraphifyError, match=r"(?s)differs from an unpadded eager run.*depends on the batch size"):
+        for n in (5, 3):
+            x = torch.randn(n, 3, device=device)
+            assert_close(f(x), fn(x))
+
+
 def test_outputs_of_a_batch_of_a_buckets_own_size_are_copies_too(device):
     f = gt.graphify(lambda x: x + 1, buckets=(4, 8), pad=0)
     a = f(torch.zeros(4, device=device))  # exactly bucket 4

@@ -9,7 +9,7 @@ backward halves).
 
 from __future__ import annotations
 
-from typing import Any, Dict, Hashable, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Hashable, List, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -153,7 +153,7 @@ class Entry:
         self.bwd: Dict[Tuple[bool, ...], Any] = {}
         self.parts: Dict[Tuple[bool, ...], Any] = {}
         self.eager_first = False  # its first call ran eagerly (it touches state: see _lookup._settle)
-        self.padding_checked = False  # buckets=: a padded call of it matched eager (see _sized)
+        self.padding_checked: Set[int] = set()  # buckets=: the batch sizes whose padded call matched eager (see _sized)
 
     def grads_came_or_went(self, leaves: Sequence[Any] = ()) -> bool:
         """Whether a ``.grad`` the recording reads is gone, or one it expects absent is there.
