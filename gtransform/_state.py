@@ -772,6 +772,7 @@ class Snapshot:
 
     def __init__(self, roots: Sequence[Root], bindings: Sequence[Tuple[str, Any, str]] = ()):
         self.bindings = [(path, where, key, _bound_value(where, key)) for path, where, key in bindings]
+        self.flags: List[Tuple[torch.Tensor, bool]] = []  # the parameters' requires_grad
         self.items: List[Tuple[str, str, Any, Any]] = []  # (kind, path, obj, saved)
         seen: Set[int] = set()
         for r in roots:
@@ -784,6 +785,8 @@ class Snapshot:
                     grads = {n: leaf_grad(p) for n, p in m._parameters.items() if p is not None}
                     self.items.append(("module", path, m, (dict(m.__dict__), dict(m._parameters), dict(m._buffers),
                                                            dict(m._modules), grads, _hooks_of(m))))
+                    # (requires_grad_ the function calls on its parameters: the eager first call makes it)
+                    self.flags += [(p, p.requires_grad) for p in m._parameters.values() if p is not None]
             elif isinstance(obj, _Optimizer):
                 if id(obj) in seen:
                     continue
@@ -976,6 +979,9 @@ class Snapshot:
                 After a failed trace: the call then runs eagerly, or raises, and either way
                 must find the state as the caller left it (DESIGN semantics 9).
         """
+        for p, rg in self.flags:
+            if p.requires_grad != rg and p.grad_fn is None:
+                p.requires_grad_(rg)
         if full:
             for _path, where, key, old_v in self.bindings:
                 if _bound_value(where, key) is not old_v:

@@ -1458,7 +1458,7 @@ def drop_history(tensors: Sequence[torch.Tensor]) -> None:
     while tracing (``_Watch._no_history_on_views``).
     """
     for t in tensors:
-        if t.requires_grad and not t._is_view():
+        if t.grad_fn is not None and not t._is_view():  # (a leaf the function made require grad stays)
             t.detach_()
 
 

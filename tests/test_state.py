@@ -2527,3 +2527,43 @@ def test_an_optimizer_reached_indirectly_is_state_or_refused_without_leaving_pla
         return
     got = [f(x).item() for x in xs]
     assert_close(torch.tensor(got), torch.tensor(want))
+
+
+@pytest.mark.parametrize("pattern", ["toggled_inside", "frozen_after_a_step"])
+def test_requires_grad_set_inside_the_step_ends_as_in_eager(pattern):
+    # the trace's requires_grad_(False) leaked into the eager first call (its update skipped),
+    # and the trace's drop of history detached a parameter the function had re-enabled
+    def build():
+        torch.manual_seed(0)
+        enc, head = nn.Linear(4, 4), nn.Linear(4, 1)
+        opt = torch.optim.SGD(list(enc.parameters()) + list(head.parameters()), lr=0.1, momentum=0.9)
+
+        def step(x):
+            opt.zero_grad()
+            if pattern == "toggled_inside":
+                enc.requires_grad_(False)
+                aux = head(enc(x)).pow(2).mean()  # trains the head only
+                enc.requires_grad_(True)
+                loss = head(enc(x)).mean() + aux
+            else:
+                loss = head(enc(x)).pow(2).mean()
+            loss.backward()
+            opt.step()
+            if pattern == "frozen_after_a_step":
+                enc.weight.requires_grad_(False)
+            return loss.detach()
+
+        return enc, head, step
+
+    x = torch.ones(2, 4)
+    runs = {}
+    for use in (False, True):
+        enc, head, step = build()
+        f = gt.graphify(step) if use else step
+        out = []
+        for _ in range(3):
+            out.append(f(x).clone())
+            out.append(torch.tensor(float(enc.weight.requires_grad)))
+        runs[use] = (torch.stack(out), enc.weight.detach().clone(), head.weight.detach().clone())
+    for a, b in zip(runs[True], runs[False]):
+        assert_close(a, b)
