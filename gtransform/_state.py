@@ -710,15 +710,13 @@ class BindingChange(Change):
                 setattr(where, key, self.old)
 
 
-def number_bindings(fn: Any) -> List[Tuple[str, Any, str]]:
-    """Names bound to Python numbers that ``fn`` reaches: ``(path, where, key)``.
+def _named_values(fn: Any) -> List[Tuple[str, Any, str, Any]]:
+    """``(path, where, key, value)`` of each name ``fn`` reaches: its closure cells and globals.
 
-    Its globals and closure cells (and those of the functions it names, 3 levels), and the
-    attributes of the user's own classes and modules it names. A trace that changes one (a
-    counter: the trace's increment happens once, a replay's never) is seen as any other
-    Python change the trace makes (see Snapshot.scan).
+    And those of the functions it names (3 levels; functools caches followed to the function
+    they wrap), and the attributes of the user's own classes and modules it names.
     """
-    out: List[Tuple[str, Any, str]] = []
+    out: List[Tuple[str, Any, str, Any]] = []
     seen: Set[int] = set()
 
     def walk(f: Any, depth: int) -> None:
@@ -730,6 +728,10 @@ def number_bindings(fn: Any) -> List[Tuple[str, Any, str]]:
             return
         if inspect.ismethod(f):
             f = f.__func__
+        wrapped = getattr(f, "__wrapped__", None)
+        if not isinstance(f, types.FunctionType) and wrapped is not None:
+            walk(wrapped, depth + 1)  # (functools.lru_cache: a C-level wrapper)
+            return
         if not isinstance(f, types.FunctionType) or (depth > 0 and _is_library_code(f)):
             return
         code = f.__code__
@@ -739,23 +741,46 @@ def number_bindings(fn: Any) -> List[Tuple[str, Any, str]]:
                 v = cell.cell_contents
             except ValueError:
                 continue
-            if type(v) in _COUNTS:
-                out.append((name, cell, "cell_contents"))
-            elif isinstance(v, types.FunctionType):
+            out.append((name, cell, "cell_contents", v))
+            if callable(v):
                 walk(v, depth + 1)
         g = f.__globals__
         for name in names:
             if name not in g:
                 continue
             v = g[name]
-            if type(v) in _COUNTS:
-                out.append((name, g, name))
-            elif isinstance(v, types.FunctionType):
+            if isinstance(v, (type, types.ModuleType)):
+                if _users_namespace(v):
+                    out.extend((f"{name}.{a}", v, a, v.__dict__[a]) for a in names if a in v.__dict__)
+                continue
+            out.append((name, g, name, v))
+            if callable(v):
                 walk(v, depth + 1)
-            elif isinstance(v, (type, types.ModuleType)) and _users_namespace(v):
-                out.extend((f"{name}.{a}", v, a) for a in names if type(v.__dict__.get(a)) in _COUNTS)
 
     walk(fn, 0)
+    return out
+
+
+def number_bindings(fn: Any) -> List[Tuple[str, Any, str]]:
+    """Names bound to Python numbers that ``fn`` reaches: ``(path, where, key)`` (see :func:`_named_values`).
+
+    A trace that changes one (a counter: the trace's increment happens once, a replay's never)
+    is seen as any other Python change the trace makes (see Snapshot.scan).
+    """
+    return [(path, where, key) for path, where, key, v in _named_values(fn) if type(v) in _COUNTS]
+
+
+def function_caches(fn: Any) -> List[Any]:
+    """The ``functools.lru_cache`` / ``functools.cache`` functions ``fn`` reaches (a causal mask, a RoPE table).
+
+    A call while tracing stores a placeholder there, which the next eager call would get back:
+    a cache that grew while tracing is emptied after it (see Snapshot.restore).
+    """
+    out: List[Any] = []
+    for _path, _where, _key, v in _named_values(fn):
+        if callable(getattr(v, "cache_clear", None)) and callable(getattr(v, "cache_info", None)) and \
+                all(v is not o for o in out):
+            out.append(v)
     return out
 
 
@@ -768,10 +793,12 @@ class Snapshot:
     Args:
         roots: what the function reaches.
         bindings: names bound to Python numbers it reaches (see :func:`number_bindings`).
+        caches: the functools caches it reaches (see :func:`function_caches`).
     """
 
-    def __init__(self, roots: Sequence[Root], bindings: Sequence[Tuple[str, Any, str]] = ()):
+    def __init__(self, roots: Sequence[Root], bindings: Sequence[Tuple[str, Any, str]] = (), caches: Sequence[Any] = ()):
         self.bindings = [(path, where, key, _bound_value(where, key)) for path, where, key in bindings]
+        self.caches = [(c, _cache_size(c)) for c in caches]  # (see function_caches)
         self.flags: List[Tuple[torch.Tensor, bool]] = []  # the parameters' requires_grad
         self.items: List[Tuple[str, str, Any, Any]] = []  # (kind, path, obj, saved)
         seen: Set[int] = set()
@@ -982,6 +1009,9 @@ class Snapshot:
         for p, rg in self.flags:
             if p.requires_grad != rg and p.grad_fn is None:
                 p.requires_grad_(rg)
+        for c, size in self.caches:
+            if _cache_size(c) > size:
+                c.cache_clear()
         if full:
             for _path, where, key, old_v in self.bindings:
                 if _bound_value(where, key) is not old_v:
@@ -1039,6 +1069,13 @@ class Snapshot:
 
 
 _MISSING = object()
+
+
+def _cache_size(c: Any) -> int:
+    try:
+        return int(c.cache_info().currsize)
+    except Exception:  # pragma: no cover - a cache_info of another shape
+        return 0
 
 
 def _bound_value(where: Any, key: str) -> Any:

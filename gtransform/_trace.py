@@ -59,6 +59,7 @@ from ._state import (
     contains,
     dynamic_cache_error,
     escape_error,
+    function_caches,
     is_dynamic_cache,
     leaf_grad,
     number_bindings,
@@ -848,7 +849,7 @@ def trace(
     """
     inputs = _Inputs.of(tensors)
     gens = GeneratorGuard(fn, extra, roots)
-    snap = Snapshot(roots, number_bindings(fn))
+    snap = Snapshot(roots, number_bindings(fn), function_caches(fn))
     real = {i: tensors[i] for i in stable}
     no_freeze: FrozenSet[int] = frozenset()
     try:

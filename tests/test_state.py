@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import gc
 import re
 import types
@@ -2567,3 +2568,27 @@ def test_requires_grad_set_inside_the_step_ends_as_in_eager(pattern):
         runs[use] = (torch.stack(out), enc.weight.detach().clone(), head.weight.detach().clone())
     for a, b in zip(runs[True], runs[False]):
         assert_close(a, b)
+
+
+@functools.lru_cache(maxsize=None)
+def _causal_mask(n):
+    return torch.full((n, n), float("-inf")).triu(1)
+
+
+@pytest.mark.parametrize("touches_state", [True, False])
+def test_a_functools_cache_the_function_calls_keeps_real_tensors(touches_state):
+    # a causal mask or RoPE table built by an lru_cache'd helper: the trace stored a placeholder
+    # in the cache, and the next call (graphify's eager first one, or any eager code) got it back
+    _causal_mask.cache_clear()
+    lin = nn.Linear(4, 4)
+
+    def attn(x):
+        h = lin(x) if touches_state else x * 2
+        return (h @ h.transpose(-1, -2) + _causal_mask(x.shape[1])).softmax(-1)
+
+    f = gt.graphify(attn)
+    with torch.no_grad():
+        for n in (5, 5, 5, 6, 6):
+            x = torch.randn(2, n, 4)
+            assert_close(f(x), attn(x))
+    assert all(type(_causal_mask(n)) is torch.Tensor for n in (5, 6))
