@@ -2570,7 +2570,7 @@ def test_requires_grad_set_inside_the_step_ends_as_in_eager(pattern):
         assert_close(a, b)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=8)
 def _causal_mask(n):
     return torch.full((n, n), float("-inf")).triu(1)
 
