@@ -1641,14 +1641,14 @@ def change_error(desc: str, changes: Sequence[Change]) -> GraphifyError:
         # model.train() / model.eval() inside: a train step and an eval step sharing the model
         root = min((c.path.rsplit(".", 1)[0] for c in mode), key=len)
         return GraphifyError(
-            f"{desc}: the function switches modules between training and evaluation mode on every "
-            f"call ({listing}): {root}.train() or {root}.eval() inside it, with the other mode set "
-            "between calls (e.g. by another graphified function sharing the model).\n"
+            f"{desc}: the function sets the modules' training mode ({listing}): {root}.train() or "
+            f"{root}.eval() inside it, and the other mode was set since its last call (an eager "
+            f"validation calling {root}.eval(), or another graphified function sharing the model).\n"
             "Why: the training flags are part of the signature (each mode gets its own recording), "
             "but a switch made inside the function happens once, while tracing, and a replay would "
             "leave the modules in the mode they were in.\n"
             f"Fix: call {root}.train() / {root}.eval() outside the graphified functions, before "
-            "calling them (each mode is then recorded once and replayed)."
+            "calling them (after each validation too; each mode is then recorded once and replayed)."
         )
     if sched is not None:
         fix = (f"Fix: call {sched.path.rsplit('.', 1)[0]}.step() outside the graphified function, after "

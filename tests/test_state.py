@@ -2592,3 +2592,52 @@ def test_a_functools_cache_the_function_calls_keeps_real_tensors(touches_state):
             x = torch.randn(2, n, 4)
             assert_close(f(x), attn(x))
     assert all(type(_causal_mask(n)) is torch.Tensor for n in (5, 6))
+
+
+def _mode_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))
+
+
+def test_model_train_in_the_step_after_an_eager_validation_is_refused_with_the_true_reason():
+    # `def train_step(): model.train(); ...` and an eager model.eval() validation: the refusal said
+    # the function switches modes "on every call", which it does not
+    model = _mode_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    @gt.graphify
+    def train_step(x, y):
+        model.train()
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    g = torch.Generator().manual_seed(1)
+    with pytest.raises(gt.GraphifyError, match=r"(?s)sets the modules' training mode.*eager validation.*"
+                                               r"Fix: call model.train\(\)"):
+        for step in range(9):
+            train_step(torch.randn(4, 4, generator=g), torch.randint(0, 2, (4,), generator=g))
+            if step % 3 == 2:
+                model.eval()
+
+
+def test_two_graphified_steps_setting_the_other_mode_each_call_are_refused():
+    model = _mode_model()
+
+    def train_step(x):
+        model.train()
+        return model(x).sum()
+
+    def eval_step(x):
+        model.eval()
+        return model(x).sum()
+
+    ft, fe = gt.graphify(train_step), gt.graphify(eval_step)
+    x = torch.randn(4, 4)
+    with pytest.raises(gt.GraphifyError, match=r"(?s)sets the modules' training mode.*Fix:"):
+        with torch.no_grad():
+            for _ in range(6):
+                ft(x)
+                fe(x)
