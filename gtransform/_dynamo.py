@@ -67,6 +67,7 @@ class GraphBackend:
         piece = self.make(gm)
         piece._keep_held = self.keep  # its outputs held across its next call keep their values
         piece._dynamo_piece = True  # (its tensors' Python attributes are dynamo's to guard: see _lookup)
+        piece._storm.piece = True  # (its warnings speak of dynamo's arguments)
         self.pieces.append(weakref.ref(piece))
         return _Piece(piece, gm, _scalar_ints(gm, example_inputs))
 

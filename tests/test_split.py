@@ -484,3 +484,30 @@ def test_a_step_counter_passed_to_a_piece_is_one_signature_not_one_per_value(dev
     for k in (3, 4):
         x = base.clone()
         assert torch.equal(f(x, 5, k)[-1], _counted(x, 5, k)[-1])
+
+
+def test_a_piece_that_records_per_loop_index_says_why_and_a_maxsize_above_its_own():
+    lin = torch.nn.Linear(4, 4)
+
+    def step(h, i):
+        return torch.tanh(lin(h) + torch.full((1, 4), float(i)) * 1e-3)  # i: a fill value, static
+
+    def loop(h, n=40):
+        for i in range(n):
+            h = step(h, i)
+            if h.abs().max() > 50:
+                break
+        return h
+
+    f = gt.graphify(loop, on_break="split", maxsize=16)
+    with torch.no_grad(), warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            h0 = torch.randn(2, 4)
+            assert_close(f(h0), loop(h0))
+    msgs = [str(m.message) for m in w if issubclass(m.category, gt.RerecordWarning)]
+    assert any("TorchDynamo passes this piece a number of your code" in m for m in msgs), msgs
+    again = [m for m in msgs if "cycle through more signatures" in m]
+    assert again and "seen so far" in again[0]
+    size = int(again[0].split("maxsize=")[-1].split(")")[0])
+    assert size > 16

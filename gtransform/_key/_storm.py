@@ -54,7 +54,7 @@ def _objects(values: Set[Any]) -> bool:
     return True
 
 
-def explain_storm(desc: str, log: List[Any], differentiated: bool = False) -> str:
+def explain_storm(desc: str, log: List[Any], differentiated: bool = False, piece: bool = False) -> str:
     """The warning text: which part of the signature keeps changing, and the fix.
 
     ``differentiated``: some of the calls went through the autograd wrapper, whose sizes each
@@ -97,6 +97,13 @@ def explain_storm(desc: str, log: List[Any], differentiated: bool = False) -> st
                          "argument is part of the signature by identity (the recording reads its tensors), so "
                          "each new object is a new signature. Fix: pass the same object on every call (e.g. "
                          "one transformers StaticCache, .reset() between requests), or close over it.")
+        elif piece:
+            lines.append(f"{path} (a Python {_leaf_kind(values)}) took {len(values)} values: TorchDynamo passes this "
+                         "piece a number of your code (a loop index, a step count) that is used there other than "
+                         "in arithmetic with a tensor (a size, an index, torch.full(..., float(i))), so each value "
+                         "is a recording of its own. Fix: use it only in arithmetic with tensors there "
+                         "(torch.ones(...) * i: it is then passed as a tensor, one recording for all values), keep "
+                         "it in a tensor, or raise maxsize above the number of values.")
         else:
             lines.append(f"{path} (a Python {_leaf_kind(values)}) took {len(values)} values: non-tensor leaves are "
                          "static, so each value is a new signature. Fix: pass it as a tensor "
@@ -253,7 +260,7 @@ class StormDetector:
     """
 
     __slots__ = ("desc", "log", "keys", "warned", "env_log", "env_calls", "env_warned", "again", "again_warned",
-                 "evicted", "st_log", "st_calls", "st_warned", "allowance", "differentiated", "silent")
+                 "evicted", "st_log", "st_calls", "st_warned", "allowance", "differentiated", "silent", "piece")
 
     def __init__(self, desc: str, allowance: int = 0):
         self.desc = desc
@@ -273,6 +280,7 @@ class StormDetector:
         # a signature was differentiated through the autograd wrapper (a forward and a backward per size)
         self.differentiated = False
         self.silent = False  # (see quiet)
+        self.piece = False  # a graph TorchDynamo made (see _dynamo): its numbers are dynamo's arguments, not the user's
 
     def quiet(self) -> None:
         """Warn of nothing: a helper whose calls the function that made it warns about (see ``Graphified._spawn``)."""
@@ -296,9 +304,9 @@ class StormDetector:
         self._warn(
             f"{self.desc} has recorded again {n} signatures it had recorded before, in its last "
             f"{calls - self.again[0] + 1} calls: the calls cycle through more signatures "
-            f"({len(self.keys)} seen) than its cache keeps (maxsize={maxsize}), so each one is evicted "
-            "before it is used again, and every call traces and records.\n"
-            f"Fix: raise maxsize (gt.graphify(fn, maxsize={max(2 * len(self.keys), 8)})), or "
+            f"({len(self.keys)} seen so far) than its cache keeps (maxsize={maxsize}), so each one is "
+            "evicted before it is used again, and every call traces and records.\n"
+            f"Fix: raise maxsize (gt.graphify(fn, maxsize={max(2 * len(self.keys), 2 * maxsize, 8)})), or "
             "keep fewer signatures (pad inputs to a few shapes, pass changing numbers as tensors).",
             stacklevel + 1)
 
@@ -350,11 +358,13 @@ class StormDetector:
                 self._again(calls, maxsize, stacklevel + 1)
             return
         if self.warned:
+            if not self.again_warned and len(self.keys) < 4096:  # (counted for _again's message)
+                self.keys.add(key)
             return
         self.keys.add(key)
         self.log.append((spec, tuple(parts), tuple(paths), statics))
         if len(self.log) <= STORM_THRESHOLD + self.allowance:
             return
         self.warned = True
-        self._warn(explain_storm(self.desc, self.log, self.differentiated), stacklevel + 1)
+        self._warn(explain_storm(self.desc, self.log, self.differentiated, self.piece), stacklevel + 1)
         self.log = []  # (it holds the calls' static values)
