@@ -110,11 +110,11 @@ class _Piece:
 # Arithmetic where an int and a 0-dim int64 tensor give the same dtype and values, when the
 # other operand is a tensor with dimensions or of a floating or complex type (a 0-dim integer
 # tensor would promote to int64 with a tensor, but not with an int). Not pow: an int exponent
-# takes other kernels (x ** 2 is x * x) than a tensor one.
-_SCALAR_FNS = frozenset([operator.add, operator.sub, operator.mul, operator.truediv,
-                         torch.add, torch.sub, torch.mul, torch.div, torch.true_divide])
-_SCALAR_METHODS = frozenset(["add", "sub", "mul", "div", "true_divide", "__add__", "__radd__", "__sub__",
-                             "__rsub__", "__mul__", "__rmul__", "__truediv__", "__rtruediv__"])
+# takes other kernels (x ** 2 is x * x) than a tensor one. Nor division: on CUDA `y / n` with
+# a Python number multiplies by its reciprocal, which differs from a division in the last bit.
+_SCALAR_FNS = frozenset([operator.add, operator.sub, operator.mul, torch.add, torch.sub, torch.mul])
+_SCALAR_METHODS = frozenset(["add", "sub", "mul", "__add__", "__radd__", "__sub__", "__rsub__", "__mul__",
+                             "__rmul__"])
 
 
 def _scalar_ints(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Optional[List[Any]]:

@@ -457,12 +457,13 @@ def test_split_takes_over_reads_of_index_arguments_of_a_new_shape_every_call():
     assert g.cache_info().misses <= 3
 
 
-def _counted(x, n, k):
+def _counted(x, n, k, m=2):
     y = x * 2
     if y.float().sum() > 0:  # a host read: a break
         y = y + 1
-    # n (a step counter) only meets tensors in arithmetic; k also sizes a tensor
-    return y * n + n, n - y, y / n, (x.float().sum() * n), torch.ones(k, device=x.device) * k
+    # n (a step counter) only meets tensors in arithmetic; k also sizes a tensor; m divides (on
+    # CUDA a division by a number multiplies by its reciprocal: it stays a value of the signature)
+    return y * n + n, n - y, (x.float().sum() * n), torch.ones(k, device=x.device) * k, y / m
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.int32, torch.bool, torch.float16])
