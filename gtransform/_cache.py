@@ -10,7 +10,7 @@ Whether a call matches a signature is :mod:`._key`'s question, not this module's
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any, Callable, Dict, Hashable, List, NamedTuple, Optional
+from typing import Any, Callable, Dict, Hashable, List, NamedTuple, Optional, Tuple
 
 from ._key import Entry
 from ._liveness import PoolState
@@ -127,7 +127,7 @@ class ThreadState:
 
     __slots__ = ("cache", "last", "pool", "fast", "fast_rec", "warmed", "eager_only", "pending",
                  "clear_requested", "alts", "pending_limit", "raised", "raised_what", "eager_now", "frozen_args",
-                 "broken", "broke_now", "families", "__weakref__")
+                 "broken", "broke_now", "families", "places", "__weakref__")
 
     ALTS = 3  # alternates kept per key (see alts)
 
@@ -164,6 +164,9 @@ class ThreadState:
         self.frozen_args: Dict[str, Any] = {}
         # calls that differ only in sizes, and the symbolic trace they share (see _symbolic)
         self.families = Families()
+        # Python values in modules and objects some trace of the function set (``(id(dict), key) ->
+        # (dict, key)``): every later signature sets them after its replays (see _lookup._settle)
+        self.places: Dict[Tuple[int, Hashable], Tuple[Dict[Any, Any], Hashable]] = {}
 
     def clear(self) -> None:
         self.clear_requested = False
@@ -181,6 +184,7 @@ class ThreadState:
         self.broken.clear()
         self.pending.clear()
         self.families.clear()
+        self.places.clear()
         self.last = None
         self.drop_fast()
 

@@ -88,7 +88,7 @@ def build_fast_path(owner: Any, entry: Any, rec: Any, pool: Any) -> Any:
     """
     g = Gen()
     flat, tens = _check_lines(g, entry, rec)
-    call = _replay_lines(g, rec, tens) + _output_lines(g, entry.plan, rec, tens)
+    call = _replay_lines(g, rec, tens) + _set_lines(g, entry) + _output_lines(g, entry.plan, rec, tens)
     # the static arguments apart as the generic path takes them (a refused one -> miss)
     text = ["def fast(args, kwargs):", "    try:"]
     if owner._has_static:
@@ -201,6 +201,11 @@ def _special_in(g: Gen, rec: Any, tens: List[str]) -> List[str]:
     every = g.const(frozenset(rec.copy_idx), "S")
     return [f"if {cond}:", f"    OWN, GONE, FREED = {every}, (), {g.const(frozenset(), 'S')}",
             "else:", f"    OWN, GONE, FREED = _hcopy_in(REC, {tl})"]
+
+
+def _set_lines(g: Gen, entry: Any) -> List[str]:
+    """The Python values the function sets, set as its trace left them (see ``Entry.sets``)."""
+    return [f"{g.const(where, 'W')}[{g.const(key, 'K')}] = {g.const(value, 'V')}" for where, key, value in entry.sets]
 
 
 def _output_lines(g: Gen, plan: Any, rec: Any, tens: List[str]) -> List[str]:

@@ -357,12 +357,15 @@ def _settle(g: Any, st: ThreadState, ck: CallKey, call: Call, plan: Any, cuda: b
     """
     key = ck.key
     model_changes = [c for c in plan.py_changes if c.model or plan.touches_state]
+    after = _places(st, model_changes) if record else {}
     if model_changes and record:
         for c in model_changes:
             c.undo()
-        # (only attributes and hooks the trace made: a library's lazy set-up for a setting changed
-        # since the eager call, e.g. output_hidden_states turned on; the eager call makes them)
-        if key in st.warmed and not all(c.made for c in model_changes):
+        # not refused: attributes and hooks the trace made (a library's lazy set-up for a setting
+        # changed since the eager call, e.g. output_hidden_states turned on; the eager call makes
+        # them), and flags the function sets (model.train() in a step, model.eval() in an eager
+        # validation between steps: the replays set them, see Entry.sets); a count is
+        if key in st.warmed and not all(c.made or type(c.new) is bool for c in model_changes):
             raise change_error(g._desc, model_changes)
     ran_eagerly = key in st.warmed  # (this key's first call ran eagerly: describe says so)
     warm = not (plan.touches_state or model_changes) or ran_eagerly
@@ -377,6 +380,8 @@ def _settle(g: Any, st: ThreadState, ck: CallKey, call: Call, plan: Any, cuda: b
         try:
             e = new_entry(g, ck, call, plan, cuda)
             e.eager_first = ran_eagerly or (record and not warm)
+            e.sets = [(where, k, after.get((id(where), k), where.get(k, None))) for where, k in st.places.values()
+                      if (id(where), k) in after or k in where]
         except GraphifyError:
             if warm or not record:
                 raise
@@ -395,6 +400,25 @@ def _settle(g: Any, st: ThreadState, ck: CallKey, call: Call, plan: Any, cuda: b
         st.insert(key, e, g._maxsize, g._storm.note_evicted)
     # (not warm: f.trace(...) before the first call; not kept)
     return e, list(plan.state)
+
+
+_SET_TYPES = (int, float, bool, str, type(None))
+
+
+def _places(st: ThreadState, changes: List[Any]) -> Dict[Tuple[int, Any], Any]:
+    """Note the module and object attributes ``changes`` set to Python values; their values after the trace.
+
+    (Not values the trace made where there was none, nor hooks: the eager call makes those.)
+    """
+    after: Dict[Tuple[int, Any], Any] = {}
+    for c in changes:
+        where = c.where
+        if type(where) is dict and not c.made and not c.rebinds and type(c.new) in _SET_TYPES:
+            place = (id(where), c.key)
+            after[place] = c.new
+            if place not in st.places and len(st.places) < 64:
+                st.places[place] = (where, c.key)
+    return after
 
 
 def new_entry(g: Any, ck: CallKey, call: Call, plan: Any, cuda: bool) -> Entry:

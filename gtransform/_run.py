@@ -73,5 +73,9 @@ def run(g: Any, b: Bound, under_grad: bool) -> Any:
     if under_grad:
         tensors = [b.leaves[i] for i in e.tpos] + e.held_state(tensors[e.n_user:])
     if under_grad or (e.any_rg and _is_grad_enabled()):
-        return call_with_autograd(g, e, tensors)
-    return e.plan.assemble(run_flat(g, e, st, tensors))
+        out = call_with_autograd(g, e, tensors)
+    else:
+        out = e.plan.assemble(run_flat(g, e, st, tensors))
+    for where, key, value in e.sets:  # (the Python values the function sets: see Entry.sets)
+        where[key] = value
+    return out

@@ -2599,45 +2599,89 @@ def _mode_model():
     return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))
 
 
-def test_model_train_in_the_step_after_an_eager_validation_is_refused_with_the_true_reason():
-    # `def train_step(): model.train(); ...` and an eager model.eval() validation: the refusal said
-    # the function switches modes "on every call", which it does not
-    model = _mode_model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+def test_model_train_in_the_step_with_an_eager_validation_between_steps():
+    # `def train_step(): model.train(); ...` and an eager model.eval() validation every few steps:
+    # the step after each validation was refused ("switches ... on every call"); its replays now
+    # set the flags as eager does
+    runs = {}
+    for use in (False, True):
+        model = _mode_model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
 
-    @gt.graphify
-    def train_step(x, y):
-        model.train()
-        opt.zero_grad()
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        return loss.detach()
+        def train_step(x, y, model=model, opt=opt):
+            model.train()
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            return loss.detach()
 
-    g = torch.Generator().manual_seed(1)
-    with pytest.raises(gt.GraphifyError, match=r"(?s)sets the modules' training mode.*eager validation.*"
-                                               r"Fix: call model.train\(\)"):
+        f = gt.graphify(train_step) if use else train_step
+        g = torch.Generator().manual_seed(1)
+        out = []
         for step in range(9):
-            train_step(torch.randn(4, 4, generator=g), torch.randint(0, 2, (4,), generator=g))
+            out.append(f(torch.randn(4, 4, generator=g), torch.randint(0, 2, (4,), generator=g)).clone())
+            out.append(torch.tensor(float(model.training)))
             if step % 3 == 2:
                 model.eval()
+                with torch.no_grad():
+                    out.append(model(torch.randn(4, 4, generator=g)).sum())
+        runs[use] = (torch.stack(out), [p.detach().clone() for p in model.parameters()], model[1].running_mean.clone())
+        if use:
+            assert f.cache_info().hits >= 3
+    assert_close(runs[True][0], runs[False][0])
+    for a, b in zip(runs[True][1], runs[False][1]):
+        assert_close(a, b)
+    assert_close(runs[True][2], runs[False][2])
 
 
-def test_two_graphified_steps_setting_the_other_mode_each_call_are_refused():
-    model = _mode_model()
+def test_two_graphified_steps_that_each_set_their_mode_replay_and_leave_it_as_eager():
+    models = [_mode_model(), _mode_model()]
+    fns = []
+    for m in models:
+        def train_step(x, m=m):
+            m.train()
+            return m(x).sum()
 
-    def train_step(x):
-        model.train()
-        return model(x).sum()
+        def eval_step(x, m=m):
+            m.eval()
+            return m(x).sum()
 
-    def eval_step(x):
-        model.eval()
-        return model(x).sum()
+        fns.append((train_step, eval_step))
+    ft, fe = gt.graphify(fns[1][0]), gt.graphify(fns[1][1])
+    et, ee = fns[0]
+    with torch.no_grad():
+        for _ in range(6):
+            x = torch.randn(4, 4)
+            assert_close(ft(x), et(x))
+            assert models[1].training and models[0].training
+            assert_close(fe(x), ee(x))
+            assert not models[1].training and not models[0].training
+            assert_close(models[1][1].running_mean, models[0][1].running_mean)
+    assert ft.cache_info().hits >= 3 and fe.cache_info().hits >= 3
 
-    ft, fe = gt.graphify(train_step), gt.graphify(eval_step)
-    x = torch.randn(4, 4)
-    with pytest.raises(gt.GraphifyError, match=r"(?s)sets the modules' training mode.*Fix:"):
-        with torch.no_grad():
-            for _ in range(6):
-                ft(x)
-                fe(x)
+
+class _StoresItsSize(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+        self.n = 0
+        self.mode = None
+
+    def forward(self, x, mode="a"):
+        self.n = x.shape[0]
+        self.mode = mode
+        return self.lin(x) * 2
+
+
+def test_python_values_the_forward_sets_are_left_as_eager_leaves_them():
+    # self.n = x.shape[0] and self.mode = mode: a replay of one signature left the values the
+    # last traced call of another signature set
+    m, ref = _StoresItsSize(), _StoresItsSize()
+    ref.load_state_dict(m.state_dict())
+    g = gt.graphify(m, static_argnums=(1,))
+    with torch.no_grad():
+        for n, mode in [(3, "a"), (3, "a"), (3, "a"), (4, "b"), (4, "b"), (4, "b"), (3, "a"), (3, "b"), (4, "a"), (3, "a")]:
+            x = torch.randn(n, 2)
+            assert_close(g(x, mode), ref(x, mode))
+            assert (m.n, m.mode) == (ref.n, ref.mode)

@@ -39,7 +39,7 @@ class Entry:
         "calls", "cuda", "any_rg", "must_static", "alias", "same", "n_leaves", "bwd", "const_vals", "parts",
         "state_src", "env", "env_val", "n_user", "state_static", "glob", "orders", "attrs", "reads_attrs", "grad_none",
         "bits", "_checks", "_match", "handed", "donated", "look_again", "eager_first",
-        "padding_checked", "opt_grad_none",
+        "padding_checked", "opt_grad_none", "sets",
     )
 
     def __init__(self, key: Hashable, spec: Any, leaves: Sequence[Any], tpos: List[int], statics: Any, plan: Plan, cuda: bool):
@@ -154,6 +154,10 @@ class Entry:
         self.parts: Dict[Tuple[bool, ...], Any] = {}
         self.eager_first = False  # its first call ran eagerly (it touches state: see _lookup._settle)
         self.padding_checked: Set[int] = set()  # buckets=: the batch sizes whose padded call matched eager (see _sized)
+        # Python values the function sets in modules and objects (`self.n = x.shape[0]`, model.train()
+        # inside it): ``(dict, key, value)`` set after each replay as its trace left them, so that
+        # a replay leaves them as eager does (see _lookup._settle)
+        self.sets: List[Tuple[Any, Any, Any]] = []
 
     def grads_came_or_went(self, leaves: Sequence[Any] = ()) -> bool:
         """Whether a ``.grad`` the recording reads is gone, or one it expects absent is there.
