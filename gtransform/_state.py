@@ -36,6 +36,7 @@ import collections
 import enum
 import functools
 import inspect
+import operator
 import os
 import random
 import re
@@ -768,6 +769,35 @@ def number_bindings(fn: Any) -> List[Tuple[str, Any, str]]:
     is seen as any other Python change the trace makes (see Snapshot.scan).
     """
     return [(path, where, key) for path, where, key, v in _named_values(fn) if type(v) in _COUNTS]
+
+
+def iterators(fn: Any) -> List[Tuple[str, Any]]:
+    """The iterators ``fn`` reaches by name (``it = iter(loader)``, a generator): ``(path, iterator)``."""
+    out: List[Tuple[str, Any]] = []
+    for path, _where, _key, v in _named_values(fn):
+        if hasattr(type(v), "__next__") and not isinstance(v, torch.Tensor) and all(v is not o for _p, o in out):
+            out.append((path, v))
+    return out
+
+
+def iterator_position(it: Any) -> Any:
+    """How far ``it`` has gone, in a form that changes when an item is taken (None: cannot say)."""
+    if isinstance(it, types.GeneratorType):
+        frame = it.gi_frame
+        return None if frame is None else ("gen", frame.f_lasti, tuple(map(id, frame.f_locals.values())))
+    n = getattr(it, "_num_yielded", None)  # (a DataLoader's iterator)
+    if isinstance(n, int):
+        return ("loader", n)
+    try:
+        red = it.__reduce__()
+        if isinstance(red, tuple) and len(red) >= 3 and isinstance(red[2], int):
+            return ("seq", red[2])  # (a list's, tuple's, range's iterator: its index)
+    except Exception:
+        pass
+    try:
+        return ("hint", operator.length_hint(it, -1))
+    except Exception:  # pragma: no cover
+        return None
 
 
 def function_caches(fn: Any) -> List[Any]:

@@ -61,6 +61,8 @@ from ._state import (
     escape_error,
     function_caches,
     is_dynamic_cache,
+    iterator_position,
+    iterators,
     leaf_grad,
     number_bindings,
     stored_error,
@@ -850,6 +852,7 @@ def trace(
     inputs = _Inputs.of(tensors)
     gens = GeneratorGuard(fn, extra, roots)
     snap = Snapshot(roots, number_bindings(fn), function_caches(fn))
+    its = [(path, it, iterator_position(it)) for path, it in iterators(fn)]
     real = {i: tensors[i] for i in stable}
     no_freeze: FrozenSet[int] = frozenset()
     try:
@@ -873,7 +876,20 @@ def trace(
         raise
     gens.check(desc, raise_=True)
     gens.refuse_unknown(desc, list(zip(plan.generators, plan.generator_at)))
+    _refuse_iterators_taken(desc, its)
     return plan
+
+
+def _refuse_iterators_taken(desc: str, its: List[Tuple[str, Any, Any]]) -> None:
+    """Refuse a trace that took items from an iterator the function reaches (``x, y = next(it)``)."""
+    taken = [path for path, it, pos in its if pos is not None and iterator_position(it) != pos]
+    if taken:
+        raise GraphifyError(
+            f"{desc}: the function takes items from the iterator {taken[0]} (next({taken[0]}), a for loop over it).\n"
+            "Why: the function runs once, while tracing: a replay would reuse the items taken then (the same "
+            "batch on every call) and never take another. (The item the trace took is gone from the iterator.)\n"
+            "Fix: take the items outside the function and pass them in (x, y = next(it); step(x, y))."
+        )
 
 
 class _Tracing:

@@ -2685,3 +2685,31 @@ def test_python_values_the_forward_sets_are_left_as_eager_leaves_them():
             x = torch.randn(n, 2)
             assert_close(g(x, mode), ref(x, mode))
             assert (m.n, m.mode) == (ref.n, ref.mode)
+
+
+@pytest.mark.parametrize("kind", ["list_iterator", "generator", "dataloader"])
+def test_a_step_that_takes_its_batch_from_an_iterator_is_refused(kind):
+    # `x, y = next(it)` inside the step: the replays reused the trace's batch forever
+    data = [(torch.full((2, 4), float(i)), torch.full((2, 1), float(i))) for i in range(20)]
+    if kind == "list_iterator":
+        it = iter(data)
+    elif kind == "generator":
+        it = (b for b in data)
+    else:
+        it = iter(torch.utils.data.DataLoader(torch.utils.data.TensorDataset(
+            torch.stack([d[0] for d in data]), torch.stack([d[1] for d in data])), batch_size=None))
+    m = nn.Linear(4, 1)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+
+    def step():
+        x, y = next(it)
+        opt.zero_grad()
+        loss = F.mse_loss(m(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    f = gt.graphify(step)
+    with pytest.raises(gt.GraphifyError, match=r"(?s)takes items from the iterator it.*Fix: take the items outside"):
+        for _ in range(3):
+            f()
