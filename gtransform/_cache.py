@@ -161,7 +161,7 @@ class ThreadState:
         self.alts: Dict[Hashable, List[Entry]] = {}
         # arguments read on the host by a call that ran eagerly for it (path -> weak reference):
         # passed again as the very same tensor, their reads are frozen (see _frozen)
-        self.frozen_args: Dict[str, Any] = {}
+        self.frozen_args: Dict[str, List[Any]] = {}
         # calls that differ only in sizes, and the symbolic trace they share (see _symbolic)
         self.families = Families()
         # Python values in modules and objects some trace of the function set (``(id(dict), key) ->

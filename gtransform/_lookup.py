@@ -101,7 +101,7 @@ def _cached(g: Any, st: ThreadState, key: Any, call: Call, record: bool) -> Opti
             st.last = e
             return e, state
         env_only = e.env_only_mismatch(call)
-        grads_only = not env_only and e.grads_came_or_went(call.leaves)
+        grads_only = not env_only and (e.grads_came_or_went(call.leaves) or e.frozen_only_mismatch(call))
     alts = st.alts.get(key)
     if alts and (env_only or grads_only or e is None):
         for a in alts:
@@ -187,7 +187,7 @@ def _new_signature(g: Any, st: ThreadState, ck: CallKey, call: Call,
             return found
         dims = fam.dims_to_trace(tensors)
     seen = st.frozen_args
-    stable = [k for k, (p, t) in enumerate(zip(in_paths, tensors)) if p in seen and seen[p]() is t]
+    stable = [k for k, (p, t) in enumerate(zip(in_paths, tensors)) if any(r() is t for r in seen.get(p, ()))]
     try:
         plan = _trace_sizes(g, fam, dims, rebuild, tensors, in_paths, cuda, roots, extra, stable)
     except GraphifyError as err:
@@ -211,8 +211,12 @@ def _new_signature(g: Any, st: ThreadState, ck: CallKey, call: Call,
     except Exception as err:
         trace_failed(g, st, ck.key, err, [paths[i] for i in ck.tpos], tensors, record)
         return None
-    for k in stable:
-        seen.pop(in_paths[k], None)
+    for k in stable:  # (frozen now: the other objects seen there stay candidates, a train and a val graph)
+        left = [r for r in seen.get(in_paths[k], ()) if r() is not tensors[k]]
+        if left:
+            seen[in_paths[k]] = left
+        else:
+            seen.pop(in_paths[k], None)
     if ck.device is None and plan.uses_cuda and torch.cuda.is_available():
         cuda = True
     found = _settle(g, st, ck, call, plan, cuda, record,
@@ -277,6 +281,9 @@ def _name_the_arguments(err: GraphifyError, paths: List[str]) -> None:
                 "tensor's identity and version counter.",)
 
 
+_FROZEN_CANDIDATES = 2  # tensors remembered per argument whose read may be frozen when passed again (a train and a val graph)
+
+
 def _reads_new_arguments(g: Any, st: ThreadState, key: Any, err: GraphifyError, in_paths: List[str],
                          tensors: List[torch.Tensor], record: bool) -> bool:
     """Whether a call whose trace read arguments on the host runs eagerly, to freeze them on the next call.
@@ -295,18 +302,18 @@ def _reads_new_arguments(g: Any, st: ThreadState, key: Any, err: GraphifyError, 
         _name_the_arguments(err, [in_paths[k] for k in sorted(new)])
         return False  # (values are the call's data; index-like arguments, integer or bool, its structure)
     seen = st.frozen_args
-    if any(in_paths[k] in seen for k in new):
-        seen.clear()  # (passed anew on the call after its eager one: the call's own data)
+    if any(len(seen.get(in_paths[k], ())) >= _FROZEN_CANDIDATES for k in new):  # (dropped ones count too)
+        seen.clear()  # (a new tensor there on call after call: the call's own data)
         which = ", ".join(in_paths[k] for k in sorted(new))
-        err.args = (str(err) + f"\nThe read depends on {which}: the call before passed another tensor there "
-                    "(and ran eagerly to freeze the read), so its values are taken as the call's data. A graph or "
-                    "mask that stays the same over calls is frozen where the calls pass the very same tensor "
-                    "object (from its second call; guarded by its identity and version counter): keep one object "
-                    "per graph, or close over it. Graphs that change every call need on_break=\"split\" or "
-                    "\"eager\".",)
+        err.args = (str(err) + f"\nThe read depends on {which}: the calls before passed {_FROZEN_CANDIDATES} other "
+                    "tensors there (and ran eagerly to freeze the read), so its values are taken as the call's data. "
+                    "A graph or mask that stays the same over calls is frozen where the calls pass the very same "
+                    "tensor object again (from its second call; guarded by its identity and version counter; a few "
+                    "such objects in turn, a train and a validation graph, are each frozen): keep one object per "
+                    "graph, or close over it. Graphs that change every call need on_break=\"split\" or \"eager\".",)
         return False
     for k in new:
-        seen[in_paths[k]] = weakref.ref(tensors[k])
+        seen[in_paths[k]] = list(seen.get(in_paths[k], ())) + [weakref.ref(tensors[k])]
     st.warmed.add(key)  # (lazily made state exists after this eager call: see _settle)
     log.info("%s: the trace read %s on the host; this call runs eagerly, and the read is frozen where "
              "the next call passes the very same tensors", g._desc, ", ".join(in_paths[k] for k in sorted(new)))

@@ -238,6 +238,19 @@ class Entry:
             m = self._match = build_match(self)
         return m(call.leaves, call.spec, call.statics, call.glob, call.tree, check_env)  # type: ignore[no-any-return]
 
+    def frozen_only_mismatch(self, call: Any) -> bool:
+        """Whether a call differs from this signature only in the tensors its frozen reads hang on.
+
+        (A train and a validation graph passed in turn: each is frozen into a recording of its own,
+        kept as an alternate of the key, see ``ThreadState.alts``.)
+        """
+        if not self.plan.frozen_guard:
+            return False
+        differs = {c.name: c.explain(self, call) for c in self.checks}
+        frozen = differs.pop("frozen reads", [])
+        # (another object: a graph passed in turn; not one written in place, which changes for good)
+        return bool(frozen) and all("is another tensor now" in line for line in frozen) and not any(differs.values())
+
     def env_only_mismatch(self, call: Any) -> bool:
         """Whether a call differs from this signature in its environment only.
 
