@@ -240,6 +240,10 @@ def leaf_grad(t: torch.Tensor) -> Any:
 # `self.state.nets["g"]` (a module three levels below `self`) is state like `self.net`;
 # an optimizer it does not reach would keep what a trace made (its lazily made moments).
 _MAX_DEPTH = 4
+# attributes of torch's objects that the calls outside the function rebind: not a binding the
+# signature checks (GradScaler's per-optimizer states, a new dict every scaler.update())
+_EPHEMERAL: Dict[type, Tuple[str, ...]] = {c: ("_per_optimizer_states",) for c in _TORCH_STATE
+                                          if c.__name__ == "GradScaler"}
 # the mutable sequences of state: a list, or a deque (a replay buffer) read by position
 _SEQUENCES = (list, collections.deque)
 
@@ -294,9 +298,12 @@ def find_roots(fn: Any, extra: Sequence[Tuple[str, Any]] = ()) -> List[Root]:
         elif _plain_object(v):
             seen.add(id(v))
             roots.append(Root(name, v, binding=bound))
+            ephemeral = _EPHEMERAL.get(type(v), ())
             for k, x in list(vars(v).items()):
                 if isinstance(x, (_Module, _Optimizer, list, dict, tuple, torch.Tensor)) or _plain_object(x):
-                    at = None if isinstance(x, torch.Tensor) else Slot("attr", v, k, f"{name}.{k}")
+                    # (what is bound there is watched, except where the calls outside rebind it:
+                    # still state, whose changes by the trace are seen and undone)
+                    at = None if isinstance(x, torch.Tensor) or k in ephemeral else Slot("attr", v, k, f"{name}.{k}")
                     add(f"{name}.{k}", x, depth + 1, at)
 
     for name, v in cands:
@@ -1574,6 +1581,16 @@ def stored_error(desc: str, stored: Sequence[Tuple[str, str, str]], site: str) -
     path, inner, kind = stored[0]
     more = (f" (also: {', '.join(p for p, _, _ in stored[1:4])}{' ...' if len(stored) > 4 else ''})"
             if len(stored) > 1 else "")
+    if "._per_optimizer_states[" in path:  # (torch.amp.GradScaler's, made in step() and reset by update())
+        return GraphifyError(
+            f"{desc}: torch.amp.GradScaler stores a new {kind} of per-optimizer state in {path} "
+            f"(made in scaler.step(), reset by scaler.update()).{site}\n"
+            "Why: a recording replays tensor work only: the dict would be made once, while tracing, around a "
+            "placeholder without data, and no replay makes another.\n"
+            "Fix: keep scaler.step(optimizer) and scaler.update() outside the graphified function: graphify "
+            "the forward, the loss and scaler.scale(loss).backward(), then step and update after the call. "
+            f"{path} was left as it was before the call."
+        )
     return GraphifyError(
         f"{desc}: the function stores a new {kind} holding a tensor made inside it in {path} "
         f"(the tensor: {inner}){more}.{site}\n"

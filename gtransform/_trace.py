@@ -529,8 +529,9 @@ def _data_dependent(desc: str, exc: BaseException, cuda: bool = False) -> Graphi
         pass
     elif scaler:
         hint = (f" The read is torch.amp.GradScaler's check for overflowed gradients ({format_frame(scaler[-1])}): "
-                "with an optimizer that takes it on the device, fused=True (SGD, Adam, AdamW, Adagrad), "
-                "GradScaler hands the check to the optimizer instead of reading it on the host.")
+                "keep scaler.step(optimizer) and scaler.update() outside the graphified function (graphify the "
+                "forward, the loss and scaler.scale(loss).backward(); GradScaler also keeps a new dict of "
+                "per-optimizer state each step, which a replay cannot make).")
     elif clip:
         hint = (f" The read is clip_grad_norm_'s error_if_nonfinite=True check ({format_frame(clip[-1])}): "
                 "pass error_if_nonfinite=False (the default), or check torch.isfinite(total_norm) on "

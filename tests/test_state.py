@@ -2713,3 +2713,51 @@ def test_a_step_that_takes_its_batch_from_an_iterator_is_refused(kind):
     with pytest.raises(gt.GraphifyError, match=r"(?s)takes items from the iterator it.*Fix: take the items outside"):
         for _ in range(3):
             f()
+
+
+def test_grad_scaler_step_outside_replays_and_inside_names_the_fix():
+    # the fix the refusal gave (fused=True) led to a second refusal about GradScaler's internals;
+    # and the working split (scale and backward inside, step and update outside) traced again on
+    # every call: scaler.update() rebinds a dict the signature checked
+    def build():
+        torch.manual_seed(0)
+        m = nn.Linear(4, 1)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1, fused=True)
+        sc = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+
+        def fwd_bwd(x):
+            opt.zero_grad()
+            loss = m(x).pow(2).mean()
+            sc.scale(loss).backward()
+            return loss.detach()
+
+        def whole(x):
+            loss = fwd_bwd(x)
+            sc.step(opt)
+            sc.update()
+            return loss
+
+        return m, opt, sc, fwd_bwd, whole
+
+    xs = [torch.randn(3, 4, generator=torch.Generator().manual_seed(i)) for i in range(5)]
+    out = {}
+    for use in (False, True):
+        m, opt, sc, fwd_bwd, _ = build()
+        f = gt.graphify(fwd_bwd) if use else fwd_bwd
+        losses = []
+        for x in xs:
+            losses.append(f(x).clone())
+            sc.step(opt)
+            sc.update()
+        out[use] = (torch.stack(losses), m.weight.detach().clone(), sc.get_scale())
+        if use:
+            assert f.cache_info().hits >= 3
+    assert_close(out[True][0], out[False][0])
+    assert_close(out[True][1], out[False][1])
+    assert out[True][2] == out[False][2]
+    *_, whole = build()
+    g = gt.graphify(whole)
+    with pytest.raises(gt.GraphifyError, match=r"(?s)GradScaler.*Fix: keep scaler.step\(optimizer\) and "
+                                               r"scaler.update\(\) outside"):
+        for x in xs:
+            g(x)
