@@ -284,6 +284,13 @@ def _compare(g: Any, out: Any, ref: Any, n: int, bucket: int) -> None:
                     "Why: the function returns a Python value of the batch's size (x.shape[0]), which the "
                     "padded call sees as the bucket's.\n" + _FIX)
             continue
+        if a.shape != e.shape and e.dim() > 0 and e.shape[0] != n:
+            raise GraphifyError(
+                f"{g._desc}: with buckets= (bucket {bucket}, batch {n}), {paths[k]} has shape {list(e.shape)} in an "
+                f"unpadded eager run: its dim 0 is not the batch ({n} rows), so the padded call's output "
+                f"({list(a.shape)}) cannot be sliced back to it (its dim 0 happened to be the bucket's size).\n"
+                "Why: an output is sliced back along dim 0; one that stacks something else there (layers, "
+                "heads) keeps the batch in another dimension.\n" + _FIX)
         worst = _max_difference(a, e)
         if worst is not None:
             raise GraphifyError(

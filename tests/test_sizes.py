@@ -355,6 +355,13 @@ def test_a_function_that_depends_on_the_batch_size_is_refused_at_the_size_that_d
             assert_close(f(x), fn(x))
 
 
+def test_an_output_stacking_something_else_on_dim_0_names_its_layout(device):
+    # (layers, batch, d) with as many layers as the bucket's rows: the refusal blamed interacting rows
+    f = gt.graphify(lambda x: torch.stack([x * i for i in range(4)]), buckets=(4, 8), pad=0)
+    with pytest.raises(gt.GraphifyError, match=r"(?s)its dim 0 is not the batch \(3 rows\)"):
+        f(torch.randn(3, 2, device=device))
+
+
 def test_outputs_of_a_batch_of_a_buckets_own_size_are_copies_too(device):
     f = gt.graphify(lambda x: x + 1, buckets=(4, 8), pad=0)
     a = f(torch.zeros(4, device=device))  # exactly bucket 4
