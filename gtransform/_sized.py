@@ -155,8 +155,8 @@ def _bucketed(g: Any, sz: Sizes, args: Tuple[Any, ...], kwargs: Dict[str, Any]) 
         if hint is None:
             raise
         raise GraphifyError(hint) from err
-    if g._misses > misses:  # (the look above traced this call's new signature: its miss, not also a hit)
-        g._hits = hits
+    if g._misses > misses:  # (the look above and the call: one miss, not also a hit, nor a second miss)
+        g._hits, g._misses = hits, misses + 1
     out = _sliced(g, out, n, bucket, first)
     if first:
         _compare(g, out, ref, n, bucket)

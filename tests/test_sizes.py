@@ -376,6 +376,16 @@ def test_cache_info_counts_each_buckets_first_call_as_a_miss(device):
         assert_close(f(x), x * 2)
     info = f.cache_info()
     assert (info.misses, info.hits, info.currsize) == (2, 2, 2)
+    # a function that reads state counts each padded call once too, as an unpadded one would
+    lin = torch.nn.Linear(1, 1).to(device)
+    g = gt.graphify(lambda x: lin(x), buckets=(4,), pad=0)
+    h = gt.graphify(lambda x: lin(x))
+    with torch.no_grad():
+        for k in range(3):
+            g(torch.randn(3, 1, device=device))
+            h(torch.randn(4, 1, device=device))
+            assert g.cache_info().hits + g.cache_info().misses == k + 1
+    assert g.cache_info()[:2] == h.cache_info()[:2]
 
 
 def test_input_buffers_are_refused_for_sizes_no_recording_of_their_own_serves(device):
