@@ -964,7 +964,9 @@ class _Tracing:
         histories = self.inputs.histories
         for i, t in enumerate(tensors):
             if t.requires_grad and self.is_ours(leaf_grad(t)):
-                _grad_of_argument(desc, self.paths[i], self.fnwatch.backward_at,
+                # (the first backward: an argument's .grad is made by the first one reaching it, an
+                # FGSM step's; a later one is usually the loss of the parameters alone)
+                _grad_of_argument(desc, self.paths[i], self.fnwatch.first_backward_at,
                                   i < len(histories) and histories[i] is not None)
         scan = self.snap.scan(self.is_ours)
         slots = {(id(s.obj), s.kind, s.key) for s, _ in scan.escapes}

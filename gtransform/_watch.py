@@ -798,6 +798,7 @@ class _FnWatch(TorchFunctionMode):
         self.hooks: List[str] = []
         self.backward_calls = 0  # .backward(), torch.autograd.backward/grad called by the function
         self.backward_at = ""  # where the last one was called (file:line)
+        self.first_backward_at = ""  # and the first
         self.for_grad = bool(getattr(FOR_GRAD, "on", False))
         self.inputs: Sequence[Any] = ()  # the trace's input tensors (set by the traced function)
         self.printed = False  # a tensor printed inside (warned once per trace)
@@ -831,6 +832,8 @@ class _FnWatch(TorchFunctionMode):
         if func in _BACKWARDS:
             self.backward_calls += 1
             self.backward_at = format_frame(user_frame(traceback.extract_stack()))
+            if not self.first_backward_at:
+                self.first_backward_at = self.backward_at
         if (func is _REGISTER_HOOK or getattr(func, "__wrapped__", None) is _REGISTER_HOOK) and args:
             self.hooks.append(format_frame(user_frame(traceback.extract_stack())))
             if self.for_grad and isinstance(args[0], torch.Tensor) and not args[0].requires_grad:
