@@ -695,8 +695,10 @@ def test_refusals_name_the_real_cause_and_fix(case):
         return
     g = gt.graphify(f)
     if case == "one_hot":
-        # an integer argument read on the host runs eagerly first (it is frozen where the next
-        # call passes the very same tensor: DESIGN semantics 12); passed anew, it is the call's data
+        # an integer argument read on the host runs eagerly first (it is frozen where a later
+        # call passes the very same tensor: DESIGN semantics 12; two such objects may take turns,
+        # a train and a validation graph); a third new one is the call's data
+        g(*[a.clone() for a in args])
         g(*[a.clone() for a in args])
     with pytest.raises(gt.GraphifyError, match="(?s)" + fix):
         g(*args)
