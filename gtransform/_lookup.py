@@ -211,12 +211,7 @@ def _new_signature(g: Any, st: ThreadState, ck: CallKey, call: Call,
     except Exception as err:
         trace_failed(g, st, ck.key, err, [paths[i] for i in ck.tpos], tensors, record)
         return None
-    for k in stable:  # (frozen now: the other objects seen there stay candidates, a train and a val graph)
-        left = [r for r in seen.get(in_paths[k], ()) if r() is not tensors[k]]
-        if left:
-            seen[in_paths[k]] = left
-        else:
-            seen.pop(in_paths[k], None)
+    # (the objects seen stay: a train and a validation graph frozen in turn; a third new one is data)
     if ck.device is None and plan.uses_cuda and torch.cuda.is_available():
         cuda = True
     found = _settle(g, st, ck, call, plan, cuda, record,
