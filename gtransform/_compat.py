@@ -98,7 +98,7 @@ __all__ = [
     "autograd_excluded", "backward_keeps_graph",
     # tensors, autograd and version counters
     "TensorBase", "TENSOR_VERSION_ATTR", "tensor_version", "TENSOR_PRIVATE_SPARSE_READS",
-    "DisableTorchFunctionSubclass", "VariableFunctions", "storage_use_count", "increment_version",
+    "DisableTorchFunctionSubclass", "VariableFunctions", "storage_use_count", "tensor_use_count", "increment_version",
     "unsafe_set_version_counter", "foreach_copy_", "neg_view",
     # global state a signature depends on
     "get_deterministic_algorithms", "is_any_autocast_enabled", "TensorGuards",
@@ -142,6 +142,7 @@ OPTIONAL: Dict[str, str] = {
     "LR_SCHEDULER_LEGACY_BASE": "None where torch dropped the alias: LRScheduler covers it",
     "temporarily_clear_interpreter_stack": "None: the backward recording runs under the interpreters",
     "backward_keeps_graph": "None: outputs are let go after the first backward, even with retain_graph=True",
+    "tensor_use_count": "None: a donated tensor's memory is never given back (copied as usual)",
     "unsafe_set_version_counter": "None: a take-back keeps the bumped version counter",
     "TRANSFORM_GRAD": "None: no call counts as under torch.func.grad",
     "TRANSFORM_VMAP": "None: no call counts as under torch.func.vmap",
@@ -248,6 +249,11 @@ VariableFunctions: Any = torch._C._VariableFunctions
 # how many references a storage has (_liveness, _record: whether a pool's memory is free; per call;
 # at import, no fallback). Checked: 2.11 (GPU image; run by the GPU suite), 2.13.0, 2.14.1.
 storage_use_count: Callable[[Any], int] = torch._C._storage_Use_Count
+# how many C++ references a tensor has (a DLPack export holds one: torch.from_dlpack(x), a JAX or
+# CuPy array over it), which the storage's use count does not show (_handed: a donated tensor's
+# memory is given back only where nothing else holds it). None where missing: nothing is given back.
+# Checked: 2.13.0, 2.14.1 (2.11: the GPU suite).
+tensor_use_count: Any = getattr(torch.Tensor, "_use_count", None)
 # bump a version counter (_liveness); the public torch.autograd.graph.increment_version where the C
 # function is missing. Checked: 2.11 (GPU image; run by the GPU suite), 2.13.0, 2.14.1.
 increment_version: Callable[..., Any] = (getattr(torch._C, "_increment_version", None)

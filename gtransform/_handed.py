@@ -20,7 +20,7 @@ from typing import Any, FrozenSet, List, Sequence, Set, Tuple
 
 import torch
 
-from ._compat import storage_use_count
+from ._compat import storage_use_count, tensor_use_count
 from ._liveness import StaleOutput, poison_tensor, take_back
 from ._tree import flatten, unflatten
 
@@ -61,10 +61,16 @@ def copy_in(rec: Any, tensors: Sequence[torch.Tensor]) -> Tuple[Set[int], List[i
     for i in gone:
         st = tensors[i].untyped_storage()
         # memory of its own only: not a pool output's alias, nor one the caller holds views of
-        if st.resizable() and storage_use_count(st._cdata) == 2:  # (the tensor's, and st's)
+        # (and no DLPack export of it, torch.from_dlpack(x) or a JAX array, which holds the tensor)
+        if st.resizable() and storage_use_count(st._cdata) == 2 and _held_once(tensors[i]):  # (the tensor's, and st's)
             st.resize_(0)
             freed.add(i)
     return own, gone, freed
+
+
+def _held_once(t: torch.Tensor) -> bool:
+    """Whether nothing but its Python object holds the tensor (a DLPack export holds it too)."""
+    return tensor_use_count is not None and tensor_use_count(t) == 1
 
 
 def copy_back(rec: Any, tensors: Sequence[torch.Tensor], skip: Set[int]) -> None:

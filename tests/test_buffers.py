@@ -386,6 +386,19 @@ def test_donation_skips_the_copy_back_of_an_in_place_update(device):
     assert counted.copied_back == 0 and counted.copied_in == 3  # s copied in, never back
 
 
+def test_donated_tensor_exported_through_dlpack_keeps_its_memory(device):
+    # torch.from_dlpack(x) (or a JAX / CuPy array over it) holds the tensor, not its storage:
+    # the memory was given back under that alias, which then read freed memory
+    f = gt.graphify(lambda x: x * 2, donate_argnums=0)
+    for _ in range(2):
+        f(_rand(100, 10, device=device))
+    x = torch.full((100, 10), 3.0, device=device)
+    alias = torch.from_dlpack(x)
+    assert_close(f(x), torch.full((100, 10), 6.0, device=device))
+    _junk = [torch.full((100, 10), -1.0, device=device) for _ in range(4)]
+    assert_close(alias, torch.full((100, 10), 3.0, device=device))
+
+
 def test_donated_tensor_with_views_kept_is_updated_not_freed(device):
     def fn(s):
         s.add_(1)
