@@ -654,11 +654,8 @@ def _no_traced_constants(gm: torch.fx.GraphModule, is_ours: Callable[[Any], bool
     through torch's C++ accessors, e.g. a gradient from ``torch.autograd.grad`` that is a
     view) would be a placeholder without data in every replay.
     """
-    for node in list(gm.graph.nodes):
+    for node in gm.graph.nodes:
         if node.op == "get_attr" and is_ours(getattr(gm, str(node.target), None)):
-            if not node.users:  # (read by nothing: no replay reads it; torch 2.14 leaves some)
-                gm.graph.erase_node(node)
-                continue
             users = ", ".join(str(u.target) for u in list(node.users)[:2])
             raise GraphifyError(
                 f"{desc}: the recording would read a tensor the trace made but could not follow "
