@@ -718,7 +718,7 @@ class BindingChange(Change):
                 setattr(where, key, self.old)
 
 
-def _named_values(fn: Any) -> List[Tuple[str, Any, str, Any]]:
+def named_values(fn: Any) -> List[Tuple[str, Any, str, Any]]:
     """``(path, where, key, value)`` of each name ``fn`` reaches: its closure cells and globals.
 
     And those of the functions it names (3 levels; functools caches followed to the function
@@ -769,19 +769,19 @@ def _named_values(fn: Any) -> List[Tuple[str, Any, str, Any]]:
     return out
 
 
-def number_bindings(fn: Any) -> List[Tuple[str, Any, str]]:
-    """Names bound to Python numbers that ``fn`` reaches: ``(path, where, key)`` (see :func:`_named_values`).
+def number_bindings(named: Sequence[Tuple[str, Any, str, Any]]) -> List[Tuple[str, Any, str]]:
+    """Names bound to Python numbers among ``named`` (:func:`named_values` of the function): ``(path, where, key)``.
 
     A trace that changes one (a counter: the trace's increment happens once, a replay's never)
     is seen as any other Python change the trace makes (see Snapshot.scan).
     """
-    return [(path, where, key) for path, where, key, v in _named_values(fn) if type(v) in _COUNTS]
+    return [(path, where, key) for path, where, key, v in named if type(v) in _COUNTS]
 
 
-def iterators(fn: Any) -> List[Tuple[str, Any]]:
-    """The iterators ``fn`` reaches by name (``it = iter(loader)``, a generator): ``(path, iterator)``."""
+def iterators(named: Sequence[Tuple[str, Any, str, Any]]) -> List[Tuple[str, Any]]:
+    """The iterators among ``named`` (``it = iter(loader)``, a generator): ``(path, iterator)``."""
     out: List[Tuple[str, Any]] = []
-    for path, _where, _key, v in _named_values(fn):
+    for path, _where, _key, v in named:
         if hasattr(type(v), "__next__") and not isinstance(v, torch.Tensor) and all(v is not o for _p, o in out):
             out.append((path, v))
     return out
@@ -807,14 +807,14 @@ def iterator_position(it: Any) -> Any:
         return None
 
 
-def function_caches(fn: Any) -> List[Any]:
-    """The ``functools.lru_cache`` / ``functools.cache`` functions ``fn`` reaches (a causal mask, a RoPE table).
+def function_caches(named: Sequence[Tuple[str, Any, str, Any]]) -> List[Any]:
+    """The ``functools.lru_cache`` / ``functools.cache`` functions among ``named`` (a causal mask, a RoPE table).
 
     A call while tracing stores a placeholder there, which the next eager call would get back:
     a cache that grew while tracing is emptied after it (see Snapshot.restore).
     """
     out: List[Any] = []
-    for _path, _where, _key, v in _named_values(fn):
+    for _path, _where, _key, v in named:
         if callable(getattr(v, "cache_clear", None)) and callable(getattr(v, "cache_info", None)) and \
                 all(v is not o for o in out):
             out.append(v)

@@ -64,6 +64,7 @@ from ._state import (
     iterator_position,
     iterators,
     leaf_grad,
+    named_values,
     number_bindings,
     stored_error,
 )
@@ -852,8 +853,9 @@ def trace(
     """
     inputs = _Inputs.of(tensors)
     gens = GeneratorGuard(fn, extra, roots)
-    snap = Snapshot(roots, number_bindings(fn), function_caches(fn))
-    its = [(path, it, iterator_position(it)) for path, it in iterators(fn)]
+    named = named_values(fn)  # (one walk of the names it reaches, for the three below)
+    snap = Snapshot(roots, number_bindings(named), function_caches(named))
+    its = [(path, it, iterator_position(it)) for path, it in iterators(named)]
     real = {i: tensors[i] for i in stable}
     no_freeze: FrozenSet[int] = frozenset()
     try:
