@@ -31,7 +31,8 @@ from ._errors import GraphifyError
 from ._key import Call, Entry, call_key, env_key_fn, global_key, makes_no_state, reusable_after_eager
 from ._key._call import CallKey
 from ._log import log
-from ._state import change_error, find_roots, lazy_error, uninitialized_modules
+from ._roots import find_roots, lazy_error, uninitialized_modules
+from ._snapshot import change_error
 from ._symbolic import dim_names, family_key, shared_plan
 from ._trace import trace
 from ._tree import unflatten

@@ -83,7 +83,7 @@ Replaced by supported mechanisms (no patch any more):
 * the fake-tensor logger's level, raised for the whole process: the filter above.
 
 Not torch's, and kept where they are: the Python state the function reaches is put back
-after its trace (``_state.Snapshot``: the function's own changes, undone by design);
+after its trace (``_snapshot.Snapshot``: the function's own changes, undone by design);
 numpy's global generator is put back where the function drew from it (``_trace``: a
 refused trace; numpy offers no per-thread view, so a draw another thread makes meanwhile
 is taken for the function's); ``warnings.catch_warnings`` around a CUDA capture (Python's
@@ -434,7 +434,7 @@ def untrack_reads(swapped: Sequence[Tuple[Any, type, type]]) -> None:
 
 
 # ids of the global forward pre-hooks that traces register while they run: not the user's,
-# so not part of any signature (``_state._compile_env``; another thread's trace may hold one)
+# so not part of any signature (``_key._environment._compile_env``; another thread's trace may hold one)
 TRACE_HOOKS: Set[int] = set()
 
 

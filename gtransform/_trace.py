@@ -36,6 +36,14 @@ from ._compat import (
 )
 from ._errors import _PKG_DIR, GraphifyError, format_frame, innermost_frame, user_frame, user_frame_from_exc
 from ._frozen import Frozen, Refreeze, guard_refs
+from ._host_effects import (
+    GeneratorGuard,
+    UnseenOptimizers,
+    function_caches,
+    iterator_position,
+    iterators,
+    number_bindings,
+)
 from ._objects import flatten_output
 from ._patches import trace_scope
 from ._rewrite import (
@@ -47,27 +55,9 @@ from ._rewrite import (
     _materialize_zero_tensors,
     _reshape_computed_views,
 )
-from ._state import (
-    AttrReads,
-    GeneratorGuard,
-    Root,
-    ScanResult,
-    Slot,
-    Snapshot,
-    StateIndex,
-    UnseenOptimizers,
-    contains,
-    dynamic_cache_error,
-    escape_error,
-    function_caches,
-    is_dynamic_cache,
-    iterator_position,
-    iterators,
-    leaf_grad,
-    named_values,
-    number_bindings,
-    stored_error,
-)
+from ._roots import Root, Slot, leaf_grad, named_values
+from ._snapshot import ScanResult, Snapshot, contains
+from ._state import AttrReads, StateIndex, dynamic_cache_error, escape_error, is_dynamic_cache, stored_error
 from ._symbolic import (
     Layouts,
     SymbolicLeak,
@@ -834,7 +824,7 @@ def trace(
         in_paths: leaf paths of the tensor inputs, for messages.
         desc: ``graphify(name)``, for messages.
         cuda: whether the function is recorded by the CUDA backend.
-        roots: the Python state ``fn`` reaches (see ``_state.find_roots``): put
+        roots: the Python state ``fn`` reaches (see ``_roots.find_roots``): put
             back as it was after the trace, and searched for escapes.
         extra: the call's other arguments, ``(path, value)``: the caller's generators
             passed in are watched like those the function closes over.

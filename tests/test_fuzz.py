@@ -171,7 +171,8 @@ def test_the_warm_up_drops_only_the_grads_its_call_replaces_and_does_not_read():
     # .grad tensors go, as zero_grad() drops them, so the warm-up and the capture do not hold
     # them beside the new ones; a .grad the graph reads, and other slots, stay)
     from gtransform._record import _drop_replaced_grads
-    from gtransform._state import EscapeWriter, Slot
+    from gtransform._roots import Slot
+    from gtransform._state import EscapeWriter
 
     a, b = torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(3))
     a.grad, b.grad = torch.randn(3), torch.randn(3)

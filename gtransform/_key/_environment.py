@@ -18,20 +18,8 @@ import torch
 
 from .._compat import module_global_hooks, optimizer_global_hooks
 from .._patches import TRACE_HOOKS as _TRACE_HOOKS
-from .._state import (
-    _MODULE_ATTRS,
-    AttrReads,
-    GradHooks,
-    Root,
-    Slot,
-    _Module,
-    _Optimizer,
-    _plain_attr,
-    _plain_object,
-    _RemovableHandle,
-    plain_object_roots,
-    root_modules,
-)
+from .._roots import _MODULE_ATTRS, Root, Slot, _Module, _Optimizer, _plain_object, plain_object_roots, root_modules
+from .._state import AttrReads, GradHooks, _plain_attr, _RemovableHandle
 
 __all__ = ["env_key_fn"]
 
