@@ -84,6 +84,7 @@ from torch._subclasses.fake_tensor import (
     FakeTensorMode,
     UnsupportedOperatorException,
 )
+from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._python_dispatch import _disable_current_modes as disable_current_modes
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack as get_current_dispatch_mode_stack
@@ -103,7 +104,7 @@ __all__ = [
     # global state a signature depends on
     "get_deterministic_algorithms", "is_any_autocast_enabled", "TensorGuards",
     # dispatch modes and fake tensors
-    "TorchDispatchMode", "disable_current_modes", "get_current_dispatch_mode_stack", "len_torch_dispatch_stack",
+    "TorchDispatchMode", "disable_current_modes", "disable_proxy_modes_tracing", "get_current_dispatch_mode_stack", "len_torch_dispatch_stack",
     "FakeTensor", "FakeTensorMode", "DataDependentOutputException", "DynamicOutputShapeException",
     "UnsupportedOperatorException",
     # containers

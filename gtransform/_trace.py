@@ -641,19 +641,20 @@ def _host_rng_restore(saved: List[Tuple[str, Any, Any]]) -> List[str]:
 def _no_traced_constants(gm: torch.fx.GraphModule, is_ours: Callable[[Any], bool], desc: str) -> None:
     """Refuse a graph that holds one of the trace's own tensors as a constant.
 
-    A tensor the trace made but lost track of (set as ``p.grad`` on state and read back
-    through torch's C++ accessors, e.g. a gradient from ``torch.autograd.grad`` that is a
-    view) would be a placeholder without data in every replay.
+    A tensor the trace made but lost track of (stored in state and read back through
+    torch's C++ accessors) would be a placeholder without data in every replay. (State is
+    faked outside the tracer, so faking a ``.grad`` that is a view leaves no constant.)
     """
     for node in gm.graph.nodes:
         if node.op == "get_attr" and is_ours(getattr(gm, str(node.target), None)):
             users = ", ".join(str(u.target) for u in list(node.users)[:2])
             raise GraphifyError(
-                f"{desc}: the recording would read a tensor the trace made but could not follow "
-                f"(used by {users}).\nWhy: it was stored in Python state and read back from there in "
-                "the same call, e.g. a gradient from torch.autograd.grad assigned to p.grad (a view) "
-                "and then read by opt.step(); a replay would find a placeholder without data.\n"
-                "Fix: store a copy (p.grad = g.clone()), or accumulate with loss.backward() instead."
+                f"{desc}: the recording would read a tensor the trace made but could not follow"
+                f"{f' (used by {users})' if users else ''}.\nWhy: it was stored in Python state and read back from there in "
+                "the same call through a path the trace does not see (torch's C++ accessors); a replay "
+                "would find a placeholder without data.\n"
+                "Fix: store a copy where the function stores it (state.x = t.clone()), or compute it "
+                "where it is read."
             )
 
 

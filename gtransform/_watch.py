@@ -46,6 +46,7 @@ from ._compat import (
     TensorBase,
     TorchDispatchMode,
     aten_to_copy,
+    disable_proxy_modes_tracing,
 )
 from ._compat import aten_linalg_check_errors as _CHECK_ERRORS
 from ._compat import aten_local_scalar_dense as _LOCAL_SCALAR
@@ -229,7 +230,10 @@ class _Watch(TorchDispatchMode):
             # parameter: at call time it is an input of the autograd node, so gradients flow
             # on into its history as in eager
             history = t.grad_fn is not None
-            f = self.mode.from_tensor(t.detach() if history else t, static_shapes=True)
+            # (outside the tracer: torch 2.14 fakes a ``.grad`` that is a view by running
+            # ``as_strided`` on its base, which make_fx would record as a constant of the graph)
+            with disable_proxy_modes_tracing():
+                f = self.mode.from_tensor(t.detach() if history else t, static_shapes=True)
             if history:
                 f.requires_grad_(True)
             self._fake_of[id(t)] = f

@@ -2374,9 +2374,6 @@ def test_a_tuple_of_tensors_rebound_in_state_is_read_again(device, where):
 _HC = None
 
 
-@pytest.mark.xfail(tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 14), strict=False,
-                   reason="torch 2.14.1: the trace leaves a constant of its own that the graph check refuses "
-                          "(a clear GraphifyError, not wrong numbers); not yet understood")
 @pytest.mark.parametrize("kind", ["deque", "list_of_tuples"])
 def test_a_replay_buffer_filled_between_calls_is_read_again(device, kind):
     import collections
