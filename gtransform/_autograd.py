@@ -28,7 +28,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ._compat import TRANSFORM_VMAP as _VMAP
-from ._compat import DisableTorchFunctionSubclass, autograd_excluded, retrieve_all_functorch_interpreters
+from ._compat import DisableTorchFunctionSubclass, autocast_off, autograd_excluded, retrieve_all_functorch_interpreters
 from ._compat import backward_keeps_graph as _keeps_graph
 from ._compat import get_unwrapped as _get_unwrapped
 from ._compat import is_batchedtensor as _is_batched
@@ -474,7 +474,8 @@ def _partitioned_backward(box: _Box, saved: Sequence[torch.Tensor], grads: Seque
         # vmap over the backward (jacrev): the backward graph, eagerly
         if _differentiated_again():
             raise _higher_order(box.g._desc)
-        res = _outer_graph(box, _to_autograd(list(part.bw_gm(*saved, *tangents))))
+        with autocast_off():
+            res = _outer_graph(box, _to_autograd(list(part.bw_gm(*saved, *tangents))))
     else:
         create_graph = torch.is_grad_enabled()
         with no_functorch():
@@ -494,7 +495,8 @@ def _partitioned_backward(box: _Box, saved: Sequence[torch.Tensor], grads: Seque
                 # tangents, which torch.func cannot see: the backward graph, eagerly
                 res = None
         if res is None:
-            res = list(part.bw_gm(*saved, *tangents))
+            with autocast_off():
+                res = list(part.bw_gm(*saved, *tangents))
     # the backward returns the gradients that exist; eager's None stays None
     it = iter(res or ())
     flags = iter(part.grad_none)
@@ -637,7 +639,8 @@ def _run_graph(gm: Any, args: Sequence[Any], no_grad_nodes: Optional[bool] = Non
     """Run a traced graph eagerly, as differentiable code, its no_grad blocks included."""
     if no_grad_nodes is None:
         no_grad_nodes = _has_no_grad_nodes(gm)
-    return _NoGradRegions(gm).run(*args) if no_grad_nodes else gm(*args)
+    with autocast_off():  # (the graph holds the trace's casts)
+        return _NoGradRegions(gm).run(*args) if no_grad_nodes else gm(*args)
 
 
 def make_backward(plan: Any, need: Sequence[bool]) -> Any:

@@ -72,6 +72,7 @@ and Triton's ``CompiledKernel._init_handles`` (``fuse/_triton``; Triton's, not t
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -102,7 +103,7 @@ __all__ = [
     "DisableTorchFunctionSubclass", "VariableFunctions", "storage_use_count", "tensor_use_count", "increment_version",
     "unsafe_set_version_counter", "foreach_copy_", "neg_view",
     # global state a signature depends on
-    "get_deterministic_algorithms", "is_any_autocast_enabled", "TensorGuards",
+    "get_deterministic_algorithms", "is_any_autocast_enabled", "autocast_off", "TensorGuards",
     # dispatch modes and fake tensors
     "TorchDispatchMode", "disable_current_modes", "disable_proxy_modes_tracing", "get_current_dispatch_mode_stack", "len_torch_dispatch_stack",
     "FakeTensor", "FakeTensorMode", "DataDependentOutputException", "DynamicOutputShapeException",
@@ -278,6 +279,22 @@ get_deterministic_algorithms: Callable[[], bool] = getattr(torch._C, "_get_deter
 # whether any autocast is on (_key/_parts: None reads each device type's; _key/_checks' namespace
 # takes `lambda: True` for None, as before). Checked: 2.11 (GPU image; run by the GPU suite), 2.13.0, 2.14.1.
 is_any_autocast_enabled: Any = getattr(torch._C, "_is_any_autocast_enabled", None)
+
+
+def autocast_off() -> Any:
+    """Every autocast off while entered; ``contextlib.nullcontext()`` when none is on.
+
+    A traced graph holds the casts autocast made while tracing (and none where the function
+    turned autocast off): run or captured under the caller's autocast, its ops would be
+    cast again (an ``autocast(enabled=False)`` block inside the function lost).
+    """
+    if is_any_autocast_enabled is not None and not is_any_autocast_enabled():
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    for d in ("cpu", "cuda"):
+        if torch.is_autocast_enabled(d):
+            stack.enter_context(torch.autocast(d, enabled=False))
+    return stack
 # dynamo's C++ check of tensors' metadata (_key/_guard; None: checked in Python).
 # Checked: 2.11 (GPU image; run by the GPU suite), 2.13.0, 2.14.1.
 TensorGuards: Any

@@ -35,7 +35,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from ._compat import FakeTensorMode, load_default_partition, load_extract_tensor_metadata, load_sympy_eval
+from ._compat import FakeTensorMode, autocast_off, load_default_partition, load_extract_tensor_metadata, load_sympy_eval
 from ._errors import GraphifyError
 from ._log import log
 from ._symbolic import graph_layouts, new_shape_env, shareable, symbol_dims, symbolic_dispatch, symbolic_fakes
@@ -149,7 +149,8 @@ def _reach(outs: Sequence[torch.Tensor], diff: Sequence[bool], wrt: Sequence[tor
 def _flat_fn(gm: Any, name: str, n: Optional[int] = None) -> Any:
     """``gm`` as a function returning a tuple (its first ``n`` outputs: the tensors)."""
     def run(*args: torch.Tensor) -> tuple:
-        return tuple(gm(*args))[:n]
+        with autocast_off():  # (the graph holds the trace's casts)
+            return tuple(gm(*args))[:n]
 
     run.__name__ = run.__qualname__ = name
     return run
@@ -378,7 +379,9 @@ def _joint(plan: Any, need: Sequence[bool], owner: Any, watch: Any, storages: di
             # or the recorded backward would apply them a second time
             # (muted for this thread only: another thread's backward still runs them)
             drawn = sum(watch.rng.draws.values())
-            with muted_hooks(plan.state), watch:
+            # (autocast off: the caller's backward runs after their autocast block, as torch
+            # recommends; the forward above ran under it, as in eager)
+            with muted_hooks(plan.state), watch, autocast_off():
                 grads = torch.autograd.grad([o for o, _ in pairs], wrt, [t for _, t in pairs], allow_unused=True)
             if sum(watch.rng.draws.values()) > drawn:
                 box["draws_in_backward"] = True
@@ -428,7 +431,7 @@ def _functional_joint(gm: Any, plan: Any, box: dict) -> Any:
         ins = [torch.empty(shape, dtype=dtype, device=device) if stride is None else
                torch.empty_strided(shape, stride, dtype=dtype, device=device)
                for shape, stride, dtype, device in box["specs"]]
-        with TRACE_LOCK, symbolic_dispatch(env):
+        with TRACE_LOCK, symbolic_dispatch(env), autocast_off():
             gm = make_fx(functionalize(gm, remove="mutations"), tracing_mode="real")(*ins)
     phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for k, n in enumerate(phs):
@@ -534,7 +537,8 @@ def _sized_backward(bw_gm: Any, name: str) -> Optional[Any]:
 
     def run(*ts: torch.Tensor) -> tuple:
         values = {sym: ts[j].shape[d] for sym, (j, d) in where.items()}
-        return tuple(bw_gm(*[e if isinstance(e, int) else evaluate(e, values) for e in exprs], *ts))
+        with autocast_off():
+            return tuple(bw_gm(*[e if isinstance(e, int) else evaluate(e, values) for e in exprs], *ts))
 
     run.__name__ = run.__qualname__ = name
     return run

@@ -23,7 +23,15 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from . import _distributed, _handed, _sharing
-from ._compat import clear_cublas_workspaces, end_route_to_pool, foreach_copy_, neg_view, release_pool, route_to_pool
+from ._compat import (
+    autocast_off,
+    clear_cublas_workspaces,
+    end_route_to_pool,
+    foreach_copy_,
+    neg_view,
+    release_pool,
+    route_to_pool,
+)
 from ._compat import storage_use_count as _use_count
 from ._errors import GraphifyError, RerecordWarning
 from ._liveness import Handout, OutputGroup, Pin, PoolState, StaleOutput, live_pins, take_back
@@ -564,7 +572,7 @@ class CPURecording(Recording):
         self.stores = slot.stores
 
     def _replay(self) -> None:
-        with torch.no_grad():
+        with torch.no_grad(), autocast_off():
             outs = self.gm(*self.gm_args)
         self.last_outs = outs
         if self.first:
@@ -691,7 +699,8 @@ class CUDARecording(Recording):
                 try:
                     # its intermediates in the pool the capture then reuses, not beside it
                     # (the first call's peak memory is then about eager's)
-                    with torch.cuda.stream(side), torch.no_grad(), _routed_to(dev, pool_id, self.pool):
+                    with torch.cuda.stream(side), torch.no_grad(), autocast_off(), \
+                            _routed_to(dev, pool_id, self.pool):
                         self.gm(*_host_seeds(self.plan.gm, args))
                 finally:
                     side.synchronize()
@@ -715,7 +724,7 @@ class CUDARecording(Recording):
             _clear_workspaces()
             try:
                 try:
-                    with torch.cuda.stream(side), torch.no_grad():
+                    with torch.cuda.stream(side), torch.no_grad(), autocast_off():
                         g.capture_begin(pool=pool_id, capture_error_mode="thread_local")
                         try:
                             outs = self.gm(*args)
