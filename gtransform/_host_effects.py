@@ -11,6 +11,7 @@ grown while tracing (cleared after the trace: they would hold its placeholders).
 
 from __future__ import annotations
 
+import functools
 import operator
 import random
 import sys
@@ -23,7 +24,8 @@ import torch
 from ._errors import GraphifyError
 from ._roots import Root, _candidates, _Module, _Optimizer, _plain_object
 
-__all__ = ["GeneratorGuard", "UnseenOptimizers", "number_bindings", "iterators", "iterator_position", "function_caches"]
+__all__ = ["GeneratorGuard", "UnseenOptimizers", "number_bindings", "iterators", "iterator_position", "function_caches",
+           "global_settings", "settings_left_changed"]
 
 
 class GeneratorGuard:
@@ -242,3 +244,63 @@ def function_caches(named: Sequence[Tuple[str, Any, str, Any]]) -> List[Any]:
 
 
 _COUNTS = (int, float, bool)
+
+
+# -- torch's global settings -----------------------------------------------------------------------
+
+def _deterministic() -> Any:
+    return torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+
+
+def _set_deterministic(v: Any) -> None:
+    torch.use_deterministic_algorithms(v[0], warn_only=v[1])
+
+
+def _autocast(d: str) -> Any:
+    return torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)
+
+
+def _set_autocast(d: str, v: Any) -> None:
+    torch.set_autocast_enabled(d, v[0])
+    torch.set_autocast_dtype(d, v[1])
+
+
+# (what the message calls it, read it, put it back, how its value reads)
+_SETTINGS: List[Tuple[str, Any, Any, str]] = [
+    ("torch.set_default_dtype", torch.get_default_dtype, torch.set_default_dtype, "{}"),
+    ("torch.set_grad_enabled", torch.is_grad_enabled, torch.set_grad_enabled, "{}"),
+    ("torch.use_deterministic_algorithms", _deterministic, _set_deterministic, "{0[0]}, warn_only={0[1]}"),
+] + [
+    (f"torch.set_autocast_enabled({d!r}, ...) / set_autocast_dtype", functools.partial(_autocast, d),
+     functools.partial(_set_autocast, d), "enabled={0[0]}, dtype={0[1]}")
+    for d in ("cpu", "cuda")
+]
+
+
+def global_settings() -> List[Any]:
+    """The global settings of torch a function could change and leave changed (read before it runs)."""
+    return [get() for _, get, _, _ in _SETTINGS]
+
+
+def settings_left_changed(desc: str, before: Sequence[Any], site: str = "") -> None:
+    """Refuse a function that leaves one of torch's global settings changed; put them back first.
+
+    Eager changes the setting on every call (and the code after the call runs under it);
+    a replay runs none of the function's Python, so the setting would change only on the
+    traced call.
+    """
+    changed = []
+    for (name, get, put, fmt), old in zip(_SETTINGS, before):
+        new = get()
+        if new != old:
+            put(old)
+            changed.append(f"{name}({fmt.format(new)}) (it was {fmt.format(old)})")
+    if changed:
+        raise GraphifyError(
+            f"{desc}: the function leaves {'; '.join(changed)} in effect when it returns.\n"
+            "Why: eager sets it on every call; a replay runs none of the function's Python, so it would "
+            "be set on the traced call only.\n"
+            "Fix: set it outside the graphified function, before calling it, or put it back before "
+            "returning (a with-block such as torch.no_grad(), or try/finally)."
+            + (f"\n  at {site}" if site else "")
+        )

@@ -331,10 +331,11 @@ def _joint_trace(plan: Any, metas: Sequence[Any], need: Sequence[bool], owner: A
                          plan.in_paths[i], d)
                 return None
         box["guards"] = env.produce_guards_expression(fakes)
-    from ._rewrite import _drop_profiler_nodes, _lift_state
+    from ._rewrite import _drop_profiler_nodes, _lift_state, _name_default_dtypes
 
     _lift_state(gm, watch.state_fakes)
     _drop_profiler_nodes(gm)
+    _name_default_dtypes(gm)
     # placeholders as the partitioner expects them: primals (the caller's, then state), then tangents
     phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     order = phs[:n_user] + phs[n_user + n_out:] + phs[n_user:n_user + n_out]

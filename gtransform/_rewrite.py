@@ -3,7 +3,8 @@
 ``make_fx`` returns a graph that holds state as constants and carries host-only
 markers; these passes rewrite it in place into one that can be recorded and
 replayed: state becomes trailing inputs (:func:`_lift_state`), profiler markers
-go (:func:`_drop_profiler_nodes`), and so do pure ops whose results nothing uses
+go (:func:`_drop_profiler_nodes`), factory ops name the default dtype they used
+(:func:`_name_default_dtypes`), pure ops whose results nothing uses
 (:func:`_drop_dead_ops`), kernels whose saved outputs need grad mode
 keep it (:func:`_kernels_in_grad_mode`), autograd's zero tensors become memory
 (:func:`_materialize_zero_tensors`), and a CUDA function's constants move to
@@ -138,6 +139,29 @@ def _materialize_zero_tensors(gm: torch.fx.GraphModule) -> None:
     for n in gm.graph.nodes:
         if n.op == "call_function" and n.target is zero:
             n.target = torch.ops.aten.zeros.default
+            changed = True
+    if changed:
+        gm.recompile()
+
+
+def _name_default_dtypes(gm: torch.fx.GraphModule) -> None:
+    """Give factory ops that made floating tensors of the default dtype that dtype by name.
+
+    ``torch.ones(3)`` is traced as ``aten.ones(..., dtype=None)``: run, it takes the default
+    dtype of the moment. A function that changes the default dtype part-way (a block that
+    builds a grid in float64) was traced under the dtype of each point; a replay runs
+    every op under the dtype the call started with.
+    """
+    changed = False
+    for n in gm.graph.nodes:
+        t = n.target
+        if n.op != "call_function" or not isinstance(t, torch._ops.OpOverload) or n.all_input_nodes:
+            continue
+        if n.kwargs.get("dtype") is not None or not any(a.name == "dtype" and a.kwarg_only for a in t._schema.arguments):
+            continue
+        v = n.meta.get("val")
+        if isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex()):
+            n.kwargs = {**n.kwargs, "dtype": v.dtype}
             changed = True
     if changed:
         gm.recompile()

@@ -40,9 +40,11 @@ from ._host_effects import (
     GeneratorGuard,
     UnseenOptimizers,
     function_caches,
+    global_settings,
     iterator_position,
     iterators,
     number_bindings,
+    settings_left_changed,
 )
 from ._objects import flatten_output
 from ._patches import trace_scope
@@ -53,6 +55,7 @@ from ._rewrite import (
     _kernels_in_grad_mode,
     _lift_state,
     _materialize_zero_tensors,
+    _name_default_dtypes,
     _reshape_computed_views,
 )
 from ._roots import Root, Slot, leaf_grad, named_values
@@ -941,8 +944,10 @@ class _Tracing:
             for i, t in enumerate(tensors):
                 frozen.leaf(t, i, frozen.stable.get(i))
         args, kwargs = self.rebuild(tensors)
+        settings = global_settings()
         with watch, self.fnwatch, self.reads:
             out = self.fn(*args, **kwargs)
+        settings_left_changed(desc, settings)
         leaves, spec = flatten_output(out, desc)
         # a tensor the function returns as it reached it (a closed-over W,
         # `return self.weight`) is that very tensor in eager: state read in
@@ -1075,6 +1080,7 @@ class _Tracing:
         _drop_dead_ops(gm)  # (a data-dependent op whose value a frozen read replaced among them)
         _no_traced_constants(gm, self.is_ours, self.desc)
         _drop_profiler_nodes(gm)
+        _name_default_dtypes(gm)
         _reshape_computed_views(gm)
         _kernels_in_grad_mode(gm)
         _materialize_zero_tensors(gm)
