@@ -249,3 +249,31 @@ def test_parameters_stay_swappable_after_graphify_and_the_swap_is_seen():
         torch.__future__.set_swap_module_params_on_conversion(False)
     for _ in range(2):
         assert_close(f(x.double()), m(x.double()))
+
+
+@pytest.mark.parametrize("table", ["parameter", "buffer"])
+def test_a_parameter_or_buffer_registered_between_calls_is_seen_where_the_function_iterates_them(device, table):
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 2)
+
+        def forward(self, x):
+            out = self.fc(x)
+            if table == "parameter":  # a weight penalty over every parameter
+                return out.sum() + 0.01 * sum(p.square().sum() for p in self.parameters())
+            for _, b in self.named_buffers():  # every buffer scales the output
+                out = out * b
+            return out
+
+    net = Net().to(device)
+    f = gt.graphify(net)
+    x = torch.randn(3, 4, device=device)
+    for _ in range(2):
+        assert_close(f(x), net(x))
+    if table == "parameter":
+        net.register_parameter("extra", nn.Parameter(torch.full((2,), 3.0, device=device)))
+    else:
+        net.register_buffer("scale", torch.full((2,), 3.0, device=device))
+    for _ in range(3):
+        assert_close(f(x), net(x))

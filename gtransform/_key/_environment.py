@@ -38,6 +38,7 @@ def env_key_fn(roots: Sequence[Root], reads: Optional[AttrReads] = None) -> Opti
     opts = [r.obj for r in roots if isinstance(r.obj, _Optimizer)]
     opt_names = [r.name for r in roots if isinstance(r.obj, _Optimizer)]
     conts, obj_slots = _tensor_containers(roots)
+    conts += _iterated_tables(named, reads)
     pobj_attrs = _plain_object_attrs(roots, reads)
     # modules, optimizers, containers and plain objects found in a global or a closure cell:
     # rebinding the name between calls (`opt = torch.optim.Adam(...)`, a notebook cell run
@@ -114,6 +115,23 @@ def _tensor_containers(roots: Sequence[Root]) -> Tuple[List[Any], List[Tuple[Dic
                  for k, v in vars(r.obj).items() if type(v) in (list, dict, tuple) and any(
                      isinstance(x, torch.Tensor) for x in (v.values() if isinstance(v, dict) else v))]
     return conts, obj_slots
+
+
+def _iterated_tables(named: Sequence[Tuple[str, Any]], reads: Optional[AttrReads]) -> List[Any]:
+    """The parameter and buffer tables of modules whose trace iterated them.
+
+    ``self.parameters()`` (a weight penalty), ``named_buffers()``, ``state_dict()`` read a
+    module's ``_parameters``/``_buffers`` as a whole: one registered or deleted between calls
+    (``register_buffer``) changes what the function reads. Only those tables, so the usual
+    forward (``self.weight``) costs nothing per call.
+    """
+    out: List[Any] = []
+    for _, m in named:
+        read = reads.read(m) if reads is not None else None
+        for attr in ("_parameters", "_buffers"):
+            if read is None or attr in read:
+                out.append(getattr(m, attr))
+    return out
 
 
 def _plain_object_attrs(roots: Sequence[Root], reads: Optional[AttrReads]) -> List[Tuple[str, Dict[str, Any], Tuple[str, ...]]]:
@@ -261,7 +279,8 @@ def _differ(env: Callable[[], Any], slots: _Slots, named: Sequence[Tuple[str, An
         if old[8] != new[8]:
             out.append("a gradient hook was added to or removed from a parameter (register_hook)")
         if old[10] != new[10]:
-            out.append("a closed-over list or dict of tensors changed length")
+            out.append("a closed-over list or dict of tensors changed length, or a module's parameters or "
+                       "buffers that the function iterates (register_buffer, register_parameter, del)")
         if old[11] != new[11]:
             out += [f"the name {n!r} is bound to another object (rebound between calls)"
                     for n, x, y in zip(b_names, old[11], new[11]) if x != y]
