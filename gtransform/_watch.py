@@ -158,6 +158,7 @@ class _Watch(TorchDispatchMode):
         self.uses_cuda = False
         self.random = False
         self.ops = 0
+        self.calls = _Calls()
         self.lifted: Set[int] = set()  # ids of constants made inside the function
         self.generators: List[torch.Generator] = []  # explicit generators used by random ops
         self.generator_at: List[str] = []  # the line of each one's first draw
@@ -182,6 +183,7 @@ class _Watch(TorchDispatchMode):
 
     def __exit__(self, typ: Any, exc: Any, tb: Any) -> None:
         super().__exit__(typ, exc, tb)
+        self.calls.clear()
         if typ is None:
             self.rng.check_end()
 
@@ -346,8 +348,8 @@ class _Watch(TorchDispatchMode):
                 return _CUDA_REWRITES[func](*args, **kwargs)
             if func is _CHECK_ERRORS:
                 self._fail(*_check_errors_refusal(args))
-            graph = _proxy_graph()
-            last = graph._root._prev if graph is not None else None
+        graph = _proxy_graph()
+        last = graph._root._prev if graph is not None else None
         try:
             out = func(*args, **kwargs)
         except (DataDependentOutputException, DynamicOutputShapeException):
@@ -363,7 +365,9 @@ class _Watch(TorchDispatchMode):
                 raise
             self.lifted.update(id(t) for t in _tensors_in(out))
         if last is not None:
-            _tag_site(last)  # the user's line on the op's nodes: named if its capture fails
+            # the user's line on the op's nodes (CUDA: named if its capture fails), and the
+            # Python calls under way (the fused backend compiles repeated calls' ops once)
+            _tag(last, self.cuda, self.calls)
         if seeded:
             self.rng.drew(func, gen, out)
         self._after(func, args, kwargs, out, written)
@@ -636,19 +640,60 @@ if hasattr(_aten, "isin"):
     _CUDA_REWRITES[_aten.isin.Tensor_Tensor] = _isin_sorted
 
 
+class _Calls:
+    """The Python calls under way at each op of a trace: a serial number per call, outermost first.
+
+    Two calls of one function get different numbers (each frame is held until the trace
+    ends, so its id is not reused). The fused backend compiles the ops of repeated calls
+    once (``gtransform.fuse._regions``).
+    """
+
+    __slots__ = ("serial", "held", "cached")
+
+    def __init__(self) -> None:
+        self.serial = 0
+        self.held: List[Any] = []  # the frames numbered (let go when the watch exits)
+        self.cached: Dict[int, Tuple[int, ...]] = {}
+
+    def now(self) -> Tuple[int, ...]:
+        cached = self.cached
+        f: Any = sys._getframe(3)
+        new: List[Any] = []
+        while f is not None and id(f) not in cached:
+            new.append(f)
+            f = f.f_back
+        calls = cached[id(f)] if f is not None else ()
+        for g in reversed(new):
+            self.held.append(g)
+            self.serial += 1
+            calls = cached[id(g)] = calls + (self.serial,)
+        return calls
+
+    def clear(self) -> None:
+        self.held.clear()
+        self.cached.clear()
+
+
 def _proxy_graph() -> Any:
     mode = get_proxy_mode()
     return getattr(getattr(mode, "tracer", None), "graph", None)
 
 
-def _tag_site(last: Any) -> None:
-    """Mark the nodes recorded after ``last`` with the user's line (CUDA traces: for capture errors)."""
+def _tag(last: Any, cuda: bool, calls: Any) -> None:
+    """Mark the nodes recorded after ``last`` with where they come from.
+
+    The user's line (CUDA traces: named if a capture fails) and the Python calls under
+    way (``gt_calls``, see :class:`_Calls`).
+    """
     site = None
     n = last._next
     while n.op != "root":
-        if site is None:
-            site = _site()
-        n.meta["gt_site"] = site
+        if cuda:
+            if site is None:
+                site = _site()
+            n.meta["gt_site"] = site
+        if calls is not None:
+            n.meta["gt_calls"] = calls.now()
         n = n._next
 
 

@@ -26,7 +26,7 @@ from .._compat import (
     load_tracing_context,
 )
 from .._log import log
-from . import _gemm, _gemv, _lift, _triton
+from . import _gemm, _gemv, _lift, _regions, _triton
 
 # Inductor settings for fuse=True (applied where present in the installed torch).
 # fallback_random: random ops follow eager's numbers. triton.cudagraphs: the
@@ -127,8 +127,6 @@ class _Inductor:
         return fn(*args)
 
     def _compile(self, args: Any, dims: Any) -> Any:
-        from torch.fx.experimental.symbolic_shapes import ShapeEnv
-
         TracingContext, tracing = load_tracing_context()
         compile_fx = load_compile_fx()
 
@@ -150,12 +148,20 @@ class _Inductor:
         lifted = [] if dims else _lift.lift_indexed_views(gm, args)
         if lifted:
             log.info("fuse=True: %d fixed-index reads of inputs passed as inputs of their own", len(lifted))
-        env = ShapeEnv()
-        fake = FakeTensorMode(shape_env=env, static_shapes=True, allow_non_fake_inputs=True)
         every = list(args) + _lift.views_of(lifted, args)
-        examples = [_example(fake, i, a, dims) if isinstance(a, torch.Tensor) else a for i, a in enumerate(every)]
-        with tracing(TracingContext(fake)), load_inductor_config().patch(config()):
-            fn = compile_fx(gm, examples)
+        plain = gm
+        if not dims:  # repeated calls (an ODE solver's steps, a model's layers): one subgraph, compiled once
+            outlined = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
+            if _regions.outline(outlined, every):
+                gm = outlined
+        try:
+            fn, env, examples = _inductor(compile_fx, TracingContext, tracing, gm, every, dims)
+        except Exception as err:
+            if gm is plain:
+                raise
+            log.warning("fuse=True: compiling the repeated calls once failed (%s: %s); compiled as one graph",
+                        type(err).__name__, str(err).splitlines()[0][:200] if str(err) else "")
+            fn, env, examples = _inductor(compile_fx, TracingContext, tracing, plain, every, dims)
         if lifted:
             fn = _lift.with_lifted(fn, lifted)
         if dims:
@@ -164,6 +170,18 @@ class _Inductor:
             if job.exception() is not None:  # waits; the launch will compile it and report
                 log.debug("fuse=True: precompiling a kernel failed: %r", job.exception())
         return fn
+
+
+def _inductor(compile_fx: Any, TracingContext: Any, tracing: Any, gm: torch.fx.GraphModule, every: Any,
+              dims: Any) -> Any:
+    """``compile_fx`` of ``gm`` over fake examples of ``every``; and the shape environment and examples."""
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    env = ShapeEnv()
+    fake = FakeTensorMode(shape_env=env, static_shapes=True, allow_non_fake_inputs=True)
+    examples = [_example(fake, i, a, dims) if isinstance(a, torch.Tensor) else a for i, a in enumerate(every)]
+    with tracing(TracingContext(fake)), load_inductor_config().patch(config()):
+        return compile_fx(gm, examples), env, examples
 
 
 def _example(fake: Any, i: int, a: torch.Tensor, dims: Any) -> Any:
