@@ -688,11 +688,28 @@ def call_with_autograd(g: Any, e: Any, tensors: List[torch.Tensor]) -> Any:
     outs = GraphFn.apply(box, *tensors)
     if box.part is not None:
         outs = outs[: box.part.n_out]
-    elif box.entry.plan.any_identical:
+    plan = box.entry.plan
+    if plan.out_views and _peek() is None:  # (not under torch.func: its wrappers are views of their own)
+        outs = _as_views(outs, plan.out_views)
+    if box.part is None and plan.any_identical:
         # an input returned as it came in (return lin.weight) is that very tensor, as in
         # eager, not the autograd.Function's view of it (gradients reach it directly)
         outs = tuple(tensors[oe.index] if oe.identical else o for o, oe in zip(outs, box.entry.plan.tensor_entries))
     return box.entry.plan.assemble(outs)
+
+
+def _as_views(outs: Sequence[torch.Tensor], views: Sequence[Tuple[int, int, bool]]) -> Tuple[torch.Tensor, ...]:
+    """Outputs returned twice as one object, and views of another output as its views (as eager's are).
+
+    The autograd wrapper's outputs are each its own node: ``h[:, -1]`` returned beside ``h``
+    would share ``h``'s memory but not its autograd history, so an in-place change of one,
+    or ``retain_grad()`` on ``h`` with a loss of the view, gave other gradients than eager's.
+    """
+    out = list(outs)
+    for j, i, same in views:
+        o = out[j]
+        out[j] = out[i] if same else out[i].as_strided(o.shape, o.stride(), o.storage_offset())
+    return tuple(out)
 
 
 def rng_snapshot(plan: Any) -> List[Tuple[Any, torch.Tensor]]:

@@ -302,6 +302,9 @@ class Plan:
     # a symbolic plan's partitioned forward and backward, by the inputs differentiated (see
     # _partition.partition): one joint trace for every size, shared with the plan's copies
     joints: Dict[Any, Any] = field(default_factory=dict)
+    # (j, i, same): tensor output j is output i returned again (same) or a view inside output
+    # i's memory; the autograd wrapper hands them out as such (see _autograd.call_with_autograd)
+    out_views: List[Tuple[int, int, bool]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.tensor_entries = [e for e in self.out_entries if e.kind != "const"]
@@ -1208,7 +1211,46 @@ class _Tracing:
             frozen_guard=guard_refs(frozen) if frozen is not None else {},
             sizes=sizes,
             sizes_pinned=pinned,
+            out_views=_output_views([x for x in self.box["leaves"] if isinstance(x, torch.Tensor)], entries),
         )
+
+
+def _output_views(vals: Sequence[torch.Tensor], entries: Sequence[OutEntry]) -> List[Tuple[int, int, bool]]:
+    """Tensor outputs the function returned twice, or as views inside another output's memory.
+
+    ``return y, y`` is one object in eager, ``return h, h[:, -1]`` a view of ``h``: an
+    in-place change of one and the gradient through the other follow from that.
+    Returns ``(j, i, same)`` per such output ``j`` of the base output ``i`` (the one
+    reaching furthest into the memory).
+    """
+    pool: List[Tuple[int, torch.Tensor]] = [
+        (j, v) for j, (v, e) in enumerate(zip(vals, (e for e in entries if e.kind != "const")))
+        if e.kind == "pool" and isinstance(v, FakeTensor)]
+    groups: Dict[Any, List[Tuple[int, torch.Tensor]]] = {}
+    for j, v in pool:
+        groups.setdefault(StorageWeakRef(v.untyped_storage()), []).append((j, v))
+    out: List[Tuple[int, int, bool]] = []
+    for members in groups.values():
+        if len(members) < 2:
+            continue
+        i, base = max(members, key=lambda m: (_reach(m[1])[1] - _reach(m[1])[0], -m[0]))
+        lo, hi = _reach(base)
+        for j, w in members:
+            if j == i:
+                continue
+            if w is base:
+                out.append((j, i, True))
+            elif w.dtype == base.dtype and lo <= _reach(w)[0] and _reach(w)[1] <= hi:
+                out.append((j, i, False))
+    return out
+
+
+def _reach(t: torch.Tensor) -> Tuple[int, int]:
+    """The element range of its storage a tensor can reach: [first, last + 1) (this call's sizes: no guard)."""
+    start = hint(t.storage_offset())
+    if any(hint(s) == 0 for s in t.shape):
+        return start, start
+    return start, start + 1 + sum((hint(s) - 1) * abs(hint(st)) for s, st in zip(t.shape, t.stride()))
 
 
 def _host_read(err: GraphifyError) -> GraphifyError:

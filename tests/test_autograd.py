@@ -967,3 +967,63 @@ def test_any_mix_of_dropped_outputs_losses_kept_and_views_gets_eagers_gradients(
         assert (p.grad is None) == (q.grad is None)
         if p.grad is not None:
             assert_close(p.grad, q.grad)
+
+
+def _in_place_then_grad(fn, x0, change, loss):
+    x = x0.clone().requires_grad_()
+    outs = fn(x)
+    change(outs)
+    loss(outs).backward()
+    return x.grad
+
+
+@pytest.mark.parametrize("case", ["view_changed", "base_changed", "twice_changed", "retain_base"])
+def test_outputs_that_are_views_of_another_output_or_the_same_tensor_keep_eagers_autograd(device, case):
+    # the autograd wrapper's outputs are each a node of their own: h[:, -1] beside h shared
+    # h's memory but not its history (an in-place change of one gave the other's gradient
+    # without it), and `return y, y` gave two objects
+    if case == "twice_changed":
+        def fn(x):
+            y = x * 3
+            return y, y
+    else:
+        def fn(x):
+            h = x * 3
+            return h, h[:, -1]
+
+    g = gt.graphify(fn)
+    for i in range(3):
+        x0 = torch.randn(2, 3, device=device, generator=None)
+        if case == "view_changed":
+            change, loss = (lambda o: o[1].mul_(2)), (lambda o: o[0].sum())
+        elif case == "base_changed":
+            change, loss = (lambda o: o[0].mul_(2)), (lambda o: o[1].sum())
+        elif case == "twice_changed":
+            change, loss = (lambda o: o[0].mul_(2)), (lambda o: o[1].sum())
+        else:
+            change, loss = (lambda o: o[0].retain_grad()), (lambda o: o[1].sum())
+        assert_close(_in_place_then_grad(g, x0, change, loss), _in_place_then_grad(fn, x0, change, loss))
+        if case == "twice_changed":
+            a, b = g(x0.clone().requires_grad_())
+            assert a is b
+        if case == "retain_base":
+            x = x0.clone().requires_grad_()
+            h, last = g(x)
+            h.retain_grad()
+            last.sum().backward()
+            assert h.grad is not None and torch.equal(h.grad[:, -1], torch.ones(2, device=device))
+
+
+def test_a_view_output_held_across_calls_keeps_its_values_in_the_autograd_path(device):
+    def fn(x):
+        h = x * 3
+        return h, h[:, -1]
+
+    g = gt.graphify(fn)
+    kept = []
+    for i in range(5):
+        x = torch.full((2, 3), float(i), device=device, requires_grad=True)
+        h, last = g(x)
+        kept.append((last, 3.0 * i))
+    for last, want in kept:
+        assert torch.equal(last.detach(), torch.full((2,), want, device=device))
