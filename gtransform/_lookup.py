@@ -431,6 +431,8 @@ def new_entry(g: Any, ck: CallKey, call: Call, plan: Any, cuda: bool) -> Entry:
     # dynamo guards those its Python read (and ~0.4 us a tensor per call is spared: the piece
     # of a decode step takes every parameter and cache tensor)
     e.reads_attrs = not g.__dict__.get("_dynamo_piece", False)
+    if e.after_backward:
+        raise _after_backward(g._desc, plan)
     if e.any_rg:
         _refuse_stored_grad_tensors(g._desc, plan)
         g._storm.differentiated = True  # (its warning names the cost and the fix, see _storm)
@@ -440,6 +442,18 @@ def new_entry(g: Any, ck: CallKey, call: Call, plan: Any, cuda: bool) -> Entry:
         e.env = env_key_fn(plan.roots, plan.attr_reads)
         e.env_val = e.env() if e.env is not None else None
     return e
+
+
+def _after_backward(desc: str, plan: Any) -> GraphifyError:
+    """A training step that returns an output made after its backward, which requires grad."""
+    return GraphifyError(
+        f"{desc}: {plan.after_backward[0]} requires grad and is computed after the function's "
+        f"backward (at {plan.backward_at}), in a call that updates parameters (a training step).\n"
+        "Why: such a call is replayed, not differentiated again: that output would come back without "
+        "its autograd graph, and a loss built from it outside would give the parameters no gradient.\n"
+        "Fix: return it .detach()ed if no gradient is needed (a prediction for logging), or compute it "
+        "outside the graphified step."
+    )
 
 
 def _refuse_stored_grad_tensors(desc: str, plan: Any) -> None:

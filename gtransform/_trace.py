@@ -305,6 +305,10 @@ class Plan:
     # (j, i, same): tensor output j is output i returned again (same) or a view inside output
     # i's memory; the autograd wrapper hands them out as such (see _autograd.call_with_autograd)
     out_views: List[Tuple[int, int, bool]] = field(default_factory=list)
+    # outputs that require grad, made after the function's last backward (a prediction after a
+    # training step's update): their paths, and where that backward was called (see _key/_entry)
+    after_backward: List[str] = field(default_factory=list)
+    backward_at: str = ""
 
     def __post_init__(self) -> None:
         self.tensor_entries = [e for e in self.out_entries if e.kind != "const"]
@@ -1212,7 +1216,20 @@ class _Tracing:
             sizes=sizes,
             sizes_pinned=pinned,
             out_views=_output_views([x for x in self.box["leaves"] if isinstance(x, torch.Tensor)], entries),
+            after_backward=_made_after_backward(self.box["spec"], self.box["leaves"], fnwatch),
+            backward_at=fnwatch.backward_at,
         )
+
+
+def _made_after_backward(spec: Any, leaves: Sequence[Any], fnwatch: Any) -> List[str]:
+    """The paths of outputs that require grad and were made after the function's last backward."""
+    if not fnwatch.backward_calls:
+        return []
+    from ._tree import leaf_paths
+
+    paths = leaf_paths(unflatten(spec, list(range(len(leaves)))), "output")
+    return [p for p, leaf in zip(paths, leaves) if isinstance(leaf, FakeTensor) and leaf.requires_grad
+            and leaf.__dict__.get("_gt_op", -1) > fnwatch.backward_end]
 
 
 def _output_views(vals: Sequence[torch.Tensor], entries: Sequence[OutEntry]) -> List[Tuple[int, int, bool]]:

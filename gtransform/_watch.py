@@ -461,6 +461,7 @@ class _Watch(TorchDispatchMode):
                 if site is None:
                     site = _site()
                 t.__dict__["_gt_site"] = site
+                t.__dict__["_gt_op"] = self.ops  # (when it was made: after the function's backward?)
         if self.cuda or self.uses_cuda:
             self._check_devices(func, args, kwargs, out)
         else:
@@ -846,6 +847,7 @@ class _FnWatch(TorchFunctionMode):
         self.grad_read: Set[int] = set()
         self.hooks: List[str] = []
         self.backward_calls = 0  # .backward(), torch.autograd.backward/grad called by the function
+        self.backward_end = 0  # the op count when the last one returned
         self.backward_at = ""  # where the last one was called (file:line)
         self.first_backward_at = ""  # and the first
         self.for_grad = bool(getattr(FOR_GRAD, "on", False))
@@ -883,6 +885,9 @@ class _FnWatch(TorchFunctionMode):
             self.backward_at = format_frame(user_frame(traceback.extract_stack()))
             if not self.first_backward_at:
                 self.first_backward_at = self.backward_at
+            out = self._call(func, args, kwargs)
+            self.backward_end = self.watch.ops  # (tensors made after it: see Plan.after_backward)
+            return out
         if (func is _REGISTER_HOOK or getattr(func, "__wrapped__", None) is _REGISTER_HOOK) and args:
             self.hooks.append(format_frame(user_frame(traceback.extract_stack())))
             if self.for_grad and isinstance(args[0], torch.Tensor) and not args[0].requires_grad:

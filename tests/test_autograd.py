@@ -1027,3 +1027,37 @@ def test_a_view_output_held_across_calls_keeps_its_values_in_the_autograd_path(d
         kept.append((last, 3.0 * i))
     for last, want in kept:
         assert torch.equal(last.detach(), torch.full((2,), want, device=device))
+
+
+def test_a_training_step_returning_a_prediction_made_after_its_backward_is_refused_with_the_fix(device):
+    # eager's prediction after the update carries a graph to the parameters; a replay's would not
+    # (the step is replayed, not differentiated): a loss built from it outside lost its gradient
+    torch.manual_seed(0)
+    m = torch.nn.Linear(3, 1).to(device)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+
+    def step(x, y):
+        opt.zero_grad()
+        loss = ((m(x) - y) ** 2).mean()
+        loss.backward()
+        opt.step()
+        return loss, m(x)
+
+    x, y = torch.randn(4, 3, device=device), torch.randn(4, 1, device=device)
+    with pytest.raises(gt.GraphifyError, match=r"(?s)output\[1\] requires grad and is computed after the "
+                       r"function's backward.*Fix: return it \.detach\(\)ed"):
+        g = gt.graphify(step)
+        for _ in range(3):
+            g(x, y)
+
+    def logged(x, y):  # the loss itself and a prediction made before the backward are fine
+        opt.zero_grad()
+        pred = m(x)
+        loss = ((pred - y) ** 2).mean()
+        loss.backward()
+        opt.step()
+        return loss, pred, m(x).detach()
+
+    f = gt.graphify(logged)
+    for _ in range(3):
+        f(x, y)

@@ -39,7 +39,7 @@ class Entry:
         "calls", "cuda", "any_rg", "must_static", "alias", "same", "n_leaves", "bwd", "const_vals", "parts",
         "state_src", "env", "env_val", "n_user", "state_static", "glob", "orders", "attrs", "reads_attrs", "grad_none",
         "bits", "_checks", "_match", "handed", "donated", "look_again", "eager_first",
-        "padding_checked", "opt_grad_none", "sets",
+        "padding_checked", "opt_grad_none", "sets", "after_backward",
     )
 
     def __init__(self, key: Hashable, spec: Any, leaves: Sequence[Any], tpos: List[int], statics: Any, plan: Plan, cuda: bool):
@@ -140,6 +140,8 @@ class Entry:
         leaves_grad = any(e.requires_grad or e.kind == "input" for e in plan.tensor_entries) or any(
             e.requires_grad or e.kind == "input" for e in plan.escape_entries) or any(rg[i] for i in plan.mutated)
         self.any_rg = (user_rg or (state_rg and not updates_params)) and leaves_grad
+        # a replayed training step returning an output made after its backward (refused: see _lookup)
+        self.after_backward = bool(updates_params and not self.any_rg and plan.after_backward)
         must = set()
         if plan.mutated and self.alias:
             groups: Dict[int, List[int]] = {}
@@ -307,3 +309,4 @@ def makes_no_state(plan: Plan) -> bool:
     made for a parameter whose state was cleared) is state made lazily: eager first.
     """
     return not plan.py_changes and _writes_back_where_read(plan, grads=True)
+
