@@ -780,11 +780,20 @@ class PoolState:
 
 
 def _overwrite_text(old_desc: str, new_desc: str, call_no: int) -> str:
+    old_desc, new_desc = _users_name(old_desc), _users_name(new_desc)
+    later = "a later call of the same function" if new_desc == old_desc else f"a call of {new_desc}"
     return (
-        f"{old_desc}: this output of pool call #{call_no - 1} was overwritten by call "
-        f"#{call_no} ({new_desc}), "
-        "which reuses the same memory pool. An output stays valid only until the next "
+        f"{old_desc}: this output was overwritten by {later}, which reuses the same memory pool "
+        f"(the pool's call #{call_no}). An output stays valid only until the next "
         "call of the same graphified function in the same thread, or of any function "
         "sharing its pool. Fix: .clone() the output if you need it after the next call, "
         "or drop it before calling again."
     )
+
+
+def _users_name(desc: str) -> str:
+    """The user's function in the name of a half of its differentiated call (``graphify(forward of ...)``)."""
+    for half in ("graphify(forward of ", "graphify(backward of "):
+        if desc.startswith(half) and desc.endswith(")"):
+            return desc[len(half):-1] + " (differentiated)"
+    return desc
