@@ -72,7 +72,6 @@ and Triton's ``CompiledKernel._init_handles`` (``fuse/_triton``; Triton's, not t
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -103,7 +102,7 @@ __all__ = [
     "DisableTorchFunctionSubclass", "VariableFunctions", "storage_use_count", "tensor_use_count", "increment_version",
     "unsafe_set_version_counter", "foreach_copy_", "neg_view",
     # global state a signature depends on
-    "get_deterministic_algorithms", "is_any_autocast_enabled", "autocast_off", "TensorGuards",
+    "get_deterministic_algorithms", "is_any_autocast_enabled", "autocast_off", "sdpa_flags", "SDP_FLAG_NAMES", "TensorGuards",
     # dispatch modes and fake tensors
     "TorchDispatchMode", "disable_current_modes", "disable_proxy_modes_tracing", "get_current_dispatch_mode_stack", "len_torch_dispatch_stack",
     "FakeTensor", "FakeTensorMode", "DataDependentOutputException", "DynamicOutputShapeException",
@@ -281,20 +280,56 @@ get_deterministic_algorithms: Callable[[], bool] = getattr(torch._C, "_get_deter
 is_any_autocast_enabled: Any = getattr(torch._C, "_is_any_autocast_enabled", None)
 
 
+_SDP_FLAGS = tuple(getattr(torch.backends.cuda, n) for n in ("flash_sdp_enabled", "mem_efficient_sdp_enabled",
+                                                                 "math_sdp_enabled", "cudnn_sdp_enabled")
+                   if hasattr(torch.backends.cuda, n))
+SDP_FLAG_NAMES = ("flash", "memory-efficient", "math", "cuDNN")
+
+
+def sdpa_flags() -> Tuple[bool, ...]:
+    """Which kernels ``scaled_dot_product_attention`` may pick (``sdpa_kernel(...)`` sets them; per call).
+
+    Checked: 2.11 (GPU image; run by the GPU suite), 2.13.0, 2.14.1.
+    """
+    return tuple(f() for f in _SDP_FLAGS)
+
+
 def autocast_off() -> Any:
-    """Every autocast off while entered; ``contextlib.nullcontext()`` when none is on.
+    """Every autocast off while entered (a context that does nothing when none is on).
 
     A traced graph holds the casts autocast made while tracing (and none where the function
     turned autocast off): run or captured under the caller's autocast, its ops would be
     cast again (an ``autocast(enabled=False)`` block inside the function lost).
     """
     if is_any_autocast_enabled is not None and not is_any_autocast_enabled():
-        return contextlib.nullcontext()
-    stack = contextlib.ExitStack()
-    for d in ("cpu", "cuda"):
-        if torch.is_autocast_enabled(d):
-            stack.enter_context(torch.autocast(d, enabled=False))
-    return stack
+        return _NO_CONTEXT
+    return _AutocastOff([d for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)])
+
+
+class _AutocastOff:
+    """``torch.autocast(d, enabled=False)`` for each device type ``d`` given, entered together."""
+
+    def __init__(self, devices: List[str]):
+        self.blocks = [torch.autocast(d, enabled=False) for d in devices]
+
+    def __enter__(self) -> None:
+        for b in self.blocks:
+            b.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        for b in reversed(self.blocks):
+            b.__exit__(*exc)
+
+
+class _NoContext:
+    def __enter__(self) -> None:
+        pass
+
+    def __exit__(self, *exc: Any) -> None:
+        pass
+
+
+_NO_CONTEXT = _NoContext()
 # dynamo's C++ check of tensors' metadata (_key/_guard; None: checked in Python).
 # Checked: 2.11 (GPU image; run by the GPU suite), 2.13.0, 2.14.1.
 TensorGuards: Any

@@ -155,9 +155,10 @@ def _name_default_dtypes(gm: torch.fx.GraphModule) -> None:
     changed = False
     for n in gm.graph.nodes:
         t = n.target
-        if n.op != "call_function" or not isinstance(t, torch._ops.OpOverload) or n.all_input_nodes:
+        schema = getattr(t, "_schema", None)  # (an OpOverload's)
+        if n.op != "call_function" or schema is None or n.all_input_nodes:
             continue
-        if n.kwargs.get("dtype") is not None or not any(a.name == "dtype" and a.kwarg_only for a in t._schema.arguments):
+        if n.kwargs.get("dtype") is not None or not any(a.name == "dtype" and a.kwarg_only for a in schema.arguments):
             continue
         v = n.meta.get("val")
         if isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex()):

@@ -33,6 +33,7 @@ from ._compat import (
     FakeTensorMode,
     UnsupportedOperatorException,
     module_global_backward_hooks,
+    sdpa_flags,
 )
 from ._errors import _PKG_DIR, GraphifyError, format_frame, innermost_frame, user_frame, user_frame_from_exc
 from ._frozen import Frozen, Refreeze, guard_refs
@@ -309,6 +310,9 @@ class Plan:
     # training step's update): their paths, and where that backward was called (see _key/_entry)
     after_backward: List[str] = field(default_factory=list)
     backward_at: str = ""
+    # scaled_dot_product_attention's backend flags at trace time, if the function calls it: the
+    # kernel traced is the one they picked (sdpa_kernel(...), torch.backends.cuda.enable_*_sdp)
+    sdpa_flags: Optional[Tuple[bool, ...]] = None
 
     def __post_init__(self) -> None:
         self.tensor_entries = [e for e in self.out_entries if e.kind != "const"]
@@ -1218,6 +1222,7 @@ class _Tracing:
             out_views=_output_views([x for x in self.box["leaves"] if isinstance(x, torch.Tensor)], entries),
             after_backward=_made_after_backward(self.box["spec"], self.box["leaves"], fnwatch),
             backward_at=fnwatch.backward_at,
+            sdpa_flags=sdpa_flags() if fnwatch.sdpa else None,
         )
 
 

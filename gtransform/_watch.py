@@ -708,6 +708,7 @@ _IS_LEAF_ATTR = TensorBase.__dict__["is_leaf"]
 _GRAD_FN_ATTR = TensorBase.__dict__["grad_fn"]
 _VERSION_ATTR = TENSOR_VERSION_ATTR
 _REGISTER_HOOK = torch.Tensor.register_hook
+_SDPA = torch.nn.functional.scaled_dot_product_attention
 
 
 _REPLAYS_SAVED_RNG: Dict[Any, bool] = {}
@@ -848,6 +849,7 @@ class _FnWatch(TorchFunctionMode):
         self.hooks: List[str] = []
         self.backward_calls = 0  # .backward(), torch.autograd.backward/grad called by the function
         self.backward_end = 0  # the op count when the last one returned
+        self.sdpa = False  # whether it called scaled_dot_product_attention
         self.backward_at = ""  # where the last one was called (file:line)
         self.first_backward_at = ""  # and the first
         self.for_grad = bool(getattr(FOR_GRAD, "on", False))
@@ -880,6 +882,8 @@ class _FnWatch(TorchFunctionMode):
                 r = torch.randint(int(lo_hi[0]), int(lo_hi[1]), tuple(t.shape), dtype=t.dtype,
                                   device=t.device, generator=kwargs.get("generator"))
                 return t.copy_(r)
+        if func is _SDPA:
+            self.sdpa = True  # (its kernel is picked by the backend flags: part of the signature)
         if func in _BACKWARDS:
             self.backward_calls += 1
             self.backward_at = format_frame(user_frame(traceback.extract_stack()))

@@ -102,3 +102,23 @@ def test_a_setting_the_first_eager_call_left_is_not_refused_when_the_caller_keep
             assert_close(g(x), f(x))
     finally:
         torch.set_default_dtype(old)
+
+
+def test_the_attention_kernels_sdpa_kernel_allows_are_part_of_the_signature(device):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def f(q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    g = gt.graphify(f)
+    q, k, v = (torch.randn(2, 4, 16, 32, device=device) for _ in range(3))
+    backends = [None, SDPBackend.MATH, None, SDPBackend.MATH]
+    for b in backends:
+        with contextlib.ExitStack() as stack:
+            if b is not None:
+                stack.enter_context(sdpa_kernel(b))
+            want, got = f(q, k, v), g(q, k, v)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)  # (the very kernel eager picks)
+    with sdpa_kernel(SDPBackend.MATH):
+        g(q, k, v)
+    assert "scaled_dot_product_attention's" in g.explain(q, k, v)  # (called outside the block now)

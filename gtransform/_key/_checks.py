@@ -30,7 +30,7 @@ from typing import Any, Callable, FrozenSet, List, Optional, Sequence
 
 import torch
 
-from .._compat import get_deterministic_algorithms, is_any_autocast_enabled, tensor_version
+from .._compat import SDP_FLAG_NAMES, get_deterministic_algorithms, is_any_autocast_enabled, sdpa_flags, tensor_version
 from .._trace import plain_layout
 from .._tree import leaf_paths, static_leaf_key, tensor_meta
 from .._watch import FOR_GRAD
@@ -429,6 +429,16 @@ def _leaves_read_explain(e: Any, call: Call) -> List[str]:
     return out
 
 
+def _sdpa_code(e: Any, n: Names) -> List[str]:
+    return [f"if _sdpa_flags() != {e.plan.sdpa_flags!r}: {FAIL}"]
+
+
+def _sdpa_explain(e: Any, call: Call) -> List[str]:
+    return [f"scaled_dot_product_attention's {name} kernel: {'allowed' if a else 'off'} -> {'allowed' if b else 'off'} "
+            "(torch.nn.attention.sdpa_kernel, torch.backends.cuda.enable_*_sdp)"
+            for name, a, b in zip(SDP_FLAG_NAMES, e.plan.sdpa_flags, sdpa_flags()) if a != b]
+
+
 CHECKS: List[Check] = [
     Check("structure", "the tree structure of the arguments and the order of each dict's keys",
           _always, _structure_code, _structure_explain),
@@ -436,6 +446,8 @@ CHECKS: List[Check] = [
           _always, _statics_code, _statics_explain),
     Check("global settings", "grad mode, the default dtype, autocast, deterministic algorithms, inference "
           "mode, torch.func.grad, forward-mode AD", _always, _glob_code, _glob_explain),
+    Check("attention backends", "the kernels scaled_dot_product_attention may pick (sdpa_kernel), where the "
+          "function calls it", lambda e: e.plan.sdpa_flags is not None, _sdpa_code, _sdpa_explain),
     Check("static values", "the values of the non-tensor leaves (2, 2.0 and True are three; every NaN is one)",
           lambda e: bool(e.consts), _consts_code, _consts_explain),
     Check("state", "the state tensors, read where the function reaches them, each the very object traced "
@@ -474,7 +486,7 @@ _NAMESPACE = dict(
     # the global settings' getters (the fast path reads them itself: see _glob_code)
     _grad_enabled=torch.is_grad_enabled, FWAD=torch.autograd.forward_ad,
     _inference_mode=torch.is_inference_mode_enabled, _default_dtype=torch.get_default_dtype,
-    _deterministic=get_deterministic_algorithms,
+    _deterministic=get_deterministic_algorithms, _sdpa_flags=sdpa_flags,
     _any_autocast=is_any_autocast_enabled if is_any_autocast_enabled is not None else (lambda: True),
 )
 

@@ -129,17 +129,16 @@ def _pure(n: torch.fx.Node) -> bool:
     t = n.target
     if t is operator.getitem:
         return True
-    if not isinstance(t, torch._ops.OpOverload):
-        return False
-    if t._schema.is_mutable or torch.Tag.nondeterministic_seeded in t.tags:
+    schema = getattr(t, "_schema", None)  # (an OpOverload's)
+    if schema is None or schema.is_mutable or torch.Tag.nondeterministic_seeded in getattr(t, "tags", ()):
         return False
     return isinstance(n.meta.get("val"), torch.Tensor) or _tensors(n.meta.get("val"))
 
 
 def _view(n: torch.fx.Node) -> bool:
     t = n.target
-    return t is operator.getitem or (isinstance(t, torch._ops.OpOverload)
-                                     and any(r.alias_info is not None for r in t._schema.returns))
+    schema = getattr(t, "_schema", None)
+    return t is operator.getitem or (schema is not None and any(r.alias_info is not None for r in schema.returns))
 
 
 def _tensors(v: Any) -> bool:
