@@ -1235,6 +1235,16 @@ def seed_refusal(orig: Any, name: str) -> Any:
         desc = getattr(_SEEDING, "desc", None)
         if desc is None:  # (a joint trace, autograd's thread: left to _no_seeding's check)
             return orig(*a, **k)
+        ledgers = _watches()
+        if ledgers and name in _MANUAL_SEEDS:
+            # a generator set to a state of its own, as set_rng_state does (see rng_setter): fine
+            # where the function puts the state it saved back before drawing (fork_rng around
+            # code that seeds), refused at its next draw or at the end otherwise (_RngLedger)
+            keys = _seeded_keys(name)
+            for led in ledgers:
+                for key in keys:
+                    led.set(key, object(), f"torch.{name}()")
+            return torch.default_generator if name == "manual_seed" else None
         fr = user_frame(traceback.extract_stack())
         raise GraphifyError(
             f"{desc}: torch.{name}() seeds a default random generator inside the function.\n"
@@ -1242,6 +1252,19 @@ def seed_refusal(orig: Any, name: str) -> Any:
         )
 
     return seeding
+
+
+_SEEDS = "manual_seed("  # (in a ledger entry's `what`: the state set is a seed's)
+_MANUAL_SEEDS = ("manual_seed", "cuda.manual_seed", "cuda.manual_seed_all")
+
+
+def _seeded_keys(name: str) -> List[str]:
+    """The ledger keys of the default generators ``torch.<name>(seed)`` seeds."""
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    if name == "cuda.manual_seed":
+        return [_cuda_key()] if cuda else []
+    keys = [] if name == "cuda.manual_seed_all" else ["cpu"]
+    return keys + ([f"cuda:{i}" for i in range(torch.cuda.device_count())] if cuda else [])
 
 
 class _no_seeding:
@@ -1433,6 +1456,10 @@ class _RngLedger:
             tag, what, site = off
             at = self._where()
             where = f"  at {at}\n" + (f"  state set at {site}\n" if site != at else "")
+            if _SEEDS in what:
+                raise GraphifyError(
+                    f"{self.desc}: {what} seeds a default random generator inside the function (the "
+                    f"{_gen_name(key)} one), and {func} then draws from it.\n{where}{_SEED_MSG}")
             raise GraphifyError(
                 f"{self.desc}: {func} draws random numbers from the {_gen_name(key)} generator after "
                 f"{what} set that generator back to {self._back_to(key, tag)}.\n"
@@ -1449,6 +1476,10 @@ class _RngLedger:
         """The function returns with a generator set back: eager repeats numbers on every call."""
         if self.off:
             key, (tag, what, site) = next(iter(self.off.items()))
+            if _SEEDS in what:
+                raise GraphifyError(
+                    f"{self.desc}: {what} seeds a default random generator inside the function (the "
+                    f"{_gen_name(key)} one) and leaves it seeded.\n  at {site}\n{_SEED_MSG}")
             raise GraphifyError(
                 f"{self.desc}: {what} sets the {_gen_name(key)} random generator back to "
                 f"{self._back_to(key, tag)}, and the function leaves it there.\n  at {site}\n"

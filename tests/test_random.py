@@ -277,3 +277,32 @@ def test_random_low_high_in_place_follows_manual_seed(device):
         assert_close(o, e)
         assert_close(after_o, after_e)  # the generator is left where eager leaves it
     assert g.cache_info().hits == 3
+
+
+def test_a_seed_inside_fork_rng_that_draws_nothing_is_fine_and_one_left_behind_is_refused(device):
+    # a library that seeds to initialise something deterministic, inside fork_rng: eager's
+    # generator comes back as it was, so the recording's draws are eager's
+    def h(x):
+        with torch.random.fork_rng(devices=[x.device] if x.is_cuda else []):
+            torch.manual_seed(0)
+            w = torch.ones(2, device=x.device)
+        return torch.rand(2, device=x.device) + x + w
+
+    g = gt.graphify(h)
+    x = torch.zeros(2, device=device)
+    for _ in range(3):
+        state = torch.get_rng_state() if device == "cpu" else torch.cuda.get_rng_state()
+        want = h(x)
+        if device == "cpu":
+            torch.set_rng_state(state)
+        else:
+            torch.cuda.set_rng_state(state)
+        assert torch.equal(g(x), want)
+
+    def left(x):
+        torch.manual_seed(0)  # LEFT-LINE
+        return x + 1
+
+    with pytest.raises(gt.GraphifyError, match=r"(?s)manual_seed\(\) seeds a default random generator inside "
+                       r"the function.*leaves it seeded.*LEFT-LINE.*seed outside the function"):
+        gt.graphify(left)(x)
