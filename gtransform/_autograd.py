@@ -691,11 +691,25 @@ def call_with_autograd(g: Any, e: Any, tensors: List[torch.Tensor]) -> Any:
     plan = box.entry.plan
     if plan.out_views and _peek() is None:  # (not under torch.func: its wrappers are views of their own)
         outs = _as_views(outs, plan.out_views)
-    if box.part is None and plan.any_identical:
+    if box.part is None and plan.returns_inputs:
         # an input returned as it came in (return lin.weight) is that very tensor, as in
-        # eager, not the autograd.Function's view of it (gradients reach it directly)
-        outs = tuple(tensors[oe.index] if oe.identical else o for o, oe in zip(outs, box.entry.plan.tensor_entries))
-    return box.entry.plan.assemble(outs)
+        # eager, not the autograd.Function's view of it (gradients reach it directly); a view
+        # of an input (return x[1:]) is that input's view: the caller may update it in place,
+        # as eager's, which autograd refuses on an autograd.Function's output
+        outs = tuple(_input_as_eager(tensors[oe.index], o, oe) if oe.kind == "input" and not (oe.conj or oe.neg)
+                     else o for o, oe in zip(outs, plan.tensor_entries))
+    return plan.assemble(outs)
+
+
+def _input_as_eager(t: torch.Tensor, o: torch.Tensor, oe: Any) -> torch.Tensor:
+    """An output that is input ``t`` or a view of it, as eager returns it (``o``: the wrapper's)."""
+    if oe.identical:
+        return t
+    if _peek() is not None:  # (torch.func's wrappers: the wrapper's output stands)
+        return o
+    if not oe.requires_grad:  # (the function detached it)
+        t = t.detach()
+    return t.as_strided(oe.size, oe.stride, t.storage_offset() + oe.rel_offset)
 
 
 def _as_views(outs: Sequence[torch.Tensor], views: Sequence[Tuple[int, int, bool]]) -> Tuple[torch.Tensor, ...]:

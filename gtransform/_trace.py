@@ -19,7 +19,7 @@ import re
 import sys
 import threading
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, is_dataclass
 from typing import Any, Callable, Dict, FrozenSet, List, Optional, Sequence, Set, Tuple
 
 import torch
@@ -316,7 +316,8 @@ class Plan:
 
     def __post_init__(self) -> None:
         self.tensor_entries = [e for e in self.out_entries if e.kind != "const"]
-        self.any_identical = any(e.identical for e in self.tensor_entries)  # an input returned as is
+        # an input returned as is, or a view of one (handed out as eager's: see _autograd)
+        self.returns_inputs = any(e.kind == "input" for e in self.tensor_entries)
         self.n_user_in = len(self.in_paths) - len(self.state)
         self.touches_state = bool(self.state or self.escape_slots)
         self.all_const = not self.tensor_entries
@@ -956,9 +957,11 @@ class _Tracing:
                 frozen.leaf(t, i, frozen.stable.get(i))
         args, kwargs = self.rebuild(tensors)
         settings = global_settings()
+        containers = _arg_containers(args, kwargs)
         with watch, self.fnwatch, self.reads:
             out = self.fn(*args, **kwargs)
         settings_left_changed(desc, settings)
+        _arg_containers_kept(desc, containers)
         leaves, spec = flatten_output(out, desc)
         # a tensor the function returns as it reached it (a closed-over W,
         # `return self.weight`) is that very tensor in eager: state read in
@@ -1224,6 +1227,85 @@ class _Tracing:
             backward_at=fnwatch.backward_at,
             sdpa_flags=sdpa_flags() if fnwatch.sdpa else None,
         )
+
+
+def _arg_containers(args: Sequence[Any], kwargs: Dict[str, Any]) -> List[Tuple[str, Any, Any]]:
+    """The containers inside the arguments, each with its path and a shallow copy of what it holds.
+
+    The function is called on containers rebuilt around the trace's tensors (``_lookup``): a
+    change it makes to one (``state["h"] = h``, ``cache.append(t)``, ``dc.n += 1``) would
+    reach the caller's in eager and be lost here (see :func:`_arg_containers_kept`).
+    """
+    out: List[Tuple[str, Any, Any]] = []
+
+    def walk(x: Any, path: str, depth: int) -> None:
+        if depth > 32 or len(out) > 4096:
+            return
+        if type(x) is dict or isinstance(x, dict):
+            out.append((path, x, list(x.items())))
+            for k, v in x.items():
+                walk(v, f"{path}[{k!r}]", depth + 1)
+        elif isinstance(x, list):
+            out.append((path, x, list(x)))
+            for i, v in enumerate(x):
+                walk(v, f"{path}[{i}]", depth + 1)
+        elif isinstance(x, tuple):
+            for i, v in enumerate(x):
+                walk(v, f"{path}[{i}]", depth + 1)
+        elif is_dataclass(x) and not isinstance(x, type) and hasattr(x, "__dict__"):
+            out.append((path, x, list(vars(x).items())))
+            for k, v in vars(x).items():
+                walk(v, f"{path}.{k}", depth + 1)
+
+    for i, a in enumerate(args):
+        walk(a, f"args[{i}]", 0)
+    for k, v in kwargs.items():
+        walk(v, f"kwargs[{k!r}]", 0)
+    return out
+
+
+def _arg_containers_kept(desc: str, containers: Sequence[Tuple[str, Any, Any]]) -> None:
+    """Refuse a function that changed a container it was passed (see :func:`_arg_containers`)."""
+    for path, c, before in containers:
+        if _same_contents(c, before):
+            continue
+        what = ("a list" if isinstance(c, list) else "a dict" if isinstance(c, dict)
+                else f"a {type(c).__name__}")
+        raise GraphifyError(
+            f"{desc}: the function changes {_first_change(path, c, before)} of {path}, {what} it was "
+            "passed.\n"
+            "Why: graphify calls the function on containers rebuilt around the traced tensors; eager "
+            "changes the caller's container on every call, a replay runs none of the function's "
+            "Python, so the caller's would stay as it was.\n"
+            "Fix: return the new values and store them outside the function, or keep them in state "
+            "the function reaches without taking it as an argument (a module attribute, a closed-over "
+            "dict), which graphify writes back after every call."
+        )
+
+
+def _first_change(path: str, c: Any, before: Sequence[Any]) -> str:
+    """What changed in container ``c``: ``args[0]['h'] (set)``, ``the length (2 -> 3)``."""
+    if isinstance(c, list):
+        if len(c) != len(before):
+            return f"the length ({len(before)} -> {len(c)})"
+        i = next(i for i, (a, b) in enumerate(zip(c, before)) if a is not b)
+        return f"{path}[{i}] (set)"
+    old = dict(before)
+    now = dict(c.items()) if isinstance(c, dict) else dict(vars(c))
+    sep = "[{!r}]" if isinstance(c, dict) else ".{}"
+    for k in list(now) + [k for k in old if k not in now]:
+        if k not in old or k not in now or now[k] is not old[k]:
+            how = "added" if k not in old else "removed" if k not in now else "set"
+            return f"{path}{sep.format(k)} ({how})"
+    return "the order of its items"
+
+
+def _same_contents(c: Any, before: Sequence[Any]) -> bool:
+    """Whether container ``c`` holds the very objects it held (``before``: its items then)."""
+    if isinstance(c, list):
+        return len(c) == len(before) and all(a is b for a, b in zip(c, before))
+    now = list(c.items()) if isinstance(c, dict) else list(vars(c).items())
+    return len(now) == len(before) and all(a[0] == b[0] and a[1] is b[1] for a, b in zip(now, before))
 
 
 def _made_after_backward(spec: Any, leaves: Sequence[Any], fnwatch: Any) -> List[str]:

@@ -1061,3 +1061,28 @@ def test_a_training_step_returning_a_prediction_made_after_its_backward_is_refus
     f = gt.graphify(logged)
     for _ in range(3):
         f(x, y)
+
+
+@pytest.mark.parametrize("detached", [False, True])
+def test_a_view_of_an_input_returned_from_a_differentiated_call_is_that_inputs_view(device, detached):
+    # the caller may update it in place, as eager's (autograd refused it on the wrapper's output)
+    def fn(x):
+        tail = x.detach()[1:] if detached else x[1:]
+        return tail, x * 2
+
+    g = gt.graphify(fn)
+    for _ in range(3):
+        grads, outs = [], []
+        for f in (fn, g):
+            w = torch.arange(1.0, 4.0, device=device, requires_grad=True)
+            x = w * 1
+            tail, dbl = f(x)
+            outs.append((tail.requires_grad, tail._base is x or tail._base is x._base))
+            if not detached:
+                tail.mul_(2)
+                x.sum().backward()  # (dbl's backward recomputes from x as it was: an in-place change refuses)
+            else:
+                (x.sum() + dbl.sum()).backward()
+            grads.append(w.grad)
+        assert_close(grads[1], grads[0])
+        assert outs[1][0] == outs[0][0]

@@ -683,3 +683,45 @@ def test_inputs_of_many_dtypes_are_copied_in_and_updated_like_eager(device, spec
         for a, b in zip(got + got_in, exp + exp_in):
             assert a.dtype == b.dtype
             assert torch.equal(a.cpu().to(torch.float64), b.cpu().to(torch.float64))
+
+
+def _dc():
+    import dataclasses
+
+    @dataclasses.dataclass
+    class DC:
+        a: torch.Tensor
+        n: int = 0
+
+    return DC
+
+
+@pytest.mark.parametrize("case", ["dict_set", "list_append", "dict_pop", "dataclass_field", "dataclass_count"])
+def test_a_function_that_changes_a_container_it_was_passed_is_refused_with_the_fix(case):
+    # the function runs on containers rebuilt around the traced tensors: eager's change of the
+    # caller's dict, list or dataclass was silently lost on every call
+    DC = _dc()
+    fns = {
+        "dict_set": (lambda d: d.__setitem__("b", d["a"] * 2) or d["a"] + 1, lambda: {"a": torch.ones(2)}, r"args\[0\]\['b'\] \(added\)"),
+        "list_append": (lambda l: l.append(l[0] * 2) or l[0] + 1, lambda: [torch.ones(2)], r"the length \(1 -> 2\)"),
+        "dict_pop": (lambda d: d.pop("a") * d["c"], lambda: {"a": torch.ones(2), "c": torch.ones(2)}, r"args\[0\]\['a'\] \(removed\)"),
+        "dataclass_field": (lambda dc: setattr(dc, "a", dc.a * 2) or dc.a + 1, lambda: DC(torch.ones(2)), r"args\[0\]\.a \(set\)"),
+        "dataclass_count": (lambda dc: setattr(dc, "n", dc.n + 1) or dc.a + dc.n, lambda: DC(torch.ones(2)), r"args\[0\]\.n \(set\)"),
+    }
+    fn, make, where = fns[case]
+    with pytest.raises(gt.GraphifyError, match=r"(?s)the function changes " + where + r".*it was passed.*Fix: return the new values"):
+        gt.graphify(fn)(make())
+
+
+def test_a_function_that_reads_its_containers_or_changes_its_own_kwargs_is_recorded():
+    def f(d, xs, **kw):
+        kw.pop("scale")  # (its own **kwargs dict: eager's is new on every call too)
+        tmp = dict(d)
+        tmp["b"] = d["a"] * 2  # (a copy it made)
+        return tmp["b"] + xs[0] + xs[-1]
+
+    g = gt.graphify(f)
+    for _ in range(3):
+        d, xs = {"a": torch.ones(2)}, [torch.ones(2), torch.full((2,), 3.0)]
+        torch.testing.assert_close(g(d, xs, scale=2.0), f(d, xs, scale=2.0))
+        assert list(d) == ["a"]
