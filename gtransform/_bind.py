@@ -50,7 +50,18 @@ def options(fn: Any, desc: str, static_argnums: Union[int, Sequence[int], None],
             buckets: Any = None, pad: Any = None, donate: Tuple[Any, Any] = ((), ())) -> Options:
     """Check ``graphify``'s arguments before anything is traced (TypeError / ValueError with the fix)."""
     if not callable(fn):
-        raise TypeError(f"graphify(fn): fn must be callable, got {type(fn).__name__}")
+        hint = (" (a classmethod: put @graphify below @classmethod, on the function itself)"
+                if isinstance(fn, classmethod) else "")
+        raise TypeError(f"graphify(fn): fn must be callable, got {type(fn).__name__}{hint}")
+    target = getattr(fn, "__func__", fn)
+    if inspect.isgeneratorfunction(target) or inspect.iscoroutinefunction(target) or inspect.isasyncgenfunction(target):
+        kind = ("a generator function" if inspect.isgeneratorfunction(target) else "an async generator function"
+                if inspect.isasyncgenfunction(target) else "a coroutine function (async def)")
+        raise TypeError(
+            f"{desc}: fn is {kind}. Its calls return an object that runs the body later, which a "
+            "recording cannot replay (each call would hand back the same, used-up object). Fix: graphify "
+            "the tensor work the body does (a plain function it calls), or return a list instead of "
+            "yielding.")
     nums = _argnums(static_argnums)
     names = _argnames(static_argnames)
     if maxsize is not None and (not isinstance(maxsize, int) or isinstance(maxsize, bool) or maxsize < 1):

@@ -14,6 +14,7 @@ are refused with the reason.
 
 from __future__ import annotations
 
+import collections.abc
 import copy
 import functools
 import gc
@@ -288,6 +289,11 @@ def _open_objects(leaves: List[Any], opened: Set[int], private: Set[int]) -> boo
     return new
 
 
+# generators, coroutines and iterators over a container or a range (itertools', map's, zip's...):
+# objects with a position that a replay would hand out again as they were left
+_ITERATORS = (types.GeneratorType, types.CoroutineType, types.AsyncGeneratorType, collections.abc.Iterator)
+
+
 def flatten_output(out: Any, desc: str) -> Tuple[List[Any], Any]:
     """Flatten an output tree, taking apart containers and plain objects holding trace tensors.
 
@@ -317,8 +323,17 @@ def flatten_output(out: Any, desc: str) -> Tuple[List[Any], Any]:
                    if x.layout != torch.strided else "return padded dense tensors (t.to_padded_tensor(0.0))"
                    if x.is_nested else "return t.dequantize(), or t.int_repr() and rebuild it outside")
             raise GraphifyError(
-                f"{desc}: the output {path} is {what}.\nWhy: outputs are dense strided tensors in the "
+                f"{desc}: {path} is {what}.\nWhy: outputs are dense strided tensors in the "
                 f"recording's memory.\nFix: {fix}."
+            )
+        if isinstance(x, _ITERATORS):
+            path = leaf_paths(out, root="output")[i]
+            raise GraphifyError(
+                f"{desc}: {path} is an iterator ({type(x).__name__}).\nWhy: it is made once, while "
+                "tracing, and a replay would hand back that same object on every call, already run "
+                "through; eager makes a new one on every call.\n"
+                "Fix: return a list or tuple of its items (list(...)), or make the iterator outside the "
+                "graphified function from what it returns."
             )
         inside = None if isinstance(x, (torch.Tensor,) + _SCALARS) else _tensor_inside(x)
         if inside is not None:
@@ -333,7 +348,7 @@ def flatten_output(out: Any, desc: str) -> Tuple[List[Any], Any]:
             else:
                 why = _why_not_rebuilt(x) or "it cannot be rebuilt"
             raise GraphifyError(
-                f"{desc}: the output {path} is a {name} object that holds tensors ({path}{inside}), and "
+                f"{desc}: {path} is a {name} object that holds tensors ({path}{inside}), and "
                 f"gtransform cannot take it apart: {why}.\nWhy: outputs are flattened into tensors (which "
                 "live in the recording's memory) and a structure rebuilt on every call; plain objects are "
                 "rebuilt from their __dict__, as copy.copy does, but this one would carry the trace's "

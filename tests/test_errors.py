@@ -384,7 +384,7 @@ def test_unsupported_tensor_output_or_state_is_graphify_error(kind):
         "quantized": _quantized,
     }[kind]
     x = torch.eye(3)
-    made = r"(?s)the output output\[1\] is a .*Fix: return"
+    made = r"(?s)output\[1\] is a .*Fix: return"
     if kind == "quantized":  # refused where it is made (fake kernels give it a float32 result)
         made = r"(?s)quantize_per_tensor.default makes a quantized tensor.*Fix: quantize outside"
     else:  # refused where it is made: its number of nonzeros depends on the data
@@ -755,3 +755,28 @@ def test_public_functions_reading_values_on_the_host_name_a_fix_that_records(nam
     for _ in range(2):
         x = torch.randn(3, 6)
         torch.testing.assert_close(g(x), eager(x), rtol=1e-4, atol=1e-5)
+
+
+def test_a_generator_or_coroutine_function_is_refused_when_graphified():
+    def gen(x):
+        yield x * 2
+
+    async def coro(x):
+        return x * 2
+
+    with pytest.raises(TypeError, match=r"graphify\(.*gen\): fn is a generator function.*Fix"):
+        gt.graphify(gen)
+    with pytest.raises(TypeError, match=r"coroutine function \(async def\).*Fix"):
+        gt.graphify(coro)
+
+
+@pytest.mark.parametrize("make", ["iter", "map", "count"])
+def test_a_returned_iterator_is_refused_with_the_fix(make):
+    import itertools
+
+    def f(x):
+        ys = [x * i for i in range(3)]
+        return {"iter": lambda: iter(ys), "map": lambda: map(torch.neg, ys), "count": lambda: itertools.count()}[make]()
+
+    with pytest.raises(gt.GraphifyError, match=r"(?s)output is an iterator.*Fix: return a list or tuple"):
+        gt.graphify(f)(torch.ones(2))
