@@ -218,15 +218,28 @@ def iterator_position(it: Any) -> Any:
     if isinstance(n, int):
         return ("loader", n)
     try:
-        red = it.__reduce__()
-        if isinstance(red, tuple) and len(red) >= 3 and isinstance(red[2], int):
-            return ("seq", red[2])  # (a list's, tuple's, range's iterator: its index)
+        # (a list's, tuple's or range's iterator: its index; itertools.count's next value,
+        # cycle's saved items: what pickling it would keep)
+        return ("reduce", _position_key(it.__reduce__(), 0))
     except Exception:
         pass
     try:
         return ("hint", operator.length_hint(it, -1))
     except Exception:  # pragma: no cover
         return None
+
+
+def _position_key(v: Any, depth: int) -> Any:
+    """``v`` (an iterator's ``__reduce__()``) as a comparable key.
+
+    Numbers and strings by value, containers item by item, other objects (the iterated
+    sequence, tensors) by identity.
+    """
+    if isinstance(v, (int, float, str, bytes, bool, type(None))):
+        return v
+    if isinstance(v, (tuple, list)) and depth < 4:
+        return (type(v).__name__, len(v)) + tuple(_position_key(x, depth + 1) for x in v[:64])
+    return ("id", id(v))
 
 
 def function_caches(named: Sequence[Tuple[str, Any, str, Any]]) -> List[Any]:

@@ -2687,12 +2687,16 @@ def test_python_values_the_forward_sets_are_left_as_eager_leaves_them():
             assert (m.n, m.mode) == (ref.n, ref.mode)
 
 
-@pytest.mark.parametrize("kind", ["list_iterator", "generator", "dataloader"])
+@pytest.mark.parametrize("kind", ["list_iterator", "generator", "dataloader", "cycle"])
 def test_a_step_that_takes_its_batch_from_an_iterator_is_refused(kind):
     # `x, y = next(it)` inside the step: the replays reused the trace's batch forever
+    import itertools
+
     data = [(torch.full((2, 4), float(i)), torch.full((2, 1), float(i))) for i in range(20)]
     if kind == "list_iterator":
         it = iter(data)
+    elif kind == "cycle":  # (itertools' iterators: their position is what pickling them keeps)
+        it = itertools.cycle(data)
     elif kind == "generator":
         it = (b for b in data)
     else:
