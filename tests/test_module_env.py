@@ -277,3 +277,21 @@ def test_a_parameter_or_buffer_registered_between_calls_is_seen_where_the_functi
         net.register_buffer("scale", torch.full((2,), 3.0, device=device))
     for _ in range(3):
         assert_close(f(x), net(x))
+
+
+def test_a_class_attribute_read_through_a_plain_object_is_part_of_the_signature():
+    class Scaler:
+        scale = 3.0  # (only the class sets it)
+
+        def __init__(self):
+            self.bias = torch.ones(2)
+
+        def __call__(self, x):
+            return x * self.scale + self.bias
+
+    s = Scaler()
+    f = gt.graphify(lambda x: s(x))
+    x = torch.ones(2)
+    for v in (3.0, 3.0, 5.0, 5.0, 2.0):
+        Scaler.scale = v
+        assert_close(f(x), s(x))

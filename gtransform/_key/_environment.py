@@ -146,6 +146,14 @@ def _plain_object_attrs(roots: Sequence[Root], reads: Optional[AttrReads]) -> Li
         ks = tuple(k for k, v in d.items() if _plain_attr(v) and (read is None or k in read))
         if ks:
             out.append((name, d, ks))
+        # a class attribute read through the object (`self.scale` where only the class sets it)
+        for k in sorted(read or ()):
+            if k in d or k.startswith("__"):
+                continue
+            owner = next((c for c in type(o).__mro__ if k in c.__dict__), None)
+            if owner is not None and owner.__module__.split(".")[0] not in ("torch", "builtins", "gtransform") \
+                    and _plain_attr(owner.__dict__[k]) and not callable(owner.__dict__[k]):
+                out.append((f"{type(o).__name__}", owner.__dict__, (k,)))  # type: ignore[arg-type]
     return out
 
 
