@@ -503,6 +503,14 @@ def pad_size(sz: Sizes, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[
     n: Optional[int] = None
     for where, _v in found:
         a = args[where] if isinstance(where, int) else kwargs[where]
+        if a is not None and (isinstance(a, torch.nn.Module) or not _tensor_leaves(a)):
+            label = f"args[{where}]" if isinstance(where, int) else f"kwargs[{where!r}]"
+            what = "the module itself (on a method, args[0] is self)" if isinstance(a, torch.nn.Module) \
+                else f"a {type(a).__name__} with no tensor"
+            raise ValueError(
+                f"pad= names {label}, which is {what}: there is no batch to pad, so every batch size would "
+                "be traced and recorded on its own. Fix: name the batched tensor argument, by name "
+                "(pad={'x': 0}) or by its position counting self (pad=1).")
         for x in _tensor_leaves(a):
             if x.dim() == 0:
                 continue

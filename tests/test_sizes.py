@@ -535,3 +535,34 @@ def test_a_refusal_of_a_padded_call_is_not_taken_for_an_unpadded_argument(device
     with pytest.raises(gt.GraphifyError) as info:
         g(torch.ones(5, 2, device=device), torch.ones(5, 2, device=device))
     assert "reads a tensor's value" in str(info.value) and "not padded" not in str(info.value)
+
+
+def test_pad_naming_self_of_a_method_is_refused_with_the_fix():
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(3, 2)
+
+        @gt.graphify(buckets=(4, 8), pad=0)
+        def forward(self, x):
+            return self.lin(x)
+
+    with pytest.raises(ValueError, match=r"pad= names args\[0\], which is the module itself.*Fix: name the batched"):
+        with torch.no_grad():
+            M()(torch.randn(3, 3))
+
+    class N(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(3, 2)
+
+        @gt.graphify(buckets=(4, 8), pad=1)
+        def forward(self, x):
+            return self.lin(x)
+
+    n = N()
+    with torch.no_grad():
+        for b in (3, 2, 3, 4, 1):
+            x = torch.randn(b, 3)
+            torch.testing.assert_close(n(x), n.lin(x))
+    assert N.forward.cache_info().currsize == 1
