@@ -369,7 +369,7 @@ def _settle(g: Any, st: ThreadState, ck: CallKey, call: Call, plan: Any, cuda: b
         # them), and flags the function sets (model.train() in a step, model.eval() in an eager
         # validation between steps: the replays set them, see Entry.sets); a count is
         if key in st.warmed and not all(c.made or type(c.new) is bool for c in model_changes):
-            raise change_error(g._desc, model_changes)
+            raise change_error(g._desc, model_changes, getattr(plan.attr_reads, "set_at", None))
     ran_eagerly = key in st.warmed  # (this key's first call ran eagerly: describe says so)
     warm = not (plan.touches_state or model_changes) or ran_eagerly
     if not warm and record and sibling_warm and makes_no_state(plan):

@@ -370,6 +370,15 @@ _TRACKERS: Dict[type, type] = {}
 _SET_CLASS = object.__dict__["__class__"].__set__
 
 
+def _user_line() -> str:
+    """``file:line`` of the innermost frame outside torch and gtransform (an attribute set's)."""
+    import traceback
+
+    from ._errors import format_frame, user_frame
+
+    return format_frame(user_frame(traceback.extract_stack()))
+
+
 def _tracker(cls: type) -> type:
     """A subclass of ``cls`` that records the attributes a tracing thread reads.
 
@@ -379,6 +388,7 @@ def _tracker(cls: type) -> type:
     sub = _TRACKERS.get(cls)
     if sub is None:
         base_get: Any = cls.__getattribute__
+        base_set: Any = cls.__setattr__
 
         def __getattribute__(self: Any, name: str) -> Any:
             reads = getattr(READING, "reads", None)
@@ -386,13 +396,22 @@ def _tracker(cls: type) -> type:
                 reads.names.setdefault(id(self), set()).add(name)
             return base_get(self, name)
 
+        def __setattr__(self: Any, name: str, value: Any) -> None:
+            reads = getattr(READING, "reads", None)
+            if reads is not None:  # (where the function sets it: named if the change is refused)
+                key = (id(base_get(self, "__dict__")), name)
+                if key not in reads.set_at:
+                    reads.set_at[key] = _user_line()
+            base_set(self, name, value)
+
         def _get_class(self: Any) -> type:
             return cls
 
         def _set_class(self: Any, new: type) -> None:
             _SET_CLASS(self, new)
 
-        sub = type(cls.__name__, (cls,), {"__getattribute__": __getattribute__, "__module__": cls.__module__,
+        sub = type(cls.__name__, (cls,), {"__getattribute__": __getattribute__, "__setattr__": __setattr__,
+                                          "__module__": cls.__module__,
                                           "__qualname__": cls.__qualname__,
                                           "__class__": property(_get_class, _set_class)})
         _TRACKERS[cls] = sub

@@ -19,7 +19,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set,
 
 import torch
 
-from ._errors import GraphifyError
+from ._errors import GraphifyError, is_library_file
 from ._host_effects import _COUNTS
 from ._roots import _NUMBERS, _SCHEDULERS, _SEQUENCES, Root, Slot, _Module, _Optimizer, leaf_grad, root_modules
 
@@ -584,14 +584,22 @@ def _restore_dict(d: Dict[Any, Any], saved: Dict[Any, Any], full: bool = False) 
             d[k] = v
 
 
-def change_error(desc: str, changes: Sequence[Change]) -> GraphifyError:
-    """The function changes Python values in reachable state on every call."""
+def change_error(desc: str, changes: Sequence[Change], set_at: Optional[Dict[Tuple[int, str], str]] = None) -> GraphifyError:
+    """The function changes Python values in reachable state on every call.
+
+    ``set_at``: where the trace set attributes of tracked objects (``AttrReads.set_at``).
+    """
     listing = "; ".join(list(dict.fromkeys(c.text() for c in changes))[:4])
     where = ""
     for c in changes:
+        site = (set_at or {}).get((id(c.where), c.key)) if isinstance(c.key, str) else None
+        if site:
+            where = f"  at {site}\n"
+            break
+    for c in changes if not where else ():
         fwd = getattr(type(c.owner), "forward", None) if isinstance(c.owner, _Module) else None
         code = getattr(fwd, "__code__", None)
-        if code is not None:
+        if code is not None and not is_library_file(code.co_filename):  # (torch's placeholder forward: no)
             where = f"  in {type(c.owner).__name__}.forward at {code.co_filename}:{code.co_firstlineno}\n"
             break
     sched = next((c for c in changes if isinstance(c.owner, _SCHEDULERS)), None)

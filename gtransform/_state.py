@@ -154,6 +154,8 @@ class AttrReads:
         # Python attributes the trace reads are keyed the same way (see env_key_fn)
         self.objs = plain_object_roots(roots)
         self.names: Dict[int, Set[str]] = {}
+        # (id of the object's __dict__, name) -> where the function first set it (see _patches._tracker)
+        self.set_at: Dict[Tuple[int, str], str] = {}
         self.untracked: Set[int] = set()
         self._swapped: List[Tuple[Any, type, type]] = []
         # modules called while tracing that the roots do not lead to (held by a

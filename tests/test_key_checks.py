@@ -215,7 +215,23 @@ def _leafness_read(graphify, device):
     return out
 
 
+def _attention_backends(graphify, device):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def fn(q):  # (what the flags pick, made visible: the kernels themselves differ by rounding only)
+        o = torch.nn.functional.scaled_dot_product_attention(q, q, q)
+        return o * (2 if not torch.backends.cuda.flash_sdp_enabled() else 1)
+
+    f = graphify(fn)
+    q = torch.ones(1, 1, 4, 8, device=device)
+    out = [f(q) for _ in range(3)]
+    with sdpa_kernel(SDPBackend.MATH):
+        out.append(f(q))
+    return out
+
+
 SCENARIOS = {
+    "attention backends": _attention_backends,
     "structure": _structure,
     "static arguments": _static_arguments,
     "global settings": _global_settings,
