@@ -170,6 +170,9 @@ class Graphified(Generic[P, R]):
             >>> print(f.explain(torch.ones(3), 3))
             graphify(<lambda>): a new signature (miss): args[1]: static value 2 -> 3
         """
+        if OFF.on:
+            return (f"{self._desc}: runs eagerly here: gtransform is off in this thread (gt.disable()) or "
+                    "process (GTRANSFORM_DISABLE=1); nothing is traced or replayed")
         return _describe.explain(self, args, kwargs)
 
     def __get__(self, obj: Any, objtype: Any = None) -> Any:

@@ -48,7 +48,23 @@ class Options(NamedTuple):
 def options(fn: Any, desc: str, static_argnums: Union[int, Sequence[int], None], static_argnames: Union[str, Sequence[str], None],
             pool: Any, maxsize: Any, fuse: Any, on_break: Any = "error", record_sizes: Any = None,
             buckets: Any = None, pad: Any = None, donate: Tuple[Any, Any] = ((), ())) -> Options:
-    """Check ``graphify``'s arguments before anything is traced (TypeError / ValueError with the fix)."""
+    """Check ``graphify``'s arguments before anything is traced (TypeError / ValueError with the fix).
+
+    The messages name the function (``graphify(step, maxsize=...)``).
+    """
+    try:
+        return _options(fn, desc, static_argnums, static_argnames, pool, maxsize, fuse, on_break, record_sizes,
+                        buckets, pad, donate)
+    except (TypeError, ValueError) as e:
+        msg = str(e)
+        if callable(fn) and desc.startswith("graphify(") and msg.startswith("graphify(fn"):
+            raise type(e)(desc[:-1] + msg[len("graphify(fn"):]) from None
+        raise
+
+
+def _options(fn: Any, desc: str, static_argnums: Union[int, Sequence[int], None], static_argnames: Union[str, Sequence[str], None],
+             pool: Any, maxsize: Any, fuse: Any, on_break: Any, record_sizes: Any, buckets: Any, pad: Any,
+             donate: Tuple[Any, Any]) -> Options:
     if not callable(fn):
         hint = (" (a classmethod: put @graphify below @classmethod, on the function itself)"
                 if isinstance(fn, classmethod) else "")

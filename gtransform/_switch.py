@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from typing import Iterator
+from typing import Any, Iterator
 
 __all__ = ["OFF", "disable", "ENV_DISABLED"]
 
@@ -30,8 +30,7 @@ class _Off(threading.local):
 OFF = _Off()
 
 
-@contextlib.contextmanager
-def disable() -> Iterator[None]:
+def disable(fn: Any = None) -> Any:
     """Run every graphified function eagerly inside this block (this thread).
 
     The function's own Python runs on every call, so ``print``, ``breakpoint()`` and
@@ -46,7 +45,20 @@ def disable() -> Iterator[None]:
         ...     y = f(torch.ones(2))
         >>> f.cache_info().misses
         0
+
+    Also a decorator, with or without parentheses (``@gt.disable`` or ``@gt.disable()``):
+    the decorated function's calls run graphified functions eagerly.
     """
+    if fn is None:
+        return _disabled()
+    if not callable(fn):
+        raise TypeError(f"gt.disable(fn): expected a function to decorate, got {type(fn).__name__} "
+                        "(as a context manager: `with gt.disable():`)")
+    return _disabled()(fn)
+
+
+@contextlib.contextmanager
+def _disabled() -> Iterator[None]:
     before = OFF.on
     OFF.on = True
     try:

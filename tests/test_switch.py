@@ -85,3 +85,18 @@ def test_environment_variable_disables_every_graphified_function():
     env["GTRANSFORM_DISABLE"] = "0"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert "GraphifyError" in out.stderr
+
+
+def test_disable_decorates_without_parentheses_and_explain_says_calls_run_eagerly():
+    f = gt.graphify(lambda x: x * 2)
+
+    @gt.disable
+    def plain(x):
+        return f(x)
+
+    assert torch.equal(plain(torch.ones(2)), torch.full((2,), 2.0))
+    assert f.cache_info().misses == 0
+    with gt.disable():
+        assert "runs eagerly here" in f.explain(torch.ones(2))
+    with pytest.raises(TypeError, match="expected a function to decorate"):
+        gt.disable(3)
