@@ -270,7 +270,7 @@ def bind(g: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Bound:
     dyn, kw, statics = args, kwargs, ()
     if g._has_static:
         dyn, kw, statics = split(g._desc, g._static_argnums, g._static_argnames, args, kwargs)
-    leaves, spec = flatten_args(dyn, kw)
+    leaves, spec = flatten_args(dyn, kw, g._desc)
     dual = _fwad._current_level >= 0 and any(
         isinstance(x, torch.Tensor) and _fwad.unpack_dual(x).tangent is not None for x in leaves)
     return Bound(args, kwargs, leaves, spec, statics, (dyn, kw), dual)

@@ -261,15 +261,23 @@ def register_containers_in(leaves: Sequence[Any]) -> bool:
 _NOT_CONTAINERS = frozenset((int, float, bool, str, type(None), complex, torch.Size))
 
 
-def flatten_args(args: Any, kwargs: Any) -> Tuple[List[Any], Any]:
-    """Flatten the call's arguments.
+def flatten_args(args: Any, kwargs: Any, desc: str = "graphify(fn)") -> Tuple[List[Any], Any]:
+    """Flatten the call's arguments (``desc``: the function, for the message of a cycle).
 
     Dataclasses and torch-pytree containers are taken apart (registered on first
     sight, as outputs are), nested ones too.
     """
-    leaves, spec = flatten((args, kwargs))
-    for _ in range(8):
-        if not register_containers_in(leaves):
-            break
+    try:
         leaves, spec = flatten((args, kwargs))
+        for _ in range(8):
+            if not register_containers_in(leaves):
+                break
+            leaves, spec = flatten((args, kwargs))
+    except RecursionError:
+        raise TypeError(
+            f"{desc}: the arguments hold a container that contains itself (a list appended to itself) "
+            "or nest deeper than Python's recursion limit; graphify flattens the arguments to find "
+            "their tensors. Fix: pass the tensors in a shallower structure, or pass the object "
+            "through state the function reaches (a closed-over object) instead of as an argument."
+        ) from None
     return leaves, spec

@@ -725,3 +725,14 @@ def test_a_function_that_reads_its_containers_or_changes_its_own_kwargs_is_recor
         d, xs = {"a": torch.ones(2)}, [torch.ones(2), torch.full((2,), 3.0)]
         torch.testing.assert_close(g(d, xs, scale=2.0), f(d, xs, scale=2.0))
         assert list(d) == ["a"]
+
+
+def test_an_argument_that_contains_itself_is_refused_with_a_message_naming_the_function():
+    xs = [torch.ones(2)]
+    xs.append(xs)
+
+    def f(xs):
+        return xs[0] * 2
+
+    with pytest.raises(TypeError, match=r"graphify\(f\): the arguments hold a container that contains itself.*Fix"):
+        gt.graphify(f)(xs)
