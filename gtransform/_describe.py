@@ -54,7 +54,10 @@ def describe(g: Any) -> str:
 
 def _short(v: Any) -> str:
     """A static value for describe(): its repr, cut at 80 characters."""
-    r = repr(v)
+    try:
+        r = repr(v)
+    except Exception as e:  # (a user's __repr__ that raises: describe() still describes)
+        r = f"<{type(v).__name__} object: repr() raised {type(e).__name__}>"
     return r if len(r) <= 80 else r[:77] + "..."
 
 
@@ -89,7 +92,7 @@ def _signature_lines(n: int, e: Entry, pools: Dict[Any, int]) -> List[str]:
             lines.append(f"  static {paths[i]}: {_short(v)}")
     for k, oe in enumerate(e.plan.out_entries):
         if oe.kind == "const":
-            lines.append(f"  out {k}: constant {oe.value!r}")
+            lines.append(f"  out {k}: constant {_short(oe.value)}")
         elif oe.kind == "input":
             lines.append(f"  out {k}: {'the' if oe.identical else 'a view of the'} caller's input {e.plan.in_paths[oe.index]}")
         else:
