@@ -113,9 +113,10 @@ def trace_failed(g: Any, st: Any, key: Any, err: Exception, in_paths: List[str],
         if nonleaf:
             raise GraphifyError(
                 f"{g._desc}: the function updates an input that requires grad in place "
-                f"({', '.join(nonleaf)}, an output of earlier differentiable work: "
-                f"{str(err).splitlines()[0]}).\nWhy: in-place updates of inputs are not supported "
-                "through the autograd wrapper of a recording.\nFix: make the update out of place "
+                f"({', '.join(nonleaf)}, an output of earlier differentiable work).\nWhy: the trace "
+                "stands for such an input with a leaf of its own, which autograd does not let a "
+                "function update in place; in-place updates of inputs are not supported through the "
+                "autograd wrapper of a recording.\nFix: make the update out of place "
                 "(nn.ReLU(inplace=False), x = x + 1 instead of x += 1), or call the function under "
                 "torch.no_grad() if no gradient is needed.") from None
     if not record or _raised_by_gtransform(err):
