@@ -195,7 +195,7 @@ def _new_signature(g: Any, st: ThreadState, ck: CallKey, call: Call,
         if _reads_new_arguments(g, st, ck.key, err, in_paths, tensors, record):
             return None
         if (record and ck.key not in st.warmed and getattr(err, "gt_touched_state", False)
-                and not (st.warmed and routes(g, err))):
+                and not getattr(err, "gt_own_data", False) and not (st.warmed and routes(g, err))):
             # state may be created lazily by the first call (a cache allocated on first
             # use): run it eagerly, and trace again on the next call (once the function has
             # run such a call, a read on_break takes is routed: a new shape on every call
@@ -296,10 +296,12 @@ def _reads_new_arguments(g: Any, st: ThreadState, key: Any, err: GraphifyError, 
         return False
     if any(tensors[k].is_floating_point() or tensors[k].is_complex() for k in new):
         _name_the_arguments(err, [in_paths[k] for k in sorted(new)])
+        err.gt_own_data = True  # type: ignore[attr-defined]  # (not a lazily made state's first call: see lookup)
         return False  # (values are the call's data; index-like arguments, integer or bool, its structure)
     seen = st.frozen_args
     if any(len(seen.get(in_paths[k], ())) >= _FROZEN_CANDIDATES for k in new):  # (dropped ones count too)
-        seen.clear()  # (a new tensor there on call after call: the call's own data)
+        # (a new tensor there on call after call: the call's own data, from now on: every later call
+        # with another new tensor there is refused too, not run eagerly two calls out of three)
         which = ", ".join(in_paths[k] for k in sorted(new))
         err.args = (str(err) + f"\nThe read depends on {which}: the calls before passed {_FROZEN_CANDIDATES} other "
                     "tensors there (and ran eagerly to freeze the read), so its values are taken as the call's data. "
@@ -307,6 +309,7 @@ def _reads_new_arguments(g: Any, st: ThreadState, key: Any, err: GraphifyError, 
                     "tensor object again (from its second call; guarded by its identity and version counter; a few "
                     "such objects in turn, a train and a validation graph, are each frozen): keep one object per "
                     "graph, or close over it. Graphs that change every call need on_break=\"split\" or \"eager\".",)
+        err.gt_own_data = True  # type: ignore[attr-defined]
         return False
     for k in new:
         seen[in_paths[k]] = list(seen.get(in_paths[k], ())) + [weakref.ref(tensors[k])]

@@ -391,3 +391,29 @@ def test_a_train_and_a_validation_graph_passed_in_turn_are_each_frozen_and_repla
             for ei in graphs:
                 assert_close(f(x, ei), m(x, ei))
     assert f.cache_info().hits >= 4
+
+
+@pytest.mark.parametrize("sizes", ["same", "varying"])
+def test_a_new_graph_on_every_call_keeps_being_refused_when_the_function_reaches_state(sizes):
+    # a DataLoader of graphs: after the two calls that probe for a fixed graph, every call with a
+    # new graph is refused; it was run eagerly two calls out of three, silently (a failed first
+    # trace that reached state ran eagerly and forgot the graphs seen)
+    lin = torch.nn.Linear(3, 3)
+
+    def f(x, ei):
+        h = lin(x)
+        return h[ei[0][ei[0] != ei[1]]].sum(0)
+
+    g = gt.graphify(f)
+    outcomes = []
+    with torch.no_grad():
+        for i in range(8):
+            n = 10 if sizes == "same" else 10 + i
+            x, ei = torch.randn(n, 3), torch.randint(0, n, (2, 2 * n))
+            try:
+                assert_close(g(x, ei), f(x, ei))
+                outcomes.append("ran")
+            except gt.GraphifyError as e:
+                assert "on_break" in str(e)
+                outcomes.append("refused")
+    assert outcomes[2:] == ["refused"] * 6, outcomes
