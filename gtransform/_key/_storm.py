@@ -62,9 +62,11 @@ def explain_storm(desc: str, log: List[Any], differentiated: bool = False, piece
     """
     n = len(log)
     specs = {id(x[0]): x[0] for x in log}
-    lines = [f"{desc} has recorded {n} new signatures (more than {STORM_THRESHOLD}); each costs a recording (a "
+    lines = [f"{desc} has met {n} new signatures (more than {STORM_THRESHOLD}); each costs a recording (a "
              "capture and its memory), and a trace unless it differs from an earlier one only in sizes (a "
-             "dimension that varies is traced once, symbolically)."]
+             "dimension that varies is traced once, symbolically); where the function reaches state, a "
+             "signature's first call runs eagerly and only its second is recorded, so with a new one on "
+             "almost every call, almost every call runs eagerly."]
     if differentiated:
         lines.append("Its calls are differentiated through gtransform's autograd wrapper (parameters that "
                      "require grad under grad mode, the backward outside the function): each new size records "
