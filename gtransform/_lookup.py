@@ -295,7 +295,8 @@ def _reads_new_arguments(g: Any, st: ThreadState, key: Any, err: GraphifyError, 
     if not record or not new:
         return False
     if any(tensors[k].is_floating_point() or tensors[k].is_complex() for k in new):
-        _name_the_arguments(err, [in_paths[k] for k in sorted(new)])
+        if not g.__dict__.get("_dynamo_piece", False):  # (a piece's arguments are not the user's)
+            _name_the_arguments(err, [in_paths[k] for k in sorted(new)])
         err.gt_own_data = True  # type: ignore[attr-defined]  # (not a lazily made state's first call: see lookup)
         return False  # (values are the call's data; index-like arguments, integer or bool, its structure)
     seen = st.frozen_args
