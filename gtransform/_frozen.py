@@ -126,6 +126,9 @@ class Frozen:
         self.training = torch.is_grad_enabled()  # the call's grad mode (a read may sit in a no_grad block)
         self.inference: Set[int] = set()  # inputs made under inference_mode whose reads were not frozen
         self.rewritten: Set[int] = set()  # inputs the function writes whose reads were not frozen
+        # inputs read unchanged, but through a tensor the function made and then wrote in place
+        # (`grid[-1] = t[-1]`): the sources replayed for a read hold no writes, so not frozen
+        self.through_written: Set[int] = set()
         self.leaf_reals: Dict[int, torch.Tensor] = {}  # input index -> its real tensor
         self._memo: Dict[int, Tuple[Any, Any]] = {}  # id(fake) -> (fake, real)
 
@@ -211,7 +214,10 @@ class Frozen:
             real_args = [self._real(a) for a in args]
             real_kwargs = {k: self._real(v) for k, v in kwargs.items()}
         except _NotFrozen:
-            self.rewritten |= {d for d in deps if self._was_written(d)}
+            written = {d for d in deps if self._was_written(d)}
+            self.rewritten |= written
+            if not written:  # (unchanged tensors, through one the function made and wrote in place)
+                self.through_written |= deps
             return NO_VALUE
         with _disable_current_modes(), torch.no_grad():
             value = func(*real_args, **real_kwargs)

@@ -1035,6 +1035,12 @@ class _Tracing:
                     "with every call, so it is not frozen. Fix: keep such a counter as a Python number outside "
                     "the graphified function (or pass it in as a static argument), keep the test on the device "
                     "(torch.where), or on_break=\"split\"."))
+                self._why_not_frozen(err, frozen.through_written - frozen.rewritten, (
+                    "unchanged, but the value read is computed through a tensor the function "
+                    "(or a library it calls) makes and then writes in place (grid[-1] = t[-1]): a frozen "
+                    "read recomputes the ops that made a tensor, not the writes into it, so it is not "
+                    "frozen. Fix: on_break=\"split\" (the read runs in Python on every call), or build "
+                    "that tensor without the in-place write (torch.cat)."))
                 self._why_not_frozen(err, frozen.inference, (
                     "which was made under torch.inference_mode(): an inference tensor has no version counter, "
                     "so an in-place change of it could not be seen, and it is not frozen. Fix: make it outside "

@@ -417,3 +417,20 @@ def test_a_new_graph_on_every_call_keeps_being_refused_when_the_function_reaches
                 assert "on_break" in str(e)
                 outcomes.append("refused")
     assert outcomes[2:] == ["refused"] * 6, outcomes
+
+
+def test_a_read_through_a_tensor_the_function_writes_in_place_says_why_it_is_not_frozen():
+    # torchdiffeq's step_size grid: t_infer[-1] = t[-1], then `assert time_grid[0] == t[0]`
+    t = torch.linspace(0, 1, 5)
+
+    def f(y):
+        grid = torch.arange(0, 1.01, 0.25)
+        grid[-1] = t[-1]
+        assert bool(grid[-1] == t[-1])
+        return y * grid.sum()
+
+    with pytest.raises(gt.GraphifyError, match=r"(?s)The read depends on t, unchanged, but the value read is "
+                       r"computed through a tensor the function.*writes in place.*on_break=\"split\""):
+        g = gt.graphify(f)
+        for _ in range(3):
+            g(torch.ones(2))
