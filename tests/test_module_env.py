@@ -295,3 +295,35 @@ def test_a_class_attribute_read_through_a_plain_object_is_part_of_the_signature(
     for v in (3.0, 3.0, 5.0, 5.0, 2.0):
         Scaler.scale = v
         assert_close(f(x), s(x))
+
+
+def test_a_dict_of_flags_in_a_reached_object_is_part_of_the_signature():
+    # Hugging Face's EncoderDecoderCache.is_updated[layer]: the cross-attention keys are computed
+    # on the first step after cache.reset(); the replays took the branch traced, silently
+    class Cache:
+        def __init__(self):
+            self.is_updated = {0: False}
+            self.buf = torch.zeros(3)
+
+        def reset(self):
+            self.is_updated[0] = False
+            self.buf.zero_()
+
+    def run(use):
+        c = Cache()
+
+        def step(x):
+            if not c.is_updated[0]:
+                c.buf.copy_(x * 10)
+                c.is_updated[0] = True
+            return x + c.buf
+
+        f = gt.graphify(step) if use else step
+        out = []
+        for prompt in range(3):
+            c.reset()
+            for _ in range(3):
+                out.append(f(torch.full((3,), float(prompt + 1))).clone())
+        return out
+
+    assert_close(run(True), run(False))

@@ -134,6 +134,9 @@ def _iterated_tables(named: Sequence[Tuple[str, Any]], reads: Optional[AttrReads
     return out
 
 
+_FLAG_DICT = 64  # dicts of plain values in a plain object, up to this size, are keyed by their values
+
+
 def _plain_object_attrs(roots: Sequence[Root], reads: Optional[AttrReads]) -> List[Tuple[str, Dict[str, Any], Tuple[str, ...]]]:
     """Plain objects (a config, `self` of a user's class): the plain attributes the trace read on them.
 
@@ -146,6 +149,12 @@ def _plain_object_attrs(roots: Sequence[Root], reads: Optional[AttrReads]) -> Li
         ks = tuple(k for k, v in d.items() if _plain_attr(v) and (read is None or k in read))
         if ks:
             out.append((name, d, ks))
+        # a small dict of flags or numbers the function read (Hugging Face's EncoderDecoderCache
+        # .is_updated[layer]: its cross-attention keys computed on the first step after a reset)
+        for k, v in d.items():
+            if type(v) is dict and 0 < len(v) <= _FLAG_DICT and (read is None or k in read) \
+                    and all(type(x) in (int, str, bool) for x in v) and all(_plain_attr(x) for x in v.values()):
+                out.append((f"{name}.{k}", v, tuple(v)))
         # a class attribute read through the object (`self.scale` where only the class sets it)
         for k in sorted(read or ()):
             if k in d or k.startswith("__"):
