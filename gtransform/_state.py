@@ -42,6 +42,7 @@ from ._patches import track_reads, untrack_reads, watch_module_calls
 from ._roots import (
     _PLAIN_TYPES,
     _SEQUENCES,
+    _TORCH_STATE,
     Root,
     Slot,
     _Module,
@@ -150,6 +151,7 @@ class AttrReads:
 
     def __init__(self, roots: Sequence[Root]):
         self.mods = [m for _, m in root_modules(roots)]
+        self.roots = roots
         # plain objects (a config, `self` of a user's class passed as an argument): their
         # Python attributes the trace reads are keyed the same way (see env_key_fn)
         self.objs = plain_object_roots(roots)
@@ -175,7 +177,10 @@ class AttrReads:
     def __enter__(self) -> AttrReads:
         self._known = {id(m) for m in self.mods}
         self._calls.__enter__()
-        self._swapped, untracked = track_reads(self.mods + [o for _, o in self.objs])
+        # (torch's own Python state too, an LR scheduler, a GradScaler: which of their tensor lists
+        # the function reads, see _key._environment._tensor_containers)
+        torch_state = [r.obj for r in self.roots if isinstance(r.obj, _TORCH_STATE)]
+        self._swapped, untracked = track_reads(self.mods + [o for _, o in self.objs] + torch_state)
         self.untracked |= untracked
         self._outer = getattr(_READING, "reads", None)
         _READING.reads = self

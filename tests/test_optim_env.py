@@ -628,3 +628,32 @@ def test_an_accumulation_counter_in_a_closed_over_dict_is_exact_then_refused():
     with pytest.raises(gt.GraphifyError, match=r"(?s)ctr\['i'\]: 1 -> 2.*static argument"):
         g(*_data(1))
     assert c2 == {"i": 1}  # the refused call changed nothing
+
+
+def test_a_scheduler_stepped_outside_a_step_reached_through_self_does_not_record_again():
+    # a Trainer holding the model, a fused-style optimizer with a tensor lr and its scheduler:
+    # sched.step() outside rebinds sched._last_lr, which the step never reads; every call was a
+    # new signature (an eager call and a recording in turn)
+    class Trainer:
+        def __init__(self):
+            torch.manual_seed(0)
+            self.model = nn.Linear(4, 2)
+            self.opt = torch.optim.AdamW(self.model.parameters(), lr=torch.tensor(0.01), fused=True)
+            self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: 1.0 / (1 + s))
+
+        def step(self, x, y):
+            self.opt.zero_grad()
+            loss = F.mse_loss(self.model(x), y)
+            loss.backward()
+            self.opt.step()
+            return loss.detach()
+
+    te, tg = Trainer(), Trainer()
+    g = gt.graphify(tg.step)
+    for i in range(12):
+        x, y = _data(i)
+        assert_close(g(x, y), te.step(x, y))
+        te.sched.step()
+        tg.sched.step()
+    assert_close(tg.model.weight, te.model.weight)
+    assert g.cache_info().hits >= 9

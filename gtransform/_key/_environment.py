@@ -37,13 +37,14 @@ def env_key_fn(roots: Sequence[Root], reads: Optional[AttrReads] = None) -> Opti
     mods = [m for _, m in named]
     opts = [r.obj for r in roots if isinstance(r.obj, _Optimizer)]
     opt_names = [r.name for r in roots if isinstance(r.obj, _Optimizer)]
-    conts, obj_slots = _tensor_containers(roots)
+    conts, obj_slots = _tensor_containers(roots, reads)
     conts += _iterated_tables(named, reads)
     pobj_attrs = _plain_object_attrs(roots, reads)
     # modules, optimizers, containers and plain objects found in a global or a closure cell:
     # rebinding the name between calls (`opt = torch.optim.Adam(...)`, a notebook cell run
     # again) gives the function other state; the recording is bound to the old objects
-    bound = [r for r in roots if r.binding is not None and not isinstance(r.obj, torch.Tensor)]
+    bound = [r for r in roots if r.binding is not None and not isinstance(r.obj, torch.Tensor)
+             and not _unread_attribute(r.binding, reads)]
     if not mods and not opts and not conts and not obj_slots and not bound:
         return _plain_objects_env(pobj_attrs) if pobj_attrs else None
     hook_dicts, gdicts = _hook_dicts(mods, opts)
@@ -100,7 +101,8 @@ def _named_modules(roots: Sequence[Root], reads: Optional[AttrReads]) -> List[Tu
     return named
 
 
-def _tensor_containers(roots: Sequence[Root]) -> Tuple[List[Any], List[Tuple[Dict[str, Any], str, str]]]:
+def _tensor_containers(roots: Sequence[Root], reads: Optional[AttrReads] = None
+                       ) -> Tuple[List[Any], List[Tuple[Dict[str, Any], str, str]]]:
     """Closed-over lists and dicts of tensors (or modules, optimizers), and a plain object's containers of tensors (by slot).
 
     A tensor (a module) added or removed changes what the function reads (`caches.append(t)`,
@@ -110,11 +112,26 @@ def _tensor_containers(roots: Sequence[Root]) -> Tuple[List[Any], List[Tuple[Dic
         isinstance(v, (torch.Tensor, _Module, _Optimizer))
         or (isinstance(v, tuple) and any(isinstance(x, torch.Tensor) for x in v))  # (a list of transitions)
         for v in (r.obj.values() if isinstance(r.obj, dict) else r.obj))]
+    # (those the trace read: an LR scheduler's _last_lr, rebound by every sched.step() outside, is
+    # not part of the signature of a step that never reads it)
     obj_slots = [(vars(r.obj), k, f"{r.name}.{k}") for r in roots
                  if _plain_object(r.obj) and not isinstance(r.obj, (_Module, _Optimizer))
-                 for k, v in vars(r.obj).items() if type(v) in (list, dict, tuple) and any(
-                     isinstance(x, torch.Tensor) for x in (v.values() if isinstance(v, dict) else v))]
+                 for read in [reads.read(r.obj) if reads is not None else None]
+                 for k, v in vars(r.obj).items() if type(v) in (list, dict, tuple) and (read is None or k in read)
+                 and any(isinstance(x, torch.Tensor) for x in (v.values() if isinstance(v, dict) else v))]
     return conts, obj_slots
+
+
+def _unread_attribute(slot: Any, reads: Optional[AttrReads]) -> bool:
+    """Whether ``slot`` is an attribute of a tracked object that the trace did not read.
+
+    An LR scheduler's ``_last_lr`` list, rebound by every ``sched.step()`` outside a step that
+    never reads it, would make every call a new signature.
+    """
+    if reads is None or getattr(slot, "kind", None) != "attr":
+        return False
+    read = reads.read(slot.obj)
+    return read is not None and slot.key not in read
 
 
 def _iterated_tables(named: Sequence[Tuple[str, Any]], reads: Optional[AttrReads]) -> List[Any]:
