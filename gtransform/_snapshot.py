@@ -639,6 +639,14 @@ def change_error(desc: str, changes: Sequence[Change], set_at: Optional[Dict[Tup
             f"Fix: call {root}.train() / {root}.eval() outside the graphified functions, before "
             "calling them (after each validation too; each mode is then recorded once and replayed)."
         )
+    lib = next((c for c in changes if c.owner is not None and not isinstance(c.owner, _Module)
+                and (type(c.owner).__module__ or "").split(".")[0] == "transformers"), None)
+    if lib is not None:  # (a Hugging Face cache layer's token count: not the user's to change)
+        fix = (f"Fix: {type(lib.owner).__name__} is Hugging Face's own object, which counts in Python (a "
+               "sliding-window cache layer's token count): graphify cannot record it. Use "
+               "torch.compile(fn, backend=\"gtransform\") (TorchDynamo traces again where the count "
+               "matters and records the rest), a cache without that counter (StaticCache on a model "
+               "without sliding-window layers), or run this part eagerly.")
     if sched is not None:
         fix = (f"Fix: call {sched.path.rsplit('.', 1)[0]}.step() outside the graphified function, after "
                "each call: the learning rate it sets is read by the next call (a new Python-float lr "

@@ -1333,7 +1333,9 @@ class _no_seeding:
 
 _RNG_FIX = (
     "Fix: pass preserve_rng_state=False to torch.utils.checkpoint (its recompute then draws "
-    "new numbers, as the recording does), or draw the random numbers outside the graphified "
+    "new numbers, as the recording does; Hugging Face models: model.gradient_checkpointing_enable("
+    "gradient_checkpointing_kwargs={\"use_reentrant\": False, \"preserve_rng_state\": False})), "
+    "or draw the random numbers outside the graphified "
     "function and pass them in (instead of setting the generator back inside it), or call the "
     "function eagerly."
 )
