@@ -181,6 +181,7 @@ class AttrReads:
         # the function reads, see _key._environment._tensor_containers)
         torch_state = [r.obj for r in self.roots if isinstance(r.obj, _TORCH_STATE)]
         self._swapped, untracked = track_reads(self.mods + [o for _, o in self.objs] + torch_state)
+        self.tracked_ids = {id(m) for m, _, _ in self._swapped}
         self.untracked |= untracked
         self._outer = getattr(_READING, "reads", None)
         _READING.reads = self
@@ -191,6 +192,10 @@ class AttrReads:
         _READING.reads = self._outer
         untrack_reads(self._swapped)
         self._swapped = []
+
+    def tracks(self, m: Any) -> bool:
+        """Whether the attribute reads of ``m`` were recorded (its class swapped for the trace)."""
+        return id(m) in getattr(self, "tracked_ids", ())
 
     def read(self, m: Any) -> Optional[Set[str]]:
         """The attribute names read on ``m`` (None: not tracked, assume all)."""

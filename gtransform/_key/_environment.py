@@ -128,8 +128,8 @@ def _unread_attribute(slot: Any, reads: Optional[AttrReads]) -> bool:
     An LR scheduler's ``_last_lr`` list, rebound by every ``sched.step()`` outside a step that
     never reads it, would make every call a new signature.
     """
-    if reads is None or getattr(slot, "kind", None) != "attr":
-        return False
+    if reads is None or getattr(slot, "kind", None) != "attr" or not reads.tracks(slot.obj):
+        return False  # (a closure cell, a global: not tracked, its binding is watched)
     read = reads.read(slot.obj)
     return read is not None and slot.key not in read
 

@@ -307,6 +307,8 @@ def rewrite(gm: torch.fx.GraphModule, device: str = "cuda", launches: Optional[L
         with graph.inserting_before(first):
             new = graph.call_function(op, (a, [g[2] for g in group], [g[3] for g in group]))
             new.meta["val"] = [val(g[0]) for g in group]
+            if "gt_calls" in first.meta:  # (the call it is part of: see _regions)
+                new.meta["gt_calls"] = first.meta["gt_calls"]
             for i, (node, _a, _w, _b) in enumerate(group):
                 item = graph.call_function(operator.getitem, (new, i))
                 item.meta.update(node.meta)

@@ -46,6 +46,11 @@ def outline(gm: torch.fx.GraphModule, inputs: Sequence[Any]) -> int:
     nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
     if not any("gt_calls" in n.meta for n in nodes):
         return 0
+    for n in nodes:  # (an op a rewrite made, gtransform's GEMV of q, k and v: its users' call)
+        if "gt_calls" not in n.meta:
+            marked = next((u.meta["gt_calls"] for u in n.users if "gt_calls" in u.meta), None)
+            if marked is not None:
+                n.meta["gt_calls"] = marked
     for p, v in zip((n for n in gm.graph.nodes if n.op == "placeholder"), inputs):
         if "val" not in p.meta and isinstance(v, torch.Tensor):
             p.meta["val"] = v
@@ -130,19 +135,36 @@ def _pure(n: torch.fx.Node) -> bool:
     if t is operator.getitem:
         return True
     schema = getattr(t, "_schema", None)  # (an OpOverload's)
-    if schema is None or schema.is_mutable or torch.Tag.nondeterministic_seeded in getattr(t, "tags", ()):
+    if schema is None or schema.is_mutable:
+        return False
+    if torch.Tag.nondeterministic_seeded in getattr(t, "tags", ()) and not _no_dropout(n, schema):
         return False
     return isinstance(n.meta.get("val"), torch.Tensor) or _tensors(n.meta.get("val"))
 
 
+def _no_dropout(n: torch.fx.Node, schema: Any) -> bool:
+    """A seeded op that draws nothing here: attention with ``dropout_p=0`` (a model in eval)."""
+    for i, a in enumerate(schema.arguments):
+        if a.name == "dropout_p":
+            v = n.kwargs.get("dropout_p", n.args[i] if i < len(n.args) else a.default_value)
+            return isinstance(v, (int, float)) and v == 0
+    return False
+
+
 def _view(n: torch.fx.Node) -> bool:
+    """Whether ``n``'s value aliases its inputs (a view op, or an item of one: ``split``'s pieces)."""
     t = n.target
+    if t is operator.getitem:
+        src = n.args[0]
+        return not isinstance(src, torch.fx.Node) or src.op != "call_function" or _view(src)
     schema = getattr(t, "_schema", None)
-    return t is operator.getitem or (schema is not None and any(r.alias_info is not None for r in schema.returns))
+    return schema is not None and any(r.alias_info is not None for r in schema.returns)
 
 
 def _tensors(v: Any) -> bool:
-    return isinstance(v, (tuple, list)) and bool(v) and all(isinstance(x, torch.Tensor) for x in v)
+    """A multi-output op's value: tensors, and the sizes and Nones attention kernels return beside them."""
+    return isinstance(v, (tuple, list)) and any(isinstance(x, torch.Tensor) for x in v) and all(
+        isinstance(x, (torch.Tensor, int, torch.SymInt)) or x is None for x in v)
 
 
 def _cut(members: List[torch.fx.Node]) -> Optional[Tuple[List[torch.fx.Node], List[torch.fx.Node]]]:
