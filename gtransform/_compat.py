@@ -102,7 +102,7 @@ __all__ = [
     "DisableTorchFunctionSubclass", "VariableFunctions", "storage_use_count", "tensor_use_count", "increment_version",
     "unsafe_set_version_counter", "foreach_copy_", "neg_view",
     # global state a signature depends on
-    "get_deterministic_algorithms", "is_any_autocast_enabled", "autocast_off", "sdpa_flags", "SDP_FLAG_NAMES", "TensorGuards",
+    "get_deterministic_algorithms", "is_any_autocast_enabled", "autocast_off", "sdpa_flags", "SDP_FLAG_NAMES", "written_arguments", "TensorGuards",
     # dispatch modes and fake tensors
     "TorchDispatchMode", "disable_current_modes", "disable_proxy_modes_tracing", "get_current_dispatch_mode_stack", "len_torch_dispatch_stack",
     "FakeTensor", "FakeTensorMode", "DataDependentOutputException", "DynamicOutputShapeException",
@@ -292,6 +292,26 @@ def sdpa_flags() -> Tuple[bool, ...]:
     Checked: 2.11 (GPU image; run by the GPU suite), 2.13.0, 2.14.1.
     """
     return tuple(f() for f in _SDP_FLAGS)
+
+
+_WRITTEN: Dict[Any, Tuple[int, ...]] = {}
+
+
+def written_arguments(func: Any) -> Tuple[int, ...]:
+    """The positions of the arguments an aten op writes in place (cached per op).
+
+    Those its schema marks ``(a!)``; and the first argument of c10d's in-place collectives
+    (``c10d::allreduce_(Tensor[] tensors, ...)``, ``broadcast_``, ``_allgather_base_``...),
+    whose schemas mark no write. Checked: 2.11 (GPU image; run by the GPU suite), 2.13.0, 2.14.1.
+    """
+    out = _WRITTEN.get(func)
+    if out is None:
+        schema = func._schema
+        out = tuple(i for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write)
+        if not out and getattr(func, "namespace", "") == "c10d" and schema.name.endswith("_"):
+            out = (0,)
+        _WRITTEN[func] = out
+    return out
 
 
 def autocast_off() -> Any:

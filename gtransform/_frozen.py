@@ -40,7 +40,7 @@ from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Set, Tuple
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from ._compat import FakeTensor, tensor_version
+from ._compat import FakeTensor, tensor_version, written_arguments
 from ._compat import disable_current_modes as _disable_current_modes
 from ._errors import is_library_file
 
@@ -148,10 +148,11 @@ class Frozen:
 
     def note(self, func: Any, args: Sequence[Any], kwargs: Dict[str, Any], out: Any, seeded: bool) -> None:
         """After an op: the storages it wrote, and the source of each new output."""
-        if func._schema.is_mutable:
-            for i, a in enumerate(func._schema.arguments):
-                if a.alias_info is None or not a.alias_info.is_write:
-                    continue
+        written_args = written_arguments(func)
+        if written_args:
+            schema_args = func._schema.arguments
+            for i in written_args:
+                a = schema_args[i]
                 v = args[i] if (i < len(args) and not a.kwarg_only) else kwargs.get(a.name)
                 for t in _tensors(v):
                     key = StorageWeakRef(t.untyped_storage())

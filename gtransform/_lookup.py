@@ -439,6 +439,7 @@ def new_entry(g: Any, ck: CallKey, call: Call, plan: Any, cuda: bool) -> Entry:
         raise _after_backward(g._desc, plan)
     if e.any_rg:
         _refuse_stored_grad_tensors(g._desc, plan)
+        _refuse_c10d_collectives(g._desc, plan)
         g._storm.differentiated = True  # (its warning names the cost and the fix, see _storm)
     # a module without tensors (nn.LeakyReLU) has attributes and a training flag too; so does
     # one the function called without the roots leading to it (AttrReads.called)
@@ -458,6 +459,28 @@ def _after_backward(desc: str, plan: Any) -> GraphifyError:
         "Fix: return it .detach()ed if no gradient is needed (a prediction for logging), or compute it "
         "outside the graphified step."
     )
+
+
+def _refuse_c10d_collectives(desc: str, plan: Any) -> None:
+    """Refuse a differentiated call whose graph holds c10d's in-place collectives (``dist.all_reduce``).
+
+    The autograd wrapper re-traces and runs the function's graph in halves, which c10d's
+    process-group arguments and in-place results do not survive (a replay read a result the
+    collective was still writing: outputs and gradients raced).
+    """
+    ops = sorted({str(n.target) for n in plan.gm.graph.nodes
+                  if n.op == "call_function" and getattr(n.target, "namespace", None) == "c10d"})
+    if ops:
+        raise GraphifyError(
+            f"{desc}: the call is differentiated (an input or parameter requires grad) and the function "
+            f"runs torch.distributed's in-place collectives ({', '.join(ops[:3])}).\n"
+            "Why: a differentiated call runs through gtransform's autograd wrapper, which cannot carry "
+            "c10d's in-place collectives into its forward and backward recordings.\n"
+            "Fix: use the functional collectives, which are differentiable "
+            "(torch.distributed.nn.functional.all_reduce(x), or torch.distributed._functional_collectives"
+            ".all_reduce(x, 'sum', group)), graphify the whole training step (backward inside), or make "
+            "the collective under torch.no_grad() in a call that is not differentiated."
+        )
 
 
 def _refuse_stored_grad_tensors(desc: str, plan: Any) -> None:

@@ -675,6 +675,33 @@ def _no_traced_constants(gm: torch.fx.GraphModule, is_ours: Callable[[Any], bool
 
 
 
+def _no_ddp_forward(desc: str, reads: Any, fnwatch: Any) -> None:
+    """Refuse a differentiable call of ``DistributedDataParallel``'s forward whose backward runs outside.
+
+    DDP arms its gradient all-reduce in Python, in its forward (``reducer.prepare_for_backward``),
+    which a replay does not run: the ranks' gradients would not be reduced, and their
+    parameters would drift apart silently.
+    """
+    if not torch.is_grad_enabled() or fnwatch.backward_calls:
+        return
+    ddp_type = getattr(getattr(torch.nn, "parallel", None), "DistributedDataParallel", None)
+    if ddp_type is None:
+        return
+    mods = list(getattr(reads, "mods", ())) + list(getattr(reads, "called", ()))
+    ddp = next((m for m in mods if isinstance(m, ddp_type) and getattr(m, "require_backward_grad_sync", True)
+                and any(p.requires_grad for p in m.parameters())), None)
+    if ddp is not None:
+        raise GraphifyError(
+            f"{desc}: the function calls DistributedDataParallel's forward, and its backward runs outside "
+            "the function.\nWhy: DDP arms its gradient all-reduce in Python during its forward "
+            "(reducer.prepare_for_backward); a replay runs none of it, so the ranks' gradients would not "
+            "be averaged and their parameters would drift apart.\n"
+            "Fix: torch.compile(ddp, backend=\"gtransform\") (TorchDynamo keeps DDP's hooks and records the "
+            "rest), graphify the wrapped module (ddp.module) and all-reduce the gradients yourself, or "
+            "call it under torch.no_grad() for inference."
+        )
+
+
 def _no_dynamic_cache(desc: str, roots: Sequence[Root], scan: ScanResult) -> None:
     """Refuse a trace that grew a Hugging Face ``DynamicCache`` the function reaches.
 
@@ -1077,6 +1104,7 @@ class _Tracing:
                 "steps with numpy: set config.mask_time_prob = config.mask_feature_prob = 0 (or "
                 "apply_spec_augment=False) while graphified."
             )
+        _no_ddp_forward(desc, self.reads, fnwatch)
         _no_dynamic_cache(desc, self.roots, scan)
         if scan.appended:
             made = next((x for x in scan.sites if x), "")

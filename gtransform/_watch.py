@@ -52,6 +52,7 @@ from ._compat import aten_linalg_check_errors as _CHECK_ERRORS
 from ._compat import aten_local_scalar_dense as _LOCAL_SCALAR
 from ._compat import disable_current_modes as _disable_current_modes
 from ._compat import get_current_dispatch_mode_stack as _get_current_dispatch_mode_stack
+from ._compat import written_arguments as _written_arguments
 from ._errors import _PKG_DIR, GraphifyError, PrintWarning, format_frame, is_library_file, user_frame
 from ._frozen import NO_VALUE, Frozen
 from ._patches import Route, add_shared, tracing
@@ -333,7 +334,7 @@ class _Watch(TorchDispatchMode):
                     idx = self.inputs.get(StorageWeakRef(t.untyped_storage()))
                     if idx is not None:
                         self._mark_written(t, idx)
-        written = self._input_writes(func, args, kwargs) if func._schema.is_mutable else []
+        written = self._input_writes(func, args, kwargs) if _written_arguments(func) else []
         seeded = _SEEDED is not None and _SEEDED in func.tags and not _no_dropout(func, args, kwargs)
         if seeded:
             self.random = True
@@ -396,10 +397,9 @@ class _Watch(TorchDispatchMode):
     def _input_writes(self, func: Any, args: Sequence[Any], kwargs: Dict[str, Any]) -> List[Tuple[torch.Tensor, int, Any]]:
         """The inputs and state an in-place op writes (marked written), refusing what a replay cannot do."""
         written: List[Tuple[torch.Tensor, int, Any]] = []
-        for i, a in enumerate(func._schema.arguments):
-            ai = a.alias_info
-            if ai is None or not ai.is_write:
-                continue
+        schema_args = func._schema.arguments
+        for i in _written_arguments(func):
+            a = schema_args[i]
             v = args[i] if (i < len(args) and not a.kwarg_only) else kwargs.get(a.name)
             for t in _tensors_in(v):
                 idx = self.inputs.get(StorageWeakRef(t.untyped_storage()))

@@ -219,7 +219,78 @@ def case_disagree(device: str, rank: int) -> Dict[str, Any]:
         return {"error": type(e).__name__, "message": str(e), "seconds": time.monotonic() - t0}
 
 
+def case_arg_written(device: str, rank: int) -> Dict[str, Any]:
+    """dist.all_reduce into an argument: the caller's tensor holds the sum after every call, as in eager."""
+    import torch.distributed as dist
+
+    import gtransform as gt
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(x)
+        return x * 1
+
+    f = gt.graphify(fn)
+    err = 0.0
+    for s in range(STEPS):
+        x = _rank_data(s, rank, device)
+        out = f(x)
+        want = sum(_rank_data(s, r, device) for r in range(WS))
+        err = max(err, float((out - want).abs().max()), float((x - want).abs().max()))
+    return {"err": err, "hits": f.cache_info().hits}
+
+
+def _refused(fn: Any) -> Dict[str, Any]:
+    try:
+        fn()
+        return {"error": None}
+    except Exception as e:
+        return {"error": type(e).__name__, "message": str(e)}
+
+
+def case_refused_c10d_differentiated(device: str, rank: int) -> Dict[str, Any]:
+    """A row-parallel layer with dist.all_reduce, differentiated outside: refused (it raced)."""
+    import torch.distributed as dist
+
+    import gtransform as gt
+
+    w = torch.randn(6, 3, dtype=torch.float64, device=device, requires_grad=True)
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        y = x @ w
+        dist.all_reduce(y)
+        return torch.tanh(y)
+
+    f = gt.graphify(fn)
+
+    def calls() -> None:
+        for s in range(3):
+            f(_rank_data(s, rank, device).reshape(-1, 6)).sum().backward()
+
+    return _refused(calls)
+
+
+def case_refused_ddp_forward(device: str, rank: int) -> Dict[str, Any]:
+    """DDP's forward graphified with the backward outside: refused (gradients were not reduced)."""
+    import gtransform as gt
+
+    torch.manual_seed(0)
+    ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(6, 2).double().to(device))
+    f = gt.graphify(lambda x: ddp(x))
+
+    def calls() -> None:
+        for s in range(4):
+            f(_rank_data(s, rank, device).reshape(-1, 6)).sum().backward()
+
+    return _refused(calls)
+
+
 def _run_case(name: str, device: str, rank: int) -> Dict[str, Any]:
+    if name == "arg_written":
+        return case_arg_written(device, rank)
+    if name == "refused_c10d_differentiated":
+        return case_refused_c10d_differentiated(device, rank)
+    if name == "refused_ddp_forward":
+        return case_refused_ddp_forward(device, rank)
     if name == "ddp_funcol":
         return case_ddp("funcol", device, rank)
     if name == "ddp_c10d":
@@ -241,9 +312,10 @@ def _run_case(name: str, device: str, rank: int) -> Dict[str, Any]:
 
 CPU_CASES = [
     "ddp_funcol", "ddp_c10d", "grad_allgather", "inplace_all_reduce", "inplace_all_gather_into_tensor",
-    "inplace_reduce_scatter_tensor", "inplace_broadcast", "disagree",
+    "inplace_reduce_scatter_tensor", "inplace_broadcast", "arg_written", "disagree",
+    "refused_c10d_differentiated", "refused_ddp_forward",
 ]
-EQUALITY_CASES = CPU_CASES[:-1]
+EQUALITY_CASES = CPU_CASES[:-3]
 
 
 # -- the worker process (CPU / gloo) --------------------------------------------------
@@ -342,6 +414,19 @@ def test_gloo_matches_single_process_eager(gloo_results: List[Dict[str, Any]], c
         assert r["err"] < 1e-9, f"rank {rank}: {case} differs from eager by {r['err']}"
         if "hits" in r:
             assert r["hits"] >= STEPS - 2, f"rank {rank}: {case} did not replay: {r}"
+
+
+@pytest.mark.parametrize("case, fix", [
+    ("refused_c10d_differentiated", r"differentiated.*in-place collectives.*Fix: use the functional collectives"),
+    ("refused_ddp_forward", r"DistributedDataParallel's forward.*backend=\"gtransform\""),
+])
+def test_gloo_what_a_replay_would_get_wrong_is_refused_with_the_fix(
+        gloo_results: List[Dict[str, Any]], case: str, fix: str) -> None:
+    import re
+
+    for rank, res in enumerate(gloo_results):
+        r = res[case]
+        assert r.get("error") == "GraphifyError" and re.search("(?s)" + fix, r["message"]), f"rank {rank}: {r}"
 
 
 def test_gloo_clean_shutdown(gloo_results: List[Dict[str, Any]]) -> None:
