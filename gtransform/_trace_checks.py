@@ -17,8 +17,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from ._compat import FakeTensor
 from ._errors import GraphifyError
-from ._symbolic import hint
 from ._tree import unflatten
+from ._watch import storage_extent
 
 __all__ = ["arg_containers", "arg_containers_kept", "no_ddp_forward", "made_after_backward", "output_views"]
 
@@ -158,21 +158,14 @@ def output_views(vals: Sequence[torch.Tensor], entries: Sequence[Any]) -> List[T
     for members in groups.values():
         if len(members) < 2:
             continue
-        i, base = max(members, key=lambda m: (_reach(m[1])[1] - _reach(m[1])[0], -m[0]))
-        lo, hi = _reach(base)
+        ext = {j: storage_extent(v) for j, v in members}
+        i, base = max(members, key=lambda m: (ext[m[0]][1] - ext[m[0]][0], -m[0]))
+        lo, hi = ext[i]
         for j, w in members:
             if j == i:
                 continue
             if w is base:
                 out.append((j, i, True))
-            elif w.dtype == base.dtype and lo <= _reach(w)[0] and _reach(w)[1] <= hi:
+            elif w.dtype == base.dtype and lo <= ext[j][0] and ext[j][1] <= hi:
                 out.append((j, i, False))
     return out
-
-
-def _reach(t: torch.Tensor) -> Tuple[int, int]:
-    """The element range of its storage a tensor can reach: [first, last + 1) (this call's sizes: no guard)."""
-    start = hint(t.storage_offset())
-    if any(hint(s) == 0 for s in t.shape):
-        return start, start
-    return start, start + 1 + sum((hint(s) - 1) * abs(hint(st)) for s, st in zip(t.shape, t.stride()))

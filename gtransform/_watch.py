@@ -57,8 +57,9 @@ from ._errors import _PKG_DIR, GraphifyError, PrintWarning, format_frame, is_lib
 from ._frozen import NO_VALUE, Frozen
 from ._patches import Route, add_shared, tracing
 from ._state import StateIndex
+from ._symbolic import hint
 
-__all__ = ["FOR_GRAD", "TENSOR_ATTR"]
+__all__ = ["FOR_GRAD", "TENSOR_ATTR", "storage_extent"]
 
 # set while a signature is looked up for torch.func.grad/vjp of a graphified
 # function: its inputs are differentiated although the traced stand-ins are not
@@ -119,12 +120,16 @@ def _site() -> str:
     return synthetic
 
 
-def _extent(t: torch.Tensor) -> Tuple[int, int]:
-    """The bytes of its storage a tensor can reach: [first, last + 1)."""
-    start = int(t.storage_offset()) * t.element_size()
-    if t.numel() == 0:
+def storage_extent(t: torch.Tensor) -> Tuple[int, int]:
+    """The bytes of its storage a tensor can reach: [first, last + 1).
+
+    A symbolic trace's sizes are read as this call's (``hint``: no guard is made).
+    """
+    start = hint(t.storage_offset()) * t.element_size()
+    shape = [hint(n) for n in t.shape]
+    if 0 in shape:
         return start, start
-    reach = sum((int(n) - 1) * abs(int(st)) for n, st in zip(t.shape, t.stride()))
+    reach = sum((n - 1) * abs(hint(st)) for n, st in zip(shape, t.stride()))
     return start, start + (reach + 1) * t.element_size()
 
 
@@ -263,10 +268,10 @@ class _Watch(TorchDispatchMode):
         if shared is None or len(shared) < 2:
             self.mutated.add(idx)
             return
-        lo, hi = _extent(t)
+        lo, hi = storage_extent(t)
         hit = []
         for j in shared:
-            jlo, jhi = _extent(self.state_fakes[j - self.n_in])
+            jlo, jhi = storage_extent(self.state_fakes[j - self.n_in])
             if jlo < hi and lo < jhi:
                 hit.append(j)
         self.mutated.update(hit or (idx,))

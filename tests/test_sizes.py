@@ -537,29 +537,26 @@ def test_a_refusal_of_a_padded_call_is_not_taken_for_an_unpadded_argument(device
     assert "reads a tensor's value" in str(info.value) and "not padded" not in str(info.value)
 
 
-def test_pad_naming_self_of_a_method_is_refused_with_the_fix():
+def _module_with_graphified_forward(pad):
     class M(torch.nn.Module):
         def __init__(self):
             super().__init__()
             self.lin = torch.nn.Linear(3, 2)
 
-        @gt.graphify(buckets=(4, 8), pad=0)
+        @gt.graphify(buckets=(4, 8), pad=pad)
         def forward(self, x):
             return self.lin(x)
 
+    return M
+
+
+def test_pad_naming_self_of_a_method_is_refused_with_the_fix():
+    M = _module_with_graphified_forward(pad=0)
     with pytest.raises(ValueError, match=r"pad= names args\[0\], which is the module itself.*Fix: name the batched"):
         with torch.no_grad():
             M()(torch.randn(3, 3))
 
-    class N(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = torch.nn.Linear(3, 2)
-
-        @gt.graphify(buckets=(4, 8), pad=1)
-        def forward(self, x):
-            return self.lin(x)
-
+    N = _module_with_graphified_forward(pad=1)  # (self counted: the input is argument 1)
     n = N()
     with torch.no_grad():
         for b in (3, 2, 3, 4, 1):

@@ -131,6 +131,12 @@ def _calls_at(nodes: Sequence[torch.fx.Node], depth: int) -> List[List[torch.fx.
 
 
 def _pure(n: torch.fx.Node) -> bool:
+    """Whether a call may hold ``n``: it writes nothing, draws nothing, gives tensors.
+
+    Not ``_rewrite._pure`` (the dead-op pass's): that one takes data-dependent ops and aten/prims
+    only; a subgraph may hold gtransform's own kernels and attention without dropout, and its
+    values must be tensors (they cross the subgraph's boundary).
+    """
     t = n.target
     if t is operator.getitem:
         return True
