@@ -23,11 +23,9 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 import torch
 
 from ._compat import LR_SCHEDULER_LEGACY_BASE
-from ._compat import get_unwrapped as _get_unwrapped
-from ._compat import is_functorch_wrapped_tensor as _is_wrapped
 from ._errors import GraphifyError, is_library_file
 
-__all__ = ["Root", "Slot", "find_roots", "root_modules", "named_values", "functorch_base", "leaf_grad"]
+__all__ = ["Root", "Slot", "find_roots", "root_modules", "named_values"]
 
 _Module = torch.nn.Module
 _Optimizer = torch.optim.Optimizer
@@ -185,27 +183,6 @@ def _plain_object(v: Any) -> bool:
         return True
     mod = type(v).__module__ or ""
     return not (mod.startswith("torch") or mod.startswith("gtransform") or mod == "builtins")
-
-
-def functorch_base(t: torch.Tensor) -> torch.Tensor:
-    """The tensor under torch.func's wrappers (``t`` itself when it has none).
-
-    Under ``torch.func.grad``, ``functional_call(model, params, ...)`` puts the
-    transform's wrappers of ``params`` in the module's slots, while a trace (run
-    outside the transform's levels) reaches the tensors under them.
-    """
-    if _is_wrapped is not None:
-        while _is_wrapped(t):
-            t = _get_unwrapped(t)
-    return t
-
-
-def leaf_grad(t: torch.Tensor) -> Any:
-    """``t.grad`` where torch keeps one (a leaf, or ``retains_grad``), else None.
-
-    A non-leaf tensor's ``.grad`` is not read: reading it warns.
-    """
-    return t.grad if t.is_leaf or t.retains_grad else None
 
 
 # How deep find_roots follows containers and plain objects: a trainer's
@@ -442,10 +419,6 @@ def named_values(fn: Any) -> List[Tuple[str, Any, str, Any]]:
 
     walk(fn, 0)
     return out
-
-
-def _opt_params(opt: _Optimizer) -> List[torch.Tensor]:
-    return [p for g in opt.param_groups for p in g["params"]]
 
 
 # -- the environment part of the signature ------------------------------------------------

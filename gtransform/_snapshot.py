@@ -21,7 +21,8 @@ import torch
 
 from ._errors import GraphifyError, is_library_file
 from ._host_effects import _COUNTS
-from ._roots import _NUMBERS, _SCHEDULERS, _SEQUENCES, Root, Slot, _Module, _Optimizer, leaf_grad, root_modules
+from ._roots import _NUMBERS, _SCHEDULERS, _SEQUENCES, Root, Slot, _Module, _Optimizer, root_modules
+from ._state import leaf_grad
 
 __all__ = ["Change", "HookChange", "BindingChange", "ScanResult", "Snapshot", "contains", "change_error"]
 

@@ -36,6 +36,8 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
+from ._compat import get_unwrapped as _get_unwrapped
+from ._compat import is_functorch_wrapped_tensor as _is_wrapped
 from ._errors import GraphifyError
 from ._patches import READING as _READING
 from ._patches import track_reads, untrack_reads, watch_module_calls
@@ -46,15 +48,37 @@ from ._roots import (
     Root,
     Slot,
     _Module,
-    _opt_params,
     _Optimizer,
-    functorch_base,
-    leaf_grad,
     plain_object_roots,
     root_modules,
 )
 
-__all__ = ["StateIndex", "EscapeWriter", "AttrReads", "GradHooks"]
+__all__ = ["StateIndex", "EscapeWriter", "AttrReads", "GradHooks", "functorch_base", "leaf_grad"]
+
+
+def functorch_base(t: torch.Tensor) -> torch.Tensor:
+    """The tensor under torch.func's wrappers (``t`` itself when it has none).
+
+    Under ``torch.func.grad``, ``functional_call(model, params, ...)`` puts the
+    transform's wrappers of ``params`` in the module's slots, while a trace (run
+    outside the transform's levels) reaches the tensors under them.
+    """
+    if _is_wrapped is not None:
+        while _is_wrapped(t):
+            t = _get_unwrapped(t)
+    return t
+
+
+def leaf_grad(t: torch.Tensor) -> Any:
+    """``t.grad`` where torch keeps one (a leaf, or ``retains_grad``), else None.
+
+    A non-leaf tensor's ``.grad`` is not read: reading it warns.
+    """
+    return t.grad if t.is_leaf or t.retains_grad else None
+
+
+def _opt_params(opt: _Optimizer) -> List[torch.Tensor]:
+    return [p for g in opt.param_groups for p in g["params"]]
 
 
 # -- where each state tensor lives --------------------------------------------------------

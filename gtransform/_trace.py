@@ -59,9 +59,9 @@ from ._rewrite import (
     _name_default_dtypes,
     _reshape_computed_views,
 )
-from ._roots import Root, Slot, leaf_grad, named_values
+from ._roots import Root, Slot, named_values
 from ._snapshot import ScanResult, Snapshot, contains
-from ._state import AttrReads, StateIndex, dynamic_cache_error, escape_error, is_dynamic_cache, stored_error
+from ._state import AttrReads, StateIndex, dynamic_cache_error, escape_error, is_dynamic_cache, leaf_grad, stored_error
 from ._symbolic import (
     Layouts,
     SymbolicLeak,

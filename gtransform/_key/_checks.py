@@ -511,7 +511,7 @@ def build_match(e: Any) -> Callable[..., Optional[List[torch.Tensor]]]:
 
     It returns the call's state tensors where the call replays ``e``, else None.
     """
-    from .._roots import functorch_base
+    from .._state import functorch_base
     from .._tree import unflatten
 
     gen = Gen()

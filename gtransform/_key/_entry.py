@@ -14,7 +14,7 @@ from typing import Any, Dict, Hashable, List, Optional, Sequence, Set, Tuple
 import torch
 
 from .._record import Recording
-from .._roots import functorch_base
+from .._state import functorch_base
 from .._trace import Plan
 from .._tree import static_leaf_key
 from .._watch import FOR_GRAD
