@@ -29,7 +29,7 @@ import torch
 from . import _handed, _record
 from ._bind import split
 from ._compat import cuda_graph_replay as _GRAPH_REPLAY  # (None: CPU builds)
-from ._compat import neg_view
+from ._compat import increment_version, neg_view
 from ._key._checks import Names, check_lines, namespace
 from ._key._codegen import FAIL, Gen, gen_flatten
 from ._liveness import StaleOutput
@@ -169,6 +169,8 @@ def _replay_lines(g: Gen, rec: Any, tens: List[str]) -> List[str]:
     else:
         call.append("REPLAY()")
     call.append("REC.replays += 1")
+    if rec.bump_idx:  # see Recording.bump_idx
+        call.append(f"_bump([{', '.join(tens[i] for i in rec.bump_idx)}])")
     if rec.special:
         tl = "[" + ", ".join(tens) + "]"
         if rec.cb_idx:
@@ -268,6 +270,7 @@ def _names(owner: Any, entry: Any, rec: Any, pool: Any) -> Dict[str, Any]:
         "_copy": rec.copier,
         "_cbcopy": rec.cb_copier,
         "_neg_view": neg_view,
+        "_bump": increment_version,
         "_flatten": flatten,
         "_unflatten": optree.tree_unflatten,
         "ESC": rec.escapes,

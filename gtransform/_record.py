@@ -32,6 +32,7 @@ from ._compat import (
     release_pool,
     route_to_pool,
 )
+from ._compat import increment_version as _increment_version
 from ._compat import storage_use_count as _use_count
 from ._errors import GraphifyError, RerecordWarning
 from ._liveness import Handout, OutputGroup, Pin, PoolState, StaleOutput, live_pins, take_back
@@ -153,6 +154,7 @@ class Recording:
     """
 
     backend = "cpu"
+    BUMPS = False  # whether a replay must bump the versions of the inputs it writes in place (see bump_idx)
 
     def __init__(self, plan: Plan, tensors: Sequence[torch.Tensor], static_idx: Sequence[int], pool: PoolState, desc: str,
                  fuse: bool = False, donate: Any = (), reuse: Any = None):
@@ -187,6 +189,10 @@ class Recording:
         for i, b in zip(self.copy_idx, full):
             args[i] = b
         self.gm_args = args
+        # inputs read in place that the graph writes: a CUDA replay moves no version counter, so
+        # the call bumps theirs, as eager's in-place ops would (autograd's check of saved tensors,
+        # another function's frozen reads of them); the CPU replay runs the ops themselves
+        self.bump_idx = tuple(i for i in st if i in plan.mutated) if self.BUMPS else ()
         cb = [(i, b) for i, b in zip(self.copy_idx, full) if i in plan.mutated]
         self.cb_idx = tuple(i for i, _ in cb)
         self.cb_bufs = [b for _, b in cb]
@@ -423,6 +429,8 @@ class Recording:
             esc.before_replay()
         self._replay()
         self.replays += 1
+        if self.bump_idx:
+            _increment_version([tensors[i] for i in self.bump_idx])
         if self._pending_adopt is not None:
             self._adopt_now()
         if special:
@@ -591,6 +599,7 @@ class CUDARecording(Recording):
     """Captures the traced graph into a CUDA graph in the function's pool."""
 
     backend = "cuda"
+    BUMPS = True
 
     def __init__(self, plan: Plan, tensors: Sequence[torch.Tensor], static_idx: Sequence[int], pool: PoolState, desc: str,
                  fuse: bool = False, donate: Any = (), reuse: Any = None):

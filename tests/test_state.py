@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import copy
 import dataclasses
 import functools
 import gc
@@ -2765,3 +2766,77 @@ def test_grad_scaler_step_outside_replays_and_inside_names_the_fix():
                                                r"scaler.update\(\) outside"):
         for x in xs:
             g(x)
+
+
+# -- a replay's in-place writes move version counters, as eager's ops do ---------------------------
+
+
+def test_a_replay_moves_the_version_of_state_it_writes_so_another_functions_frozen_read_sees_it(device):
+    """One function advances a counter in place, another reads it on the host (a frozen read,
+    guarded by the counter's version): a CUDA replay runs no op that would bump the version, so
+    the call bumps it, or the reader would keep the first value it froze."""
+    cnt = torch.zeros((), device=device)
+    step = gt.graphify(lambda x: (cnt.add_(1), x * 2)[1])
+    read = gt.graphify(lambda x: x * cnt.item())
+    x = torch.ones(3, device=device)
+    for i in range(1, 6):
+        v = cnt._version
+        step(x)
+        assert cnt._version > v, f"call {i}: the write left the version at {v}"
+        assert_close(read(x), x * i)
+
+
+def test_a_replay_moves_the_version_of_an_argument_it_writes_in_place(device):
+    ptr = torch.zeros((), dtype=torch.long, device=device)
+    buf = torch.arange(10.0, device=device)
+    advance = gt.graphify(lambda p: p.add_(1))
+    at = gt.graphify(lambda b: b[ptr.item()] * 1)
+    for i in range(1, 5):
+        v = ptr._version
+        advance(ptr)
+        assert ptr._version > v
+        assert float(at(buf)) == float(i)
+
+
+def test_autograd_sees_a_saved_tensor_written_by_a_replay(device):
+    """Eager raises when a tensor saved for backward was written in place since; so must a
+    graphified write of it (a replay that bumped no version would let backward run on new values)."""
+    state = torch.ones(3, device=device)
+    scale = gt.graphify(lambda: state.mul_(2))
+    scale()
+    scale()  # (recorded: the first call of a function that touches state runs eagerly)
+    w = torch.ones(3, device=device, requires_grad=True)
+    y = (w * state).sum()
+    scale()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward()
+
+
+def test_a_graphified_training_step_and_a_graphified_pruned_inference_match_eager(device):
+    """The inference freezes a mask of the weights (a read under no_grad): each optimizer step the
+    training graph replays must trace it again, as eager recomputes it."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(8, 4).to(device)
+    ref = copy.deepcopy(lin)
+    opt = torch.optim.SGD(lin.parameters(), lr=0.5)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+
+    def train(m, o, x, y):
+        o.zero_grad()
+        loss = ((m(x) - y) ** 2).mean()
+        loss.backward()
+        o.step()
+        return loss
+
+    def pruned(m, x):
+        with torch.no_grad():
+            keep = m.weight.abs().sum(0) > 1.2
+            return x[:, keep] @ m.weight[:, keep].t()
+
+    step = gt.graphify(lambda x, y: train(lin, opt, x, y))
+    infer = gt.graphify(lambda x: pruned(lin, x))
+    for i in range(6):
+        x, y = torch.randn(16, 8, device=device), torch.randn(16, 4, device=device) * 4
+        assert_close(step(x, y), train(ref, ref_opt, x, y))
+        with torch.no_grad():  # (inference: a read of the weights is frozen, see docs/host-reads.md)
+            assert_close(infer(x), pruned(ref, x))
