@@ -218,7 +218,10 @@ class Recording:
         self._pending_adopt: Optional[Recording] = None
         self.moved_once: set = set()  # state inputs that moved once (see Graphified._kept)
         # tensors left in Python state (p.grad...): written back after each replay
-        self.escapes: Optional[EscapeWriter] = EscapeWriter(plan.escape_slots, desc) if plan.escape_slots else None
+        self.escapes: Optional[EscapeWriter] = None
+        if plan.escape_slots:
+            self.escapes = EscapeWriter(plan.escape_slots, desc,
+                                        handed=[k for k, r in enumerate(plan.escape_returned) if r is not None])
         self.last_outs: Sequence[torch.Tensor] = ()
         # .grad the function sets to None and does not make again (see Plan.grad_cleared)
         self.grad_cleared: List[torch.Tensor] = list(plan.grad_cleared)
@@ -512,12 +515,18 @@ class Recording:
         self.cb_copier(list(targets), self.cb_bufs)
 
     def escape_values(self, tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
-        """The tensors to write back into Python state after this replay."""
+        """The tensors to write back into Python state after this replay.
+
+        A graph output the function both leaves in state and returns (``self.last = h; return h``,
+        ``return p.grad`` after ``backward()``) is one tensor in eager: the slot gets the object
+        handed out (see EscapeWriter.handed), whose staleness the pool's handout governs.
+        """
         outs = self.last_outs
+        plan = self.plan
         res = []
-        for e in self.plan.escape_entries:
+        for e, r in zip(plan.escape_entries, plan.escape_returned):
             if e.kind == "pool":
-                res.append(outs[e.index])
+                res.append(outs[e.index] if r is None else self.handout.objs[self.slots[plan.out_entries[r].index]])
             else:
                 t = tensors[e.index]
                 if e.identical:

@@ -317,12 +317,15 @@ class EscapeWriter:
     same memory.
     """
 
-    def __init__(self, slots: Sequence[Slot], desc: str):
+    def __init__(self, slots: Sequence[Slot], desc: str, handed: Sequence[int] = ()):
         self.slots = list(slots)
         self.desc = desc
         self.last: List[Any] = [None] * len(self.slots)
         self.ptrs: List[int] = [0] * len(self.slots)
         self.reuse = False  # True where replays write the same memory again (CUDA)
+        # slots given the very object the call returns (Recording.escape_values): the output
+        # rule's handout poisons it when the next call overwrites it, not this writer
+        self.handed = frozenset(handed)
 
     def before_replay(self) -> None:
         """Poison objects of the last call that the caller still holds elsewhere."""
@@ -333,7 +336,7 @@ class EscapeWriter:
         last = self.last
         for i in range(len(last)):
             obj = last[i]
-            if obj is None:
+            if obj is None or i in self.handed:
                 continue
             slot = self.slots[i]
             # the list, this local, getrefcount's argument (+ the slot, if it still holds it)
@@ -352,7 +355,9 @@ class EscapeWriter:
         last, ptrs = self.last, self.ptrs
         for i, t in enumerate(outs):
             obj = last[i]
-            if self.reuse:
+            if i in self.handed:
+                obj = last[i] = t
+            elif self.reuse:
                 ptr = t.data_ptr()
                 if obj is None or ptrs[i] != ptr or obj.shape != t.shape:
                     obj = last[i] = _alias(t)  # never hand out the recording's own tensor

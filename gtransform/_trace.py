@@ -276,6 +276,8 @@ class Plan:
     state_names: List[str] = field(default_factory=list)
     escape_slots: List[Any] = field(default_factory=list)
     escape_entries: List[OutEntry] = field(default_factory=list)
+    # per escape, the out entry it is (the same tensor: ``self.last = h; return h``), or None
+    escape_returned: List[Optional[int]] = field(default_factory=list)
     py_changes: List[Any] = field(default_factory=list)
     roots: List[Any] = field(default_factory=list)
     attr_reads: Any = None  # _state.AttrReads: the root modules' attributes the function read
@@ -1110,8 +1112,11 @@ class _Tracing:
         if self.cuda:
             _constants_to_device(gm, next((t.device for t in self.fakes), None))
 
-    def outputs(self) -> Tuple[List[OutEntry], List[OutEntry]]:
-        """How each output leaf and each tensor left in Python state is produced at call time."""
+    def outputs(self) -> Tuple[List[OutEntry], List[OutEntry], List[Optional[int]]]:
+        """How each output leaf and each tensor left in Python state is produced at call time.
+
+        And, per tensor left in state, the output leaf it is (the same tensor object), or None.
+        """
         inputs = list(self.box["inputs"]) + list(self.watch.state_fakes)
         in_store: Dict[Any, int] = {}
         for i, t in enumerate(inputs):
@@ -1130,11 +1135,14 @@ class _Tracing:
             else:
                 entries.append(self._entry(leaf, f"output {len(entries)}", inputs, in_store, entries))
         esc_entries: List[OutEntry] = []
+        returned = {id(leaf): k for k, leaf in enumerate(self.box["leaves"]) if entries[k].kind == "pool"}
         for slot, fake in self.box["scan"].escapes:
             if fake.layout != torch.strided:
                 _sparse_left(self.desc, fake, slot)
             esc_entries.append(self._entry(fake, slot.path, inputs, in_store, entries + esc_entries))
-        return entries, esc_entries
+        is_out = [returned.get(id(fake)) if e.kind == "pool" else None
+                  for (_, fake), e in zip(self.box["scan"].escapes, esc_entries)]
+        return entries, esc_entries, is_out
 
     def _entry(self, val: torch.Tensor, what: str, inputs: List[torch.Tensor], in_store: Dict[Any, int],
                before: List[OutEntry]) -> OutEntry:
@@ -1179,7 +1187,7 @@ class _Tracing:
             if not hasattr(err, "gt_touched_state"):
                 err.gt_touched_state = bool(self.watch.state)  # type: ignore[attr-defined]
             raise
-        entries, esc_entries = self.outputs()
+        entries, esc_entries, esc_returned = self.outputs()
         watch, fnwatch, scan, paths = self.watch, self.fnwatch, self.box["scan"], self.paths
         state_slots = [self.index.slot_of(t) for t in watch.state]
         if self.env is not None:  # (Python values the function stored: this call's numbers, as eager's)
@@ -1212,6 +1220,7 @@ class _Tracing:
             grad_cleared=self.box.get("grad_cleared", []),
             grad_read_first=self.box.get("grad_read_first", []),
             escape_entries=esc_entries,
+            escape_returned=esc_returned,
             py_changes=list(scan.changes),
             roots=list(self.roots),
             attr_reads=self.reads,

@@ -2840,3 +2840,56 @@ def test_a_graphified_training_step_and_a_graphified_pruned_inference_match_eage
         assert_close(step(x, y), train(ref, ref_opt, x, y))
         with torch.no_grad():  # (inference: a read of the weights is frozen, see docs/host-reads.md)
             assert_close(infer(x), pruned(ref, x))
+
+
+# -- a tensor left in state and returned is one tensor, as in eager --------------------------------
+
+
+def test_a_tensor_stored_in_state_and_returned_is_the_same_object_every_call(device):
+    class Keeps(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+            self.last = None
+
+        def forward(self, x):
+            h = self.lin(x).detach()
+            self.last = h
+            return h
+
+    torch.manual_seed(0)
+    m = Keeps().to(device)
+    f = gt.graphify(m)
+    with torch.no_grad():
+        for _ in range(4):
+            out = f(torch.ones(1, 3, device=device))
+            assert out is m.last
+            out.zero_()  # an in-place edit of the output is an edit of the state, as in eager
+            assert float(m.last.abs().sum()) == 0.0
+        prev = f(torch.ones(1, 3, device=device))
+        f(torch.ones(1, 3, device=device))
+    with pytest.raises(gt.OverwrittenOutputError):  # (the output rule: valid until the next call)
+        prev.sum()
+
+
+def test_returned_gradients_scaled_in_place_reach_the_optimizer(device):
+    """A step returns the gradients backward() made (zero_grad set them to None), the caller
+    scales them in place and steps outside: eager's p.grad is the returned tensor."""
+    def run(graphify):
+        torch.manual_seed(0)
+        p = nn.Parameter(torch.ones(4, device=device))
+        opt = torch.optim.SGD([p], lr=0.1)
+
+        def grads(x):
+            opt.zero_grad()
+            (p * x).sum().backward()
+            return p.grad
+
+        g_fn = gt.graphify(grads) if graphify else grads
+        for _ in range(5):
+            g = g_fn(torch.full((4,), 0.5, device=device))
+            g.mul_(2)
+            opt.step()
+        return p.detach().clone()
+
+    assert_close(run(True), run(False))
