@@ -740,6 +740,18 @@ def _no_dropout(func: Any, args: Sequence[Any], kwargs: Dict[str, Any]) -> bool:
 
 
 _DATA_PTR = torch.Tensor.data_ptr
+
+
+def _numpy_dtype(dtype: torch.dtype) -> Any:
+    """numpy's dtype for a torch dtype, as ``Tensor.numpy()`` gives (TypeError where it has none)."""
+    import numpy as np
+
+    names = {torch.float64: "float64", torch.float32: "float32", torch.float16: "float16", torch.int64: "int64",
+             torch.int32: "int32", torch.int16: "int16", torch.int8: "int8", torch.uint8: "uint8",
+             torch.bool: "bool", torch.complex64: "complex64", torch.complex128: "complex128"}
+    if dtype not in names:
+        raise TypeError(f"Got unsupported ScalarType {str(dtype).replace('torch.', '').capitalize()}")
+    return np.dtype(names[dtype])
 _RANDOM_ = torch.Tensor.random_
 # reads of a sparse tensor's nonzeros: a fake sparse tensor reports 0 of them
 _SPARSE_READS = frozenset(TENSOR_PRIVATE_SPARSE_READS + tuple(getattr(torch.Tensor, n) for n in (
@@ -747,6 +759,9 @@ _SPARSE_READS = frozenset(TENSOR_PRIVATE_SPARSE_READS + tuple(getattr(torch.Tens
     if hasattr(torch.Tensor, n)))
 # what a stand-in cannot show: its address, a sparse tensor's nonzeros, its values printed
 _HOST_LOOKS = frozenset([_DATA_PTR, _REPR, _FORMAT]) | _SPARSE_READS
+# reads of a whole tensor's values into Python or numpy: of a CPU tensor they touch its memory
+# without an op the dispatch sees (tolist) or over the stand-in's (numpy: aten.detach)
+_VALUE_READS = frozenset([torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__array__])
 _BACKWARDS = (torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad)
 # calls whose result leaves the autograd graph: make_fx may record them as plain aliases
 # (torch 2.14 records x.detach() as aten.alias), which a graph run under autograd would
@@ -875,8 +890,13 @@ class _FnWatch(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if func is _FORMAT and len(args) > 1 and args[1] and isinstance(args[0], torch.Tensor) and args[0].dim() == 0:
+            # f"{t:.3f}": eager formats t.item(), a host read (frozen where t is unchanged)
+            return format(self.watch._swap(args[0]).item(), args[1])
         if args and isinstance(args[0], FakeTensor) and func in _HOST_LOOKS:
             self._host_look(func, args)
+        if func in _VALUE_READS and args and isinstance(args[0], torch.Tensor) and not isinstance(args[0], FakeTensor):
+            return self._value_read(func, args[0], args[1:], kwargs)
         if func is _RANDOM_ and isinstance(args[0] if args else None, FakeTensor):
             lo_hi = list(args[1:]) + [kwargs[k] for k in ("from", "to") if k in kwargs]
             if len(lo_hi) == 2 and lo_hi[1] is not None:
@@ -930,6 +950,27 @@ class _FnWatch(TorchFunctionMode):
         if out is not None:
             return self._call_out(func, args, kwargs, out)
         return self._call(func, args, kwargs)
+
+    def _value_read(self, func: Any, t: torch.Tensor, rest: Sequence[Any], kwargs: Dict[str, Any]) -> Any:
+        """``t.tolist()``, ``t.numpy()``, ``np.asarray(t)`` of a tensor in state: element reads of its stand-in.
+
+        Each element is a host read (``aten._local_scalar_dense``), frozen and guarded where
+        the tensor is unchanged (or refused as the call's data), as ``.item()`` is; the array
+        handed back is a read-only copy (a write into it could not reach the state).
+        """
+        values = self.watch._swap(t).tolist()
+        if func is torch.Tensor.tolist:
+            return values
+        import numpy as np
+
+        if rest and func is torch.Tensor.numpy:  # numpy(force)
+            rest = ()
+        kwargs = {k: v for k, v in kwargs.items() if k != "force"}
+        arr = np.array(values, dtype=_numpy_dtype(t.dtype))
+        if func is torch.Tensor.__array__ and (rest or kwargs.get("dtype") is not None):
+            arr = arr.astype(rest[0] if rest else kwargs["dtype"])
+        arr.flags.writeable = False
+        return arr
 
     def _host_look(self, func: Any, args: Sequence[Any]) -> None:
         """A read of what a stand-in cannot show (its address, a sparse tensor's nonzeros, its printed values)."""

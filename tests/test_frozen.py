@@ -434,3 +434,36 @@ def test_a_read_through_a_tensor_the_function_writes_in_place_says_why_it_is_not
         g = gt.graphify(f)
         for _ in range(3):
             g(torch.ones(2))
+
+
+# -- whole-tensor reads of state: tolist(), numpy(), np.asarray(), f"{t:d}" ------------------------
+
+
+@pytest.mark.parametrize("how", ["tolist", "numpy", "asarray", "format"])
+def test_value_reads_of_a_closed_over_tensor_are_frozen_and_guarded(device, how):
+    """Before: on the CPU, tolist() touched the memory with no op the trace saw (frozen with no
+    guard: an in-place write went unseen) and numpy() read the stand-in's placeholder memory."""
+    import numpy as np
+
+    idx = torch.tensor([3, 1, 2], device=device)
+
+    def read():
+        if how == "tolist":
+            return idx.tolist()
+        if how == "numpy":
+            return idx.cpu().numpy().tolist() if device == "cpu" else idx.tolist()
+        if how == "asarray":
+            return np.asarray(idx).tolist() if device == "cpu" else idx.tolist()
+        return [int(f"{idx[k]:d}") for k in range(3)]
+
+    def fn(x):
+        return torch.stack([x[i] for i in read()])
+
+    f = gt.graphify(fn)
+    x = torch.arange(10.0, device=device)
+    for _ in range(3):
+        assert_close(f(x), fn(x))
+    idx.copy_(torch.tensor([0, 9, 4]))  # a write the guard must see
+    for _ in range(2):
+        assert_close(f(x), torch.tensor([0.0, 9.0, 4.0], device=device))
+    assert "frozen host read" in f.describe()

@@ -2835,7 +2835,7 @@ def test_a_graphified_training_step_and_a_graphified_pruned_inference_match_eage
 
     step = gt.graphify(lambda x, y: train(lin, opt, x, y))
     infer = gt.graphify(lambda x: pruned(lin, x))
-    for i in range(6):
+    for _ in range(6):
         x, y = torch.randn(16, 8, device=device), torch.randn(16, 4, device=device) * 4
         assert_close(step(x, y), train(ref, ref_opt, x, y))
         with torch.no_grad():  # (inference: a read of the weights is frozen, see docs/host-reads.md)
