@@ -743,7 +743,7 @@ _DATA_PTR = torch.Tensor.data_ptr
 
 
 def _numpy_dtype(dtype: torch.dtype) -> Any:
-    """numpy's dtype for a torch dtype, as ``Tensor.numpy()`` gives (TypeError where it has none)."""
+    """The numpy dtype of a torch dtype, as ``Tensor.numpy()`` gives (TypeError where it has none)."""
     import numpy as np
 
     names = {torch.float64: "float64", torch.float32: "float32", torch.float16: "float16", torch.int64: "int64",
