@@ -43,6 +43,10 @@ Installed by the first :class:`trace_scope` entered, put back by the last one to
   torch._C's launch function is left alone): a jitted kernel called on the trace's
   tensors records ``gtransform::jiterator`` instead of launching on placeholders
   (``_jiterator``).
+* ``torch.SymInt`` / ``SymFloat`` / ``SymBool``'s ``__repr__`` and ``__format__``: where the
+  user's code turns a symbolic size into text (``str(n)``, ``f"b{n}"``, ``repr(x.shape)``), the
+  number, which pins the symbolic trace's plan to that size (:func:`_as_number`), instead of the
+  symbol's name; text made by torch or gtransform stays symbolic.
 * a filter on the logger ``torch._subclasses.fake_tensor`` that drops the records of a
   tracing thread: torch logs every error a fake kernel raises, with a traceback, at
   ERROR level, and the error itself reaches the caller.
@@ -101,6 +105,8 @@ the same hooks run).
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import threading
 import types
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
@@ -254,6 +260,27 @@ class _Filter:
         logging.getLogger(self.logger).removeFilter(self.filter)
 
 
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_OUR_DIR = os.path.dirname(__file__) + os.sep
+
+
+def _as_number(to: Callable[[Any], Any], show: Callable[..., str]) -> Callable[[Any], Any]:
+    """A symbolic size's ``repr`` / ``format`` where the user's code turns it into text (``f"b{n}"``, ``str(n)``).
+
+    The number, as eager shows it: ``int(n)`` pins the symbolic trace's plan to this size (as
+    any ``int()`` of a size does), where the symbol's name (``s4``) would have been text the
+    plan hands every size. Text torch or gtransform make (messages, graph code) stays symbolic.
+    """
+    def make(orig: Any) -> Any:
+        def replacement(self: Any, *spec: Any) -> str:
+            caller = sys._getframe(1).f_code.co_filename
+            if caller.startswith((_TORCH_DIR, _OUR_DIR)):
+                return orig(self, *spec)
+            return show(to(self), *spec)
+        return replacement
+    return make
+
+
 _SHARED: List[Callable[[], List[Any]]] = []
 
 
@@ -271,6 +298,8 @@ def _shared() -> List[Any]:
     from . import _jiterator
 
     out: List[Any] = [Route([(torch.compiler, "is_compiling")], lambda orig: _true)]
+    for cls, to in ((torch.SymInt, int), (torch.SymFloat, float), (torch.SymBool, bool)):
+        out += [Route([(cls, "__repr__")], _as_number(to, repr)), Route([(cls, "__format__")], _as_number(to, format))]
     for factory in _SHARED:
         out += factory()
     if _jiterator.available():

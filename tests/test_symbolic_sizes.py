@@ -740,3 +740,19 @@ def test_a_python_change_after_a_second_size_is_seen_at_every_size(device, chang
             x = torch.randn(n, 4, device=device)
             assert_close(g(x, w), ef(x, ew))
         assert_close(m.bn.running_mean, em.bn.running_mean)
+
+
+def test_a_size_turned_into_text_is_its_number_and_pins_the_plan(device):
+    """Before: once a size varied, str(n), f"b{n}" and repr(x.shape) in the symbolic trace gave
+    the symbol's name ("s4"), and every later size replayed the branch and the text that made."""
+    scale_for = {"4": 1.0, "8": 2.0, "6": 3.0}
+
+    def f(x):
+        n = x.shape[0]
+        big = 10.0 if str(n) == "8" else 1.0
+        return x * scale_for.get(f"{n}", -1.0) * big, f"batch{n:d}", repr(x.shape)
+
+    g = gt.graphify(f)
+    for n in (4, 4, 8, 6, 8, 5):
+        x = torch.ones(n, 2, device=device)
+        assert_close(g(x), f(x))
