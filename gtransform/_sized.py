@@ -149,8 +149,8 @@ def _bucketed(g: Any, sz: Sizes, args: Tuple[Any, ...], kwargs: Dict[str, Any]) 
             ref = g._fn(*args, **kwargs)
     try:
         out = run(g, pb, False)
-    except RuntimeError as err:
-        # (the function's own error, a shape mismatch: not gtransform's refusals)
+    except Exception as err:
+        # (the function's own error, a shape mismatch or an index out of range: not gtransform's refusals)
         hint = None if isinstance(err, (GraphifyError, OverwrittenOutputError)) else _unpadded_batch(g, sz, args, kwargs, found, n, bucket)
         if hint is None:
             raise
@@ -160,10 +160,51 @@ def _bucketed(g: Any, sz: Sizes, args: Tuple[Any, ...], kwargs: Dict[str, Any]) 
     out = _sliced(g, out, n, bucket, first)
     if first:
         _compare(g, out, ref, n, bucket)
+        _probe_rows(g, ref, args, kwargs, found, n, bucket)
         if entry is not None:
             entry.padding_checked.add(n)
         sz.checked.add(bucket)  # (for describe: the buckets a padded call was checked in)
     return out
+
+
+def _probe_rows(g: Any, ref: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], found: List[Tuple[Any, Any]],
+                n: int, bucket: int) -> None:
+    """Refuse where the true rows' results depend on what the padded rows hold, whatever this call's data.
+
+    The check against eager sees only this call's values: ``x - x.amax(0)`` or a sort over the batch
+    passes it when the pad value is never picked (positive data, pad 0) and fails on a later call.
+    So the padded rows are also filled with values above and below every true one (floating
+    arguments; others with the true rows again) in two eager runs, whose true rows must match.
+    """
+    for sign in (1.0, -1.0):
+        pargs, pkwargs = list(args), dict(kwargs)
+        for where, _ in found:
+            a = args[where] if isinstance(where, int) else kwargs[where]
+            leaves, spec = flatten(a)
+            filled = unflatten(spec, [_probe_fill(x, bucket, sign) if isinstance(x, torch.Tensor) else x
+                                      for x in leaves])
+            if isinstance(where, int):
+                pargs[where] = filled
+            else:
+                pkwargs[where] = filled
+        with torch.no_grad():
+            probe = g._fn(*pargs, **pkwargs)
+        leaves, spec = flatten(probe)
+        cut = unflatten(spec, [x[:n] if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == bucket else x
+                               for x in leaves])
+        _compare(g, cut, ref, n, bucket, probed=True)
+
+
+def _probe_fill(x: torch.Tensor, bucket: int, sign: float) -> torch.Tensor:
+    """``x`` padded to ``bucket`` rows with values beyond its own (floating), or with its own rows again."""
+    if x.dim() == 0 or x.shape[0] == 0:
+        return x
+    reps = -(-bucket // x.shape[0])
+    if not (x.is_floating_point() or x.is_complex()):
+        return torch.cat([x] * (reps + 1))[:bucket] if x.shape[0] < bucket else x
+    big = 1.0 + float(x.detach().abs().max()) if x.numel() else 1.0
+    fill = x.new_full((bucket - x.shape[0], *x.shape[1:]), sign * 4.0 * big)
+    return torch.cat([x, fill])
 
 
 def _copied(out: Any) -> Any:
@@ -267,8 +308,11 @@ def _sliced(g: Any, out: Any, n: int, bucket: int, first: bool) -> Any:
     return unflatten(spec, sliced)
 
 
-def _compare(g: Any, out: Any, ref: Any, n: int, bucket: int) -> None:
-    """Refuse where the padded run's sliced outputs differ from eager's (rows interact, or random ops)."""
+def _compare(g: Any, out: Any, ref: Any, n: int, bucket: int, probed: bool = False) -> None:
+    """Refuse where the padded run's sliced outputs differ from eager's (rows interact, or random ops).
+
+    ``probed``: ``out`` is an eager run with the padded rows filled with other values (_probe_rows).
+    """
     lo, so = flatten(out)
     lr, sr = flatten(ref)
     paths = leaf_paths(ref, root="output")
@@ -293,10 +337,12 @@ def _compare(g: Any, out: Any, ref: Any, n: int, bucket: int) -> None:
                 "heads) keeps the batch in another dimension.\n" + _FIX)
         worst = _max_difference(a, e)
         if worst is not None:
+            what = ("an eager run of the call padded with other values (above or below every true one) "
+                    "differs in the true rows" if probed else "the padded call differs")
             raise GraphifyError(
-                f"{g._desc}: with buckets= (bucket {bucket}, batch {n}), {paths[k]} of the padded call "
-                f"differs from an unpadded eager run of the same call (max difference {worst}).\n"
-                "Why: the rows interact (a BatchNorm in training mode, a sum, mean or softmax over dim 0), so "
+                f"{g._desc}: with buckets= (bucket {bucket}, batch {n}), {paths[k]} of {what} "
+                f"from an unpadded eager run of the same call (max difference {worst}).\n"
+                "Why: the rows interact (a BatchNorm in training mode, a sum, mean, max, sort or softmax over dim 0), so "
                 "the padded rows change the true rows' results; or the function depends on the batch size "
                 "(`if x.shape[0] > 6`, a table sliced by it), which the padded call sees as the bucket's; or it "
                 "is random (dropout in training mode). Each signature's first padded call of each batch size is checked against eager.\n" + _FIX)

@@ -563,3 +563,33 @@ def test_pad_naming_self_of_a_method_is_refused_with_the_fix():
             x = torch.randn(b, 3)
             torch.testing.assert_close(n(x), n.lin(x))
     assert N.forward.cache_info().currsize == 1
+
+
+@pytest.mark.parametrize("reduce", ["amax", "amin", "sort", "cummax"])
+def test_rows_that_interact_only_for_some_values_are_refused_on_the_first_call(device, reduce):
+    """Before: with positive data and pad 0 the padded rows were never picked by a max over the
+    batch, so the first call's check passed, and a later call with negative data was wrong."""
+    ops = {
+        "amax": lambda x: x - x.amax(0),
+        "amin": lambda x: x - x.amin(0),
+        "sort": lambda x: x.sort(0, descending=True).values,
+        "cummax": lambda x: x.flip(0).cummax(0).values.flip(0),
+    }
+    f = gt.graphify(ops[reduce], pad={"x": 0.0}, buckets=(4, 8))
+    x = torch.rand(5, 3, device=device) + 1.0  # (positive: pad 0 is never the max)
+    with pytest.raises(gt.GraphifyError, match="rows interact"):
+        f(x)
+
+
+def test_an_unpadded_batch_argument_is_named_whatever_the_functions_error(device):
+    """Before: only a RuntimeError got the hint; an IndexError (an index tensor of the true rows
+    into the padded ones) or a library's ValueError came out raw, about rows the caller never passed."""
+    def check(x, mask):
+        if x.shape[0] != mask.shape[0]:
+            raise ValueError(f"x has {x.shape[0]} rows but mask has {mask.shape[0]}")
+        return x * mask[:, None]
+
+    f = gt.graphify(check, pad={"x": 0.0}, buckets=(4,))
+    with pytest.raises(gt.GraphifyError, match=r"args\[1\] also has 3 rows") as ei:
+        f(torch.ones(3, 2, device=device), torch.ones(3, device=device))
+    assert isinstance(ei.value.__cause__, ValueError)
