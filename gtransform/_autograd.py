@@ -39,6 +39,7 @@ from ._errors import GraphifyError
 from ._log import log
 from ._partition import partition
 from ._replay import call_plain, run_flat
+from ._rewrite import run_graph
 
 __all__ = ["call_with_autograd", "GraphFn", "partition_for", "backward_for", "unwrap", "no_functorch"]
 
@@ -475,7 +476,7 @@ def _partitioned_backward(box: _Box, saved: Sequence[torch.Tensor], grads: Seque
         if _differentiated_again():
             raise _higher_order(box.g._desc)
         with autocast_off():
-            res = _outer_graph(box, _to_autograd(list(part.bw_gm(*saved, *tangents))))
+            res = _outer_graph(box, _to_autograd(list(run_graph(part.bw_gm, *saved, *tangents))))
     else:
         create_graph = torch.is_grad_enabled()
         with no_functorch():
@@ -496,7 +497,7 @@ def _partitioned_backward(box: _Box, saved: Sequence[torch.Tensor], grads: Seque
                 res = None
         if res is None:
             with autocast_off():
-                res = list(part.bw_gm(*saved, *tangents))
+                res = list(run_graph(part.bw_gm, *saved, *tangents))
     # the backward returns the gradients that exist; eager's None stays None
     it = iter(res or ())
     flags = iter(part.grad_none)
@@ -640,7 +641,7 @@ def _run_graph(gm: Any, args: Sequence[Any], no_grad_nodes: Optional[bool] = Non
     if no_grad_nodes is None:
         no_grad_nodes = _has_no_grad_nodes(gm)
     with autocast_off():  # (the graph holds the trace's casts)
-        return _NoGradRegions(gm).run(*args) if no_grad_nodes else gm(*args)
+        return _NoGradRegions(gm).run(*args) if no_grad_nodes else run_graph(gm, *args)
 
 
 def make_backward(plan: Any, need: Sequence[bool]) -> Any:

@@ -38,6 +38,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from ._compat import FakeTensorMode, autocast_off, load_default_partition, load_extract_tensor_metadata, load_sympy_eval
 from ._errors import GraphifyError
 from ._log import log
+from ._rewrite import run_graph
 from ._symbolic import graph_layouts, new_shape_env, shareable, symbol_dims, symbolic_dispatch, symbolic_fakes
 
 __all__ = ["Partition", "partition", "build_partition"]
@@ -150,7 +151,7 @@ def _flat_fn(gm: Any, name: str, n: Optional[int] = None) -> Any:
     """``gm`` as a function returning a tuple (its first ``n`` outputs: the tensors)."""
     def run(*args: torch.Tensor) -> tuple:
         with autocast_off():  # (the graph holds the trace's casts)
-            return tuple(gm(*args))[:n]
+            return tuple(run_graph(gm, *args))[:n]
 
     run.__name__ = run.__qualname__ = name
     return run
@@ -433,7 +434,8 @@ def _functional_joint(gm: Any, plan: Any, box: dict) -> Any:
                torch.empty_strided(shape, stride, dtype=dtype, device=device)
                for shape, stride, dtype, device in box["specs"]]
         with TRACE_LOCK, symbolic_dispatch(env), autocast_off():
-            gm = make_fx(functionalize(gm, remove="mutations"), tracing_mode="real")(*ins)
+            # (its forward: a module call would run the global module hooks on gtransform's graph)
+            gm = make_fx(functionalize(gm.forward, remove="mutations"), tracing_mode="real")(*ins)
     phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for k, n in enumerate(phs):
         n.target = n.name = f"primals_{k + 1}" if k < n_user + n_state else f"tangents_{k - n_user - n_state + 1}"
@@ -539,7 +541,7 @@ def _sized_backward(bw_gm: Any, name: str) -> Optional[Any]:
     def run(*ts: torch.Tensor) -> tuple:
         values = {sym: ts[j].shape[d] for sym, (j, d) in where.items()}
         with autocast_off():
-            return tuple(bw_gm(*[e if isinstance(e, int) else evaluate(e, values) for e in exprs], *ts))
+            return tuple(run_graph(bw_gm, *[e if isinstance(e, int) else evaluate(e, values) for e in exprs], *ts))
 
     run.__name__ = run.__qualname__ = name
     return run

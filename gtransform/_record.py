@@ -36,6 +36,7 @@ from ._compat import increment_version as _increment_version
 from ._compat import storage_use_count as _use_count
 from ._errors import GraphifyError, RerecordWarning
 from ._liveness import Handout, OutputGroup, Pin, PoolState, StaleOutput, live_pins, take_back
+from ._rewrite import run_graph
 from ._state import EscapeWriter
 from ._trace import Plan
 
@@ -589,8 +590,8 @@ class CPURecording(Recording):
         self.stores = slot.stores
 
     def _replay(self) -> None:
-        with torch.no_grad(), autocast_off():
-            outs = self.gm(*self.gm_args)
+        with torch.no_grad():
+            outs = run_graph(self.gm, *self.gm_args)
         self.last_outs = outs
         if self.first:
             self.first = False
@@ -719,7 +720,7 @@ class CUDARecording(Recording):
                     # (the first call's peak memory is then about eager's)
                     with torch.cuda.stream(side), torch.no_grad(), autocast_off(), \
                             _routed_to(dev, pool_id, self.pool):
-                        self.gm(*_host_seeds(self.plan.gm, args))
+                        run_graph(self.gm, *_host_seeds(self.plan.gm, args))
                 finally:
                     side.synchronize()
                     with torch.no_grad():
@@ -745,7 +746,7 @@ class CUDARecording(Recording):
                     with torch.cuda.stream(side), torch.no_grad(), autocast_off():
                         g.capture_begin(pool=pool_id, capture_error_mode="thread_local")
                         try:
-                            outs = self.gm(*args)
+                            outs = run_graph(self.gm, *args)
                         finally:
                             with warnings.catch_warnings():
                                 # a function that only returns (views of) its inputs

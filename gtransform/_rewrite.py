@@ -21,7 +21,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from ._compat import FakeTensor, aten_efficientzerotensor
+from ._compat import FakeTensor, aten_efficientzerotensor, autocast_off
 
 
 def _constants_to_device(gm: torch.fx.GraphModule, device: Optional[torch.device]) -> None:
@@ -276,3 +276,16 @@ def _reshape_computed_views(gm: torch.fx.GraphModule) -> int:
         n.target = reshape
         changed += 1
     return changed
+
+
+def run_graph(gm: Any, *args: Any) -> Any:
+    """Run a traced (or compiled) graph: what every replay, warm-up and capture calls.
+
+    Its ``forward``, not ``Module.__call__``: the GraphModule is gtransform's, and the global
+    module hooks (``torch.nn.modules.module.register_module_forward_hook``: FLOP counters,
+    activation statistics) are for the user's modules, which the trace ran them for. Outside
+    autocast: the graph holds the trace's casts.
+    """
+    run = gm.forward if isinstance(gm, torch.fx.GraphModule) else gm
+    with autocast_off():
+        return run(*args)

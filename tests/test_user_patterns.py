@@ -1042,3 +1042,29 @@ def test_a_module_with_a_graphified_forward_pickles(device):
     assert isinstance(m2.forward, gt.Graphified) and m2.forward.cache_info().currsize == 0
     for _ in range(2):
         assert_close(m2(x), torch.nn.functional.linear(x, m.weight, m.bias))
+
+
+def test_global_module_hooks_see_the_users_modules_only(device):
+    """Before: a hook of register_module_forward_hook (FLOP counters, activation statistics) also
+    ran on gtransform's own graph at every replay, with its flat output tuple, and one that
+    returned a value replaced the recording's outputs."""
+    seq = nn.Sequential(nn.Linear(3, 3), nn.ReLU()).to(device)
+    seen = []
+
+    def hook(m, args, out):
+        seen.append(type(m).__name__)
+        return out.clamp(max=100.0)  # (a hook written for the user's modules: tensors out)
+
+    handle = torch.nn.modules.module.register_module_forward_hook(hook)
+    try:
+        f = gt.graphify(lambda x: seq(x) * 2)
+        x = torch.ones(2, 3, device=device, requires_grad=True)
+        for _ in range(3):
+            out = f(x)
+            out.sum().backward()
+        with torch.no_grad():
+            for _ in range(3):
+                f(x)
+    finally:
+        handle.remove()
+    assert set(seen) <= {"Linear", "ReLU", "Sequential"}, set(seen)
