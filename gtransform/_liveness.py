@@ -34,6 +34,7 @@ import torch.utils.dlpack as _dlpack
 from ._compat import DisableTorchFunctionSubclass
 from ._compat import increment_version as _increment_version
 from ._compat import storage_use_count as _use_count
+from ._compat import tensor_use_count as _impl_uses
 from ._compat import tensor_version as _version
 from ._compat import unsafe_set_version_counter as _set_versions
 from ._errors import OverwrittenOutputError
@@ -55,23 +56,33 @@ _ALLOWED = frozenset(
 
 
 def _drop_own_graphs(objs: Sequence[torch.Tensor], rcs: Sequence[int], rc_base: Sequence[int]) -> bool:
-    """Detach the objects the caller dropped from the autograd graph of the call that handed them out.
+    """Detach the objects of a call about to be overwritten from the autograd graph of that call.
 
     A differentiated call's outputs carry its graph (``grad_fn``), which keeps aliases of
-    the outputs (``_autograd._keep_outputs``) until its backward: memory someone may still
-    need. An object the caller dropped would keep that graph, and so its own memory, held
-    through gtransform's reference alone, forever (its next hand-out, which replaces the
-    ``grad_fn``, waits for the memory to be free). Detached, the graph lives as long as the
-    caller holds it some other way (a loss computed from the output), as in eager.
+    the outputs and saved activations (``_autograd._keep_outputs``) until its backward:
+    memory someone may still need. An object the caller dropped would keep that graph, and
+    so its own memory, held through gtransform's reference alone, forever (its next
+    hand-out, which replaces the ``grad_fn``, waits for the memory to be free). An object
+    the caller holds is poisoned now (no op on it runs again, ``backward()`` included) and
+    stays in its generation's books: its graph would hold that generation's memory after
+    the caller dropped it too (a loop ``out = f(x)`` under grad mode, never differentiated,
+    then held every generation and recorded at every call). Detached, the graph lives as
+    long as the caller holds it some other way (a loss computed from the output), as in
+    eager. An object an eager op saved (``loss = (out * w).sum()``: its TensorImpl has
+    another owner) keeps its graph: that op's backward unpacks it.
 
     Returns:
         Whether any object was detached (the storages' use counts may have changed).
     """
     done = False
     for o, r, b in zip(objs, rcs, rc_base):
-        if r == b and o.grad_fn is not None and not o._is_view():
-            o.detach_()
-            done = True
+        if o.grad_fn is None or o._is_view():
+            continue
+        # (a torch without TensorImpl use counts: the dropped objects alone, as before)
+        if (_impl_uses(o) != 1) if _impl_uses is not None else (r != b):
+            continue
+        o.detach_()
+        done = True
     return done
 
 

@@ -379,11 +379,7 @@ class Recording:
                 "held), so every call now records the function again to keep those "
                 "views' values (a CUDA graph capture per call: slow).\n"
                 "Fix: keep copies instead of views (e.g. history.append(out[0].clone())), "
-                f"or keep views of fewer than {RING_SLOTS} calls. If the loop keeps no views: "
-                "calls made under grad mode whose outputs are never differentiated (`out = f(x)` "
-                "in a loop, inference without torch.no_grad()) keep their autograd graphs, and "
-                "with them the outputs' memory: call the function under torch.no_grad() where "
-                "no gradient is needed.",
+                f"or keep views of fewer than {RING_SLOTS} calls.",
                 RerecordWarning,
                 stacklevel=4,
             )

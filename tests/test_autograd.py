@@ -1086,3 +1086,24 @@ def test_a_view_of_an_input_returned_from_a_differentiated_call_is_that_inputs_v
             grads.append(w.grad)
         assert_close(grads[1], grads[0])
         assert outs[1][0] == outs[0][0]
+
+
+def test_a_forward_loop_under_grad_mode_that_never_differentiates_keeps_few_generations(device):
+    """`out = f(x)` in a loop, outputs requiring grad, no backward (inference without no_grad).
+
+    Before: each output held across the next call was poisoned and kept in its generation's
+    books with its autograd graph, whose saved activations are that call's memory; the caller
+    dropping it did not free the generation, so on CUDA all 8 were held from the 8th call and
+    every call recorded again (a RerecordWarning, which the suite's filter makes an error)."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 8)).to(device)
+    f = gt.graphify(lambda x: net(x).tanh())
+    x = torch.randn(4, 8, device=device)
+    out = None
+    for _ in range(30):
+        out = f(x)
+        assert out.requires_grad
+    assert_close(out, net(x).tanh())
+    loss = (out * out).sum()  # (a backward after all still works on the last call's graph)
+    loss.backward()
+    assert net[0].weight.grad is not None
