@@ -18,7 +18,7 @@ import torch
 
 from ._bind import bind, rebuild
 from ._errors import GraphifyError
-from ._lookup import entry_for
+from ._lookup import entry_for, thread_state
 from ._replay import hand_out
 from ._sized import refuse_buffers
 from ._switch import OFF
@@ -40,9 +40,17 @@ def input_buffers(g: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
         raise TypeError(f"{g._desc}.input_buffers(...): an argument is a forward-mode dual tensor; such calls run "
                         "eagerly and have no buffers. Fix: pass the primal tensors.")
     hits = g._hits
+    st = thread_state(g)
+    warmed, pending = set(st.warmed.d), set(st.pending)
     e, st, tensors = entry_for(g, b.leaves, b.spec, b.statics, b.tree)
     g._hits = hits  # (a look-up, not a call)
     if e is None:
+        # (asking ran nothing: the signature's first call still runs eagerly, and the same ask
+        # is refused again until it has)
+        for key in [k for k in st.warmed.d if k not in warmed]:
+            st.warmed.discard(key)
+        for key in [k for k in st.pending if k not in pending]:
+            del st.pending[key]
         raise GraphifyError(
             f"{g._desc}.input_buffers(...): this signature is not recorded yet, and cannot be recorded without "
             "running the function: it reads state on its first call (which runs eagerly), or runs eagerly or "

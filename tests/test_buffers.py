@@ -529,3 +529,24 @@ def test_describe_says_which_buffers_were_handed_out_and_which_inputs_are_donate
     lines = [ln for ln in f.describe().splitlines() if ln.strip().startswith("in ")]
     assert len(lines) == 2 and all("handed out by input_buffers" in ln for ln in lines)
     assert "donated" not in lines[0] and "donated" in lines[1]
+
+
+def test_asking_for_a_new_signatures_buffers_is_refused_until_a_call_ran_it(device):
+    """Before: the first ask was refused but counted as the signature's eager first call, so the
+    very same ask right after handed buffers out, though nothing had run."""
+    lin = torch.nn.Linear(3, 2).to(device)
+
+    def fn(x, *, scale=1.0, mask=None):
+        return lin(x) * scale * (mask if mask is not None else 1)
+
+    f = gt.graphify(fn)
+    with torch.no_grad():
+        f(torch.randn(4, 3, device=device))
+        ask = (torch.randn(4, 3, device=device),)
+        kw = {"scale": 2.0, "mask": torch.ones(4, 1, device=device)}
+        for _ in range(2):
+            with pytest.raises(gt.GraphifyError, match="call the function once with these arguments first"):
+                f.input_buffers(*ask, **kw)
+        f(*ask, **kw)  # (its first call: eager)
+        args, kwargs = f.input_buffers(*ask, **kw)
+        assert tuple(kwargs["mask"].shape) == (4, 1)
