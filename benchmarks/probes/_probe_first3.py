@@ -28,6 +28,7 @@ ap = argparse.ArgumentParser()
 ap.add_argument("row")
 ap.add_argument("how", choices=["fused", "fused-nogemm", "compile", "gt"])
 ap.add_argument("--profile", action="store_true")
+ap.add_argument("--dump", default=None, help="with --profile: write the slowest call's stats to this file (pstats)")
 opts = ap.parse_args()
 if opts.how == "fused-nogemm":
     os.environ["GTRANSFORM_GEMM"] = "0"
@@ -111,6 +112,8 @@ print(f"== {opts.row} {opts.how}: first calls {', '.join(f'{t:.2f}' for t in tim
       f"per call {per:.0f} us; max |diff| vs eager {err:.1e}")
 if opts.profile:
     slow = profiles[max(range(3), key=times.__getitem__)]
+    if opts.dump:
+        slow.dump_stats(opts.dump)
     s = io.StringIO()
     st = pstats.Stats(slow, stream=s)
     st.sort_stats("cumulative").print_stats(60)
