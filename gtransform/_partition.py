@@ -469,6 +469,36 @@ def _functional_joint(gm: Any, plan: Any, box: dict) -> Any:
     return gm
 
 
+def _copy_reinterpreted_saves(fw_gm: torch.fx.GraphModule, n_out: int) -> None:
+    """Save copies of the views of an input with another dtype that the backward takes (``z.real``).
+
+    The forward's recording hands a value that aliases an input back as a view of the
+    caller's tensor, which needs the same dtype; a complex input's real part (a float view of
+    complex memory) is copied instead, as any value the forward computes.
+    """
+    out = next(n for n in fw_gm.graph.nodes if n.op == "output")
+    outs = list(out.args[0])
+    dtypes = {}
+    for p in fw_gm.graph.nodes:
+        v = p.meta.get("val") if p.op == "placeholder" else None
+        if isinstance(v, torch.Tensor):
+            dtypes[StorageWeakRef(v.untyped_storage())] = v.dtype
+    changed = False
+    for k in range(n_out, len(outs)):
+        a = outs[k]
+        v = a.meta.get("val") if isinstance(a, torch.fx.Node) else None
+        if not isinstance(v, torch.Tensor) or dtypes.get(StorageWeakRef(v.untyped_storage()), v.dtype) == v.dtype:
+            continue
+        with fw_gm.graph.inserting_before(out):
+            c = fw_gm.graph.call_function(torch.ops.aten.clone.default, (a,))
+        c.meta["val"] = v.clone()
+        outs[k] = c
+        changed = True
+    if changed:
+        out.args = (tuple(outs),)
+        fw_gm.recompile()
+
+
 def _split_joint(gm: Any, plan: Any, owner: Any, box: dict, tensors: Sequence[torch.Tensor]) -> Optional[Partition]:
     """The functional joint graph split into a forward and a backward, each a graphified function.
 
@@ -478,6 +508,7 @@ def _split_joint(gm: Any, plan: Any, owner: Any, box: dict, tensors: Sequence[to
     n_out = len(plan.tensor_entries)
     fw_gm, bw_gm = default_partition(gm, None, num_fwd_outputs=n_out)
     _random_ops_in_place(fw_gm)
+    _copy_reinterpreted_saves(fw_gm, n_out)
     # a random op the backward does not use (the forward saved its result) must not draw
     # again: the backward graph is functional, so whatever no output needs goes
     bw_gm.graph.eliminate_dead_code(is_impure_node=lambda n: n.op in ("placeholder", "output"))

@@ -1107,3 +1107,25 @@ def test_a_forward_loop_under_grad_mode_that_never_differentiates_keeps_few_gene
     loss = (out * out).sum()  # (a backward after all still works on the last call's graph)
     loss.backward()
     assert net[0].weight.grad is not None
+
+
+@pytest.mark.parametrize("case", ["real_imag", "conv1d"])
+def test_complex_inputs_differentiated_outside_match_eager(device, case):
+    """Before: refused, "output 1 is a view of input args[0] with another dtype": the backward
+    saves z.real (a float view of complex memory), which the forward's recording could not hand back."""
+    torch.manual_seed(0)
+    if case == "real_imag":
+        fn = lambda z: (z.real * z.imag).sum()  # noqa: E731
+        args = [torch.randn(4, dtype=torch.complex64, device=device)]
+    else:
+        fn = lambda x, w: F.conv1d(x, w).abs().sum()  # noqa: E731
+        args = [torch.randn(1, 2, 8, dtype=torch.complex64, device=device),
+                torch.randn(3, 2, 3, dtype=torch.complex64, device=device)]
+    f = gt.graphify(fn)
+    for _ in range(3):
+        mine = [a.clone().requires_grad_() for a in args]
+        ref = [a.clone().requires_grad_() for a in args]
+        f(*mine).backward()
+        fn(*ref).backward()
+        for a, b in zip(mine, ref):
+            assert_close(a.grad, b.grad)
