@@ -1129,3 +1129,30 @@ def test_complex_inputs_differentiated_outside_match_eager(device, case):
         fn(*ref).backward()
         for a, b in zip(mine, ref):
             assert_close(a.grad, b.grad)
+
+
+def test_a_forward_that_only_reads_a_parameters_grad_stays_differentiable(device):
+    """Before: any .grad the function reached made the call a training step (replayed as a plain
+    call), so from the second call a loss that also logged the last step's gradient norm came
+    back without requires_grad, and a loss term added to it lost its gradient silently."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(5, 3).to(device)
+    ref = copy.deepcopy(lin)
+    x = torch.randn(4, 5, device=device)
+
+    def loss_fn(m, x):
+        return m(x).pow(2).mean(), m.weight.grad.norm()
+
+    f = gt.graphify(lambda x: loss_fn(lin, x))
+    for m in (lin, ref):
+        m.weight.grad = torch.zeros_like(m.weight)
+        m.bias.grad = torch.zeros_like(m.bias)
+    for _ in range(4):
+        for m, fn in ((lin, f), (ref, lambda x: loss_fn(ref, x))):
+            loss, gnorm = fn(x)
+            assert loss.requires_grad
+            total = loss + 0.5 * m.bias.sum() + 0.0 * gnorm
+            m.zero_grad(set_to_none=False)
+            total.backward()
+        assert_close(lin.weight.grad, ref.weight.grad)
+        assert_close(lin.bias.grad, ref.bias.grad)

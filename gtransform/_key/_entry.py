@@ -125,8 +125,11 @@ class Entry:
         # (a backward that only returns gradients, torch.autograd.grad(..., create_graph=True) for
         # a gradient penalty, writes no .grad and updates nothing: its outputs that require grad
         # in the trace do so in eager, and the call is differentiated)
+        # (.grad written: made by a backward, or updated in place; a read alone, a grad-norm
+        # metric in a forward, leaves the call a forward)
         touches_grads = any(s.kind == "grad" for s in plan.escape_slots) or any(
-            s is not None and s.kind == "grad" for s in plan.state_slots)
+            s is not None and s.kind == "grad" and self.n_user + k in plan.mutated
+            for k, s in enumerate(plan.state_slots))
         updates_params = touches_grads or (plan.ran_backward and (bool(updated) or not any(
             e.requires_grad for e in plan.tensor_entries)))
         if updated and not updates_params:
