@@ -1021,6 +1021,8 @@ class _Tracing:
                 # the trace has no visible effect on the Python state the function reaches,
                 # nor on its tensors' autograd history
                 self.snap.restore()
+                for handle in self.fnwatch.real_hooks:
+                    handle.remove()
                 drop_history(self.watch.no_history)
                 self.mode.closed = desc
                 host_drew = _host_rng_restore(host_rng)

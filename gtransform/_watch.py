@@ -713,6 +713,8 @@ _IS_LEAF_ATTR = TensorBase.__dict__["is_leaf"]
 _GRAD_FN_ATTR = TensorBase.__dict__["grad_fn"]
 _VERSION_ATTR = TENSOR_VERSION_ATTR
 _REGISTER_HOOK = torch.Tensor.register_hook
+_HOOK_REGISTRATIONS = frozenset(h for h in (_REGISTER_HOOK, getattr(torch.Tensor, "register_post_accumulate_grad_hook", None))
+                                if h is not None)
 _SDPA = torch.nn.functional.scaled_dot_product_attention
 
 
@@ -867,6 +869,7 @@ class _FnWatch(TorchFunctionMode):
         self.layout_used: Set[int] = set()
         self.grad_read: Set[int] = set()
         self.hooks: List[str] = []
+        self.real_hooks: List[Any] = []  # handles of hooks put on real tensors (state) while tracing
         self.backward_calls = 0  # .backward(), torch.autograd.backward/grad called by the function
         self.backward_end = 0  # the op count when the last one returned
         self.sdpa = False  # whether it called scaled_dot_product_attention
@@ -924,6 +927,14 @@ class _FnWatch(TorchFunctionMode):
                 # stand-in does not: the hook acts in the backward, which the joint
                 # trace of the function makes (see _partition.py)
                 return _NoHandle()
+        if func in _HOOK_REGISTRATIONS and args and isinstance(args[0], torch.Tensor) \
+                and not isinstance(args[0], FakeTensor):
+            # a hook put on a tensor of state (a parameter) while tracing: taken off after the
+            # trace, with the Python values it restores (a module's "hooked" flag), so that the
+            # eager first call registers it once, as eager does
+            handle = self._call(func, args, kwargs)
+            self.real_hooks.append(handle)
+            return handle
         if args and func in _BIT_READS:
             idx = self._input(args[0])
             if idx is not None and args[0] is self.inputs[idx] and idx < len(self.bits):

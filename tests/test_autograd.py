@@ -1156,3 +1156,30 @@ def test_a_forward_that_only_reads_a_parameters_grad_stays_differentiable(device
             total.backward()
         assert_close(lin.weight.grad, ref.weight.grad)
         assert_close(lin.bias.grad, ref.bias.grad)
+
+
+def test_a_hook_a_module_puts_on_its_parameter_once_is_registered_once(device):
+    """Before: the trace registered it on the real parameter and then restored the module's
+    "hooked" flag, so the eager first call registered it again: gradients scaled twice."""
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.lin = torch.nn.Linear(5, 3)
+            self.hooked = False
+
+        def forward(self, x):
+            if not self.hooked:
+                self.lin.weight.register_hook(lambda g: g * 2)
+                self.hooked = True
+            return self.lin(x).sum()
+
+    x = torch.randn(4, 5, device=device)
+    mine, ref = M().to(device), M().to(device)
+    f = gt.graphify(mine)
+    for _ in range(4):
+        for m, fn in ((mine, f), (ref, ref)):
+            m.zero_grad()
+            fn(x).backward()
+        assert_close(mine.lin.weight.grad, ref.lin.weight.grad)
+    assert len(mine.lin.weight._backward_hooks) == 1
