@@ -421,6 +421,19 @@ def stored_error(desc: str, stored: Sequence[Tuple[str, str, str]], site: str) -
             "the forward, the loss and scaler.scale(loss).backward(), then step and update after the call. "
             f"{path} was left as it was before the call."
         )
+    if path.endswith("._last_lr") or "._last_lr[" in path or "._last_lr " in path:
+        # (torch.optim.lr_scheduler: step() sets _last_lr to a new list of the groups' lrs, tensors
+        # where the lrs are: a scheduler stepped inside the function)
+        return GraphifyError(
+            f"{desc}: a learning-rate scheduler's step() stores a new {kind} of the groups' learning rates "
+            f"in {path}.{site}\n"
+            "Why: with tensor learning rates (as capturable optimizers want) the list holds tensors made "
+            "while tracing; a recording replays tensor work only, so no replay makes another list, and "
+            "the scheduler's own Python (its epoch count, its schedule) would not run either.\n"
+            "Fix: call scheduler.step() outside the graphified function, after the call (the learning "
+            "rates are tensors read in place by the recording, so the next call uses the new ones). "
+            f"{path} was left as it was before the call."
+        )
     return GraphifyError(
         f"{desc}: the function stores a new {kind} holding a tensor made inside it in {path} "
         f"(the tensor: {inner}){more}.{site}\n"

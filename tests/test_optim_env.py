@@ -657,3 +657,22 @@ def test_a_scheduler_stepped_outside_a_step_reached_through_self_does_not_record
         tg.sched.step()
     assert_close(tg.model.weight, te.model.weight)
     assert g.cache_info().hits >= 9
+
+
+def test_an_lr_scheduler_with_tensor_lrs_stepped_inside_is_refused_with_the_fix():
+    """Before: the message was about the new list in sch._last_lr, and its fix said to set that
+    private attribute's tensors; the fix is to step the scheduler outside."""
+    w = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([w], lr=torch.tensor(0.1), momentum=0.9, fused=True)
+    sch = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+
+    def step(x):
+        opt.zero_grad()
+        (w * x).sum().backward()
+        opt.step()
+        sch.step()
+
+    f = gt.graphify(step)
+    with pytest.raises(gt.GraphifyError, match=r"(?s)learning-rate scheduler.*call scheduler.step\(\) outside"):
+        for _ in range(3):
+            f(torch.ones(3))
