@@ -1389,12 +1389,13 @@ class _no_seeding:
 # set_rng_state_all and fork_rng, which reach them by module-level names, are covered too.
 
 _RNG_FIX = (
-    "Fix: pass preserve_rng_state=False to torch.utils.checkpoint (its recompute then draws "
-    "new numbers, as the recording does; Hugging Face models: model.gradient_checkpointing_enable("
-    "gradient_checkpointing_kwargs={\"use_reentrant\": False, \"preserve_rng_state\": False})), "
-    "or draw the random numbers outside the graphified "
-    "function and pass them in (instead of setting the generator back inside it), or call the "
-    "function eagerly."
+    "Fix: set dropout to 0 in the checkpointed blocks (or turn checkpointing off), or draw "
+    "the random numbers outside the graphified function and pass them in (instead of setting the "
+    "generator back inside it), or call the function eagerly: each gives eager's numbers. Also "
+    "recorded, but not eager's numbers: preserve_rng_state=False to torch.utils.checkpoint (Hugging Face models: "
+    "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={\"use_reentrant\": False, "
+    "\"preserve_rng_state\": False})) records, but its recompute then draws new dropout masks, so the "
+    "backward differs from the forward's, as it would in eager with that flag."
 )
 _RNG_FIX_SET = (
     "Fix: draw the random numbers outside the graphified function and pass them in (e.g. a "

@@ -107,7 +107,8 @@ def test_checkpoint_with_dropout_preserving_rng_state_is_graphify_error(device, 
     msg = str(ei.value)
     assert "torch.utils.checkpoint's recompute (preserve_rng_state=True)" in msg, msg
     assert f"{THIS_FILE}:{line_of(step, '# BACKWARD')}" in msg, msg
-    assert "Fix: pass preserve_rng_state=False to torch.utils.checkpoint" in msg, msg
+    assert "Fix: set dropout to 0 in the checkpointed blocks" in msg, msg
+    assert "preserve_rng_state=False to torch.utils.checkpoint" in msg and "new dropout masks" in msg, msg
     # and again, with the same message
     with pytest.raises(gt.GraphifyError, match=r"(?s)checkpoint's recompute.*Fix:"):
         g(x)
