@@ -48,10 +48,14 @@ _is_leaf = torch.Tensor.is_leaf.__get__  # type: ignore[attr-defined]
 
 # Reads that stay legal on a stale output: metadata, no data.
 _PROPS = ("shape", "dtype", "device", "ndim", "is_cuda", "layout", "requires_grad", "is_leaf", "grad_fn")
-_METHODS = ("size", "dim", "stride", "numel", "nelement", "element_size", "is_contiguous", "is_floating_point")
+_METHODS = ("size", "dim", "stride", "numel", "nelement", "element_size", "is_contiguous", "is_floating_point",
+            "is_complex", "is_signed", "new_zeros", "new_ones", "new_empty", "new_full")
+# (new tensors of the same metadata, as gradcheck makes: they read no data)
+_LIKE = ("zeros_like", "ones_like", "empty_like", "full_like")
 _ALLOWED = frozenset(
     [getattr(torch.Tensor, n).__get__ for n in _PROPS if hasattr(torch.Tensor, n)]
     + [getattr(torch.Tensor, n) for n in _METHODS if hasattr(torch.Tensor, n)]
+    + [getattr(torch, n) for n in _LIKE]
 )
 
 
