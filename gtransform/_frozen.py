@@ -195,6 +195,15 @@ class Frozen:
         if any(d in self.no_freeze for d in deps):
             self.rewritten |= deps & self.no_freeze
             return NO_VALUE
+        trained = {d for d in deps if d in self.leaf_reals and self.leaf_reals[d].requires_grad}
+        if trained and (self.training or torch.is_grad_enabled()):
+            # a value of tensors being trained (parameters of a call under grad mode, read there or in
+            # a no_grad block of it): an optimizer changes them every step (through .data too, which
+            # no version counter shows), and a constant would carry no gradient. (Checked before
+            # the arguments: a gradient norm of a step over token ids never freezes, and its
+            # arguments are no candidates to run eagerly for.)
+            self.trained |= trained
+            return NO_VALUE
         new = {d for d in deps if d < self.n_in and d not in self.stable}
         if new:
             self.candidates |= new
@@ -203,13 +212,6 @@ class Frozen:
         if made_in_inference:
             # (no version counter: an in-place change under inference_mode could not be seen)
             self.inference |= made_in_inference
-            return NO_VALUE
-        trained = {d for d in deps if d in self.leaf_reals and self.leaf_reals[d].requires_grad}
-        if trained and (self.training or torch.is_grad_enabled()):
-            # a value of tensors being trained (parameters of a call under grad mode, read there or in
-            # a no_grad block of it): an optimizer changes them every step (through .data too, which
-            # no version counter shows), and a constant would carry no gradient
-            self.trained |= trained
             return NO_VALUE
         try:
             real_args = [self._real(a) for a in args]

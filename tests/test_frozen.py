@@ -467,3 +467,25 @@ def test_value_reads_of_a_closed_over_tensor_are_frozen_and_guarded(device, how)
     for _ in range(2):
         assert_close(f(x), torch.tensor([0.0, 9.0, 4.0], device=device))
     assert "frozen host read" in f.describe()
+
+
+def test_a_read_of_trained_values_in_a_step_over_index_arguments_is_refused_at_once_naming_them():
+    """Before: a gradient-norm check (clip_grad_norm_(error_if_nonfinite=True)) in a step over
+    token ids made the ids candidates to freeze: two calls ran eagerly, then the third raised
+    naming only the ids, with a fix (close over them) that cannot freeze a gradient norm."""
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(10, 4)
+    opt = torch.optim.SGD(emb.parameters(), lr=0.1)
+
+    def step(ids):
+        opt.zero_grad()
+        emb(ids).pow(2).sum().backward()
+        torch.nn.utils.clip_grad_norm_(emb.parameters(), 1.0, error_if_nonfinite=True)
+        opt.step()
+
+    f = gt.graphify(step)
+    ids = torch.tensor([1, 2, 3])
+    with pytest.raises(gt.GraphifyError, match=r"(?s)The read depends on .*emb\.weight") as ei:
+        for _ in range(3):
+            f(ids)
+    assert "close over it" not in str(ei.value)
