@@ -801,8 +801,9 @@ def _overwrite_text(old_desc: str, new_desc: str, call_no: int) -> str:
         f"{old_desc}: this output was overwritten by {later}, which reuses the same memory pool "
         f"(the pool's call #{call_no}). An output stays valid only until the next "
         "call of the same graphified function in the same thread, or of any function "
-        "sharing its pool. Fix: .clone() the output if you need it after the next call, "
-        "or drop it before calling again."
+        "sharing its pool. Fix: .clone() the output if you need it after the next call (an object "
+        "the function returned holding outputs, a cache or a distribution: copy.deepcopy(obj) before "
+        "the next call), or drop it before calling again."
     )
 
 

@@ -1272,8 +1272,10 @@ _SEED_MSG = (
     "Why: a recording draws fresh random numbers on every replay from the generator's "
     "current state; seeding inside the function happens once, while tracing, so eager "
     "would draw the same numbers on every call and the recording different ones.\n"
-    "Fix: seed outside the function (torch.manual_seed before the call), or use a "
-    "torch.Generator passed as an argument (generator=g in the random ops)."
+    "Fix: seed outside the function (torch.manual_seed before the call); for the same numbers "
+    "on every call, as the seed gives eager, draw them once outside and close over the tensor "
+    "(noise = torch.randn(..., generator=torch.Generator().manual_seed(0))); for a stream of its "
+    "own, pass a torch.Generator as an argument (generator=g in the random ops)."
 )
 _SEEDING = threading.local()  # .desc: the description of the trace this thread runs under _no_seeding
 _SEEDED_ELSEWHERE = [0]  # seeding calls made, while a trace ran, by code that was not traced
