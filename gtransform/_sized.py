@@ -21,6 +21,7 @@ never go stale.
 
 from __future__ import annotations
 
+import functools
 import threading
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
@@ -133,7 +134,7 @@ def _bucketed(g: Any, sz: Sizes, args: Tuple[Any, ...], kwargs: Dict[str, Any]) 
         return run(g, bind(g, args, kwargs), False)
     if bucket == n:  # (a bucket's own size: no padding; copies, as a padded call's outputs are)
         return _copied(run(g, bind(g, args, kwargs), False))
-    pargs, pkwargs = _padded(args, kwargs, found, n, bucket)
+    pargs, pkwargs = _padded(args, kwargs, found, lambda x, value: _pad_tensor(x, value, bucket))
     pb = bind(g, pargs, pkwargs)
     hits, misses = g._hits, g._misses
     entry = _padded_entry(g, pb)
@@ -177,16 +178,7 @@ def _probe_rows(g: Any, ref: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any],
     arguments; others with the true rows again) in two eager runs, whose true rows must match.
     """
     for sign in (1.0, -1.0):
-        pargs, pkwargs = list(args), dict(kwargs)
-        for where, _ in found:
-            a = args[where] if isinstance(where, int) else kwargs[where]
-            leaves, spec = flatten(a)
-            filled = unflatten(spec, [_probe_fill(x, bucket, sign) if isinstance(x, torch.Tensor) else x
-                                      for x in leaves])
-            if isinstance(where, int):
-                pargs[where] = filled
-            else:
-                pkwargs[where] = filled
+        pargs, pkwargs = _padded(args, kwargs, found, functools.partial(_probe_fill, bucket=bucket, sign=sign))
         with torch.no_grad():
             probe = g._fn(*pargs, **pkwargs)
         leaves, spec = flatten(probe)
@@ -195,8 +187,8 @@ def _probe_rows(g: Any, ref: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any],
         _compare(g, cut, ref, n, bucket, probed=True)
 
 
-def _probe_fill(x: torch.Tensor, bucket: int, sign: float) -> torch.Tensor:
-    """``x`` padded to ``bucket`` rows with values beyond its own (floating), or with its own rows again."""
+def _probe_fill(x: torch.Tensor, _value: Any, bucket: int, sign: float) -> torch.Tensor:
+    """``x`` padded to ``bucket`` rows with values beyond its own (floating), or with its own rows again (not the pad value)."""
     if x.dim() == 0 or x.shape[0] == 0:
         return x
     reps = -(-bucket // x.shape[0])
@@ -220,15 +212,14 @@ def _pad_tensor(x: torch.Tensor, value: Any, bucket: int) -> torch.Tensor:
     return torch.cat([x, fill])
 
 
-def _padded(args: Tuple[Any, ...], kwargs: Dict[str, Any], found: List[Tuple[Any, Any]], n: int,
-            bucket: int) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
-    """The arguments with the tensors of those ``pad=`` names padded along dim 0 to ``bucket`` rows."""
+def _padded(args: Tuple[Any, ...], kwargs: Dict[str, Any], found: List[Tuple[Any, Any]],
+            pad: Callable[[torch.Tensor, Any], torch.Tensor]) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
+    """The arguments with each tensor of those ``pad=`` names replaced by ``pad(tensor, its pad value)``."""
     pargs, pkwargs = list(args), dict(kwargs)
     for where, value in found:
         a = args[where] if isinstance(where, int) else kwargs[where]
         leaves, spec = flatten(a)
-        padded = unflatten(spec, [_pad_tensor(x, value, bucket) if isinstance(x, torch.Tensor) else x
-                                  for x in leaves])
+        padded = unflatten(spec, [pad(x, value) if isinstance(x, torch.Tensor) else x for x in leaves])
         if isinstance(where, int):
             pargs[where] = padded
         else:
