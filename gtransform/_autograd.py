@@ -496,8 +496,7 @@ def _partitioned_backward(box: _Box, saved: Sequence[torch.Tensor], grads: Seque
                 # tangents, which torch.func cannot see: the backward graph, eagerly
                 res = None
         if res is None:
-            with autocast_off():
-                res = list(run_graph(part.bw_gm, *saved, *tangents))
+            res = list(run_graph(part.bw_gm, *saved, *tangents))
     # the backward returns the gradients that exist; eager's None stays None
     it = iter(res or ())
     flags = iter(part.grad_none)

@@ -270,14 +270,13 @@ def _family_plan(g: Any, st: ThreadState, ck: CallKey, call: Call, fam: Any, ten
 def _name_the_arguments(err: GraphifyError, paths: List[str]) -> None:
     """A read of floating-point arguments: name them, and how to have the read frozen if they never change."""
     which = ", ".join(paths)
-    one = len(paths) == 1
-    err.args = (str(err) + f"\nThe read depends on {which}, {'a floating-point argument' if one else 'floating-point arguments'}: "
-                f"{'its' if one else 'their'} values are taken as the call's data. A value that changes with "
-                "every call (a loss to log, a stopping test) is read outside: return it and read it in the "
-                "caller's loop (every 10 steps for a log), or let Python run the read (on_break=\"split\"). "
-                f"If {'it is the same tensor' if one else 'they are the same tensors'} on every call (a time "
-                "grid, a table) and the read depends on nothing the call writes, close over "
-                f"{'it' if one else 'them'} instead of passing {'it' if one else 'them'} (gt.graphify(lambda y0: "
+    what, its, it, same = (("a floating-point argument", "its", "it", "it is the same tensor") if len(paths) == 1
+                           else ("floating-point arguments", "their", "them", "they are the same tensors"))
+    err.args = (str(err) + f"\nThe read depends on {which}, {what}: {its} values are taken as the call's data. "
+                "A value that changes with every call (a loss to log, a stopping test) is read outside: return "
+                "it and read it in the caller's loop (every 10 steps for a log), or let Python run the read "
+                f"(on_break=\"split\"). If {same} on every call (a time grid, a table) and the read depends on "
+                f"nothing the call writes, close over {it} instead of passing {it} (gt.graphify(lambda y0: "
                 "fn(y0, t))): reads of tensors the function reaches and never writes are frozen into the "
                 "recording and guarded by the tensor's identity and version counter.",)
 

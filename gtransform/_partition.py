@@ -147,18 +147,10 @@ def _reach(outs: Sequence[torch.Tensor], diff: Sequence[bool], wrt: Sequence[tor
     return [mask(o.grad_fn) if d and o.grad_fn is not None else 0 for o, d in zip(outs, diff)]
 
 
-def _forward_of(gm: torch.fx.GraphModule) -> Any:
-    """``gm.forward`` as a plain function of the graph's inputs (make_fx counts a bound method's ``self``)."""
-    def forward(*args: Any) -> Any:
-        return gm.forward(*args)
-    return forward
-
-
 def _flat_fn(gm: Any, name: str, n: Optional[int] = None) -> Any:
     """``gm`` as a function returning a tuple (its first ``n`` outputs: the tensors)."""
     def run(*args: torch.Tensor) -> tuple:
-        with autocast_off():  # (the graph holds the trace's casts)
-            return tuple(run_graph(gm, *args))[:n]
+        return tuple(run_graph(gm, *args))[:n]
 
     run.__name__ = run.__qualname__ = name
     return run
@@ -442,7 +434,7 @@ def _functional_joint(gm: Any, plan: Any, box: dict) -> Any:
                for shape, stride, dtype, device in box["specs"]]
         with TRACE_LOCK, symbolic_dispatch(env), autocast_off():
             # (its forward: a module call would run the global module hooks on gtransform's graph)
-            gm = make_fx(functionalize(_forward_of(gm), remove="mutations"), tracing_mode="real")(*ins)
+            gm = make_fx(functionalize(functools.partial(run_graph, gm), remove="mutations"), tracing_mode="real")(*ins)
     phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for k, n in enumerate(phs):
         n.target = n.name = f"primals_{k + 1}" if k < n_user + n_state else f"tangents_{k - n_user - n_state + 1}"
@@ -578,8 +570,7 @@ def _sized_backward(bw_gm: Any, name: str) -> Optional[Any]:
 
     def run(*ts: torch.Tensor) -> tuple:
         values = {sym: ts[j].shape[d] for sym, (j, d) in where.items()}
-        with autocast_off():
-            return tuple(run_graph(bw_gm, *[e if isinstance(e, int) else evaluate(e, values) for e in exprs], *ts))
+        return tuple(run_graph(bw_gm, *[e if isinstance(e, int) else evaluate(e, values) for e in exprs], *ts))
 
     run.__name__ = run.__qualname__ = name
     return run

@@ -24,7 +24,6 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from . import _distributed, _handed, _sharing
 from ._compat import (
-    autocast_off,
     clear_cublas_workspaces,
     end_route_to_pool,
     foreach_copy_,
@@ -718,8 +717,7 @@ class CUDARecording(Recording):
                 try:
                     # its intermediates in the pool the capture then reuses, not beside it
                     # (the first call's peak memory is then about eager's)
-                    with torch.cuda.stream(side), torch.no_grad(), autocast_off(), \
-                            _routed_to(dev, pool_id, self.pool):
+                    with torch.cuda.stream(side), torch.no_grad(), _routed_to(dev, pool_id, self.pool):
                         run_graph(self.gm, *_host_seeds(self.plan.gm, args))
                 finally:
                     side.synchronize()
@@ -743,7 +741,7 @@ class CUDARecording(Recording):
             _clear_workspaces()
             try:
                 try:
-                    with torch.cuda.stream(side), torch.no_grad(), autocast_off():
+                    with torch.cuda.stream(side), torch.no_grad():
                         g.capture_begin(pool=pool_id, capture_error_mode="thread_local")
                         try:
                             outs = run_graph(self.gm, *args)

@@ -191,9 +191,8 @@ def _probe_fill(x: torch.Tensor, _value: Any, bucket: int, sign: float) -> torch
     """``x`` padded to ``bucket`` rows with values beyond its own (floating), or with its own rows again (not the pad value)."""
     if x.dim() == 0 or x.shape[0] == 0:
         return x
-    reps = -(-bucket // x.shape[0])
     if not (x.is_floating_point() or x.is_complex()):
-        return torch.cat([x] * (reps + 1))[:bucket] if x.shape[0] < bucket else x
+        return torch.cat([x] * -(-bucket // x.shape[0]))[:bucket]
     big = 1.0 + float(x.detach().abs().max()) if x.numel() else 1.0
     fill = x.new_full((bucket - x.shape[0], *x.shape[1:]), sign * 4.0 * big)
     return torch.cat([x, fill])

@@ -974,12 +974,10 @@ class _FnWatch(TorchFunctionMode):
             return values
         import numpy as np
 
-        if rest and func is torch.Tensor.numpy:  # numpy(force)
-            rest = ()
-        kwargs = {k: v for k, v in kwargs.items() if k != "force"}
         arr = np.array(values, dtype=_numpy_dtype(t.dtype))
-        if func is torch.Tensor.__array__ and (rest or kwargs.get("dtype") is not None):
-            arr = arr.astype(rest[0] if rest else kwargs["dtype"])
+        asked = (rest[0] if rest else kwargs.get("dtype")) if func is torch.Tensor.__array__ else None  # __array__(dtype)
+        if asked is not None:
+            arr = arr.astype(asked)
         arr.flags.writeable = False
         return arr
 
