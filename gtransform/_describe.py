@@ -105,6 +105,10 @@ def _signature_lines(n: int, e: Entry, pools: Dict[Any, int]) -> List[str]:
         seen = values[0] if len(values) == 1 else f"{len(values)} reads, first {values[0]}"
         lines.append(f"  frozen host read: {op} at {site}, hangs on {on} (identity and version "
                      f"checked on every call): {seen}")
+    if e.plan.py_values:
+        shown = ", ".join(f"{path}={_short(v)}" for path, _w, _k, v in e.plan.py_values[:8])
+        more = f" and {len(e.plan.py_values) - 8} more" if len(e.plan.py_values) > 8 else ""
+        lines.append(f"  Python values read from names (checked on every call; a new value traces again): {shown}{more}")
     for slot in e.plan.escape_slots:
         lines.append(f"  written back after each call: {slot.path}")
     for c in e.plan.py_changes:

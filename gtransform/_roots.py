@@ -25,7 +25,7 @@ import torch
 from ._compat import LR_SCHEDULER_LEGACY_BASE
 from ._errors import GraphifyError, is_library_file
 
-__all__ = ["Root", "Slot", "find_roots", "root_modules", "named_values"]
+__all__ = ["Root", "Slot", "find_roots", "root_modules", "named_values", "python_values"]
 
 _Module = torch.nn.Module
 _Optimizer = torch.optim.Optimizer
@@ -370,11 +370,12 @@ class Slot:
             self.obj[self.key] = value
 
 
-def named_values(fn: Any) -> List[Tuple[str, Any, str, Any]]:
+def named_values(fn: Any, roots: Sequence[Root] = ()) -> List[Tuple[str, Any, str, Any]]:
     """``(path, where, key, value)`` of each name ``fn`` reaches: its closure cells and globals.
 
     And those of the functions it names (3 levels; functools caches followed to the function
-    they wrap), and the attributes of the user's own classes and modules it names.
+    they wrap), and the attributes of the user's own classes and modules it names; with
+    ``roots``, those of the user-written ``forward`` of every module under them too.
     """
     out: List[Tuple[str, Any, str, Any]] = []
     seen: Set[int] = set()
@@ -384,10 +385,13 @@ def named_values(fn: Any) -> List[Tuple[str, Any, str, Any]]:
             return
         seen.add(id(f))
         if isinstance(f, functools.partial):
+            # (its bound arguments: `partial(step, scale=0.5)`, a keyword changed in place)
+            out.extend((f"{_fn_name(f.func)}.keywords[{k!r}]", f.keywords, k, v) for k, v in f.keywords.items())
             walk(f.func, depth + 1)
             return
+        owner = None
         if inspect.ismethod(f):
-            f = f.__func__
+            owner, f = f.__self__, f.__func__
         wrapped = getattr(f, "__wrapped__", None)
         if not isinstance(f, types.FunctionType) and wrapped is not None:
             walk(wrapped, depth + 1)  # (functools.lru_cache: a C-level wrapper)
@@ -396,6 +400,8 @@ def named_values(fn: Any) -> List[Tuple[str, Any, str, Any]]:
             return
         code = f.__code__
         names = _code_names(code)
+        if isinstance(owner, type) and _users_namespace(owner):  # (`cls.scale` in a classmethod)
+            out.extend((f"{owner.__name__}.{a}", owner, a, owner.__dict__[a]) for a in names if a in owner.__dict__)
         for name, cell in zip(code.co_freevars, f.__closure__ or ()):
             try:
                 v = cell.cell_contents
@@ -418,7 +424,42 @@ def named_values(fn: Any) -> List[Tuple[str, Any, str, Any]]:
                 walk(v, depth + 1)
 
     walk(fn, 0)
+    for _path, m in root_modules(roots):
+        fwd = type(m).__dict__.get("forward")
+        if isinstance(fwd, types.FunctionType) and not _is_library_code(fwd):
+            walk(fwd, 0)
     return out
+
+
+def _fn_name(f: Any) -> str:
+    return getattr(f, "__qualname__", None) or type(f).__name__
+
+
+_VALUE_TYPES = (int, float, bool, complex, str, bytes, type(None))
+
+
+def python_values(named: Sequence[Tuple[str, Any, str, Any]]) -> Tuple[Tuple[str, Any, str, Any], ...]:
+    """The plain Python values among ``named`` (:func:`named_values`): ``(path, where, key, value)``.
+
+    Numbers, strings, bytes, None and short tuples of them bound to a global, a closure cell,
+    a ``functools.partial`` keyword or an attribute of the user's own class or module that the
+    function names. A trace reads them once; eager reads them at every call, so each is part
+    of the signature (``SCALE = 0.5`` rebound between calls traces again), as TorchDynamo's
+    guards make them. The values are taken before the trace runs.
+    """
+    seen: Set[Tuple[int, str]] = set()
+    out = []
+    for path, where, key, v in named:
+        if _plain_value(v) and (id(where), key) not in seen:
+            seen.add((id(where), key))
+            out.append((path, where, key, v))
+    return tuple(out)
+
+
+def _plain_value(v: Any) -> bool:
+    if type(v) in _VALUE_TYPES:
+        return True
+    return type(v) is tuple and len(v) <= 8 and all(type(x) in _VALUE_TYPES for x in v)
 
 
 # -- the environment part of the signature ------------------------------------------------

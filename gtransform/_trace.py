@@ -59,7 +59,7 @@ from ._rewrite import (
     _name_default_dtypes,
     _reshape_computed_views,
 )
-from ._roots import Root, Slot, named_values
+from ._roots import Root, Slot, named_values, python_values
 from ._snapshot import ScanResult, Snapshot, contains
 from ._state import AttrReads, StateIndex, dynamic_cache_error, escape_error, is_dynamic_cache, leaf_grad, stored_error
 from ._symbolic import (
@@ -299,6 +299,10 @@ class Plan:
     # on: input index -> (reference to the tensor, its version counter when read)
     frozen: List[Any] = field(default_factory=list)
     frozen_guard: Dict[int, Tuple[Any, int, int]] = field(default_factory=dict)
+    # the plain Python values bound to names the function reaches (globals, closure cells,
+    # partial keywords, the user's class and module attributes), as the call found them:
+    # (path, where, key, value); see _roots.python_values
+    py_values: Tuple[Tuple[str, Any, str, Any], ...] = ()
     # traced with symbolic sizes (see _symbolic): the sizes it holds for, or None
     sizes: Optional[SymbolicSizes] = None
     shared: bool = False  # this signature's copy of another's symbolic plan: not traced
@@ -865,6 +869,7 @@ def trace(
     named = named_values(fn)  # (one walk of the names it reaches, for the three below)
     snap = Snapshot(roots, number_bindings(named), function_caches(named))
     its = [(path, it, iterator_position(it)) for path, it in iterators(named)]
+    values = python_values(named + named_values(None, roots))  # (and those user-written forwards name)
     real = {i: tensors[i] for i in stable}
     no_freeze: FrozenSet[int] = frozenset()
     try:
@@ -889,6 +894,7 @@ def trace(
     gens.check(desc, raise_=True)
     gens.refuse_unknown(desc, list(zip(plan.generators, plan.generator_at)))
     _refuse_iterators_taken(desc, its)
+    plan.py_values = values
     return plan
 
 

@@ -120,6 +120,43 @@ def _frozen_reads(graphify, device):
     return out
 
 
+SCALE = 2.0
+
+
+def _python_values(graphify, device):
+    # a global number, a closure cell and a partial keyword the function names, each rebound
+    # between calls: eager reads them at every call (TorchDynamo guards them)
+    global SCALE
+    SCALE = 2.0
+    shift = 1.0
+
+    def fn(x, power=1):
+        return x * SCALE + shift**power
+
+    def set_shift(v):
+        nonlocal shift
+        shift = v
+
+    import functools
+
+    p = functools.partial(fn, power=1)
+    f = graphify(p)
+    x = torch.ones(3, device=device)
+    out = [f(x) for _ in range(2)]
+    SCALE = 3.0
+    out += [f(x) for _ in range(2)]
+    set_shift(2.0)
+    out += [f(x) for _ in range(2)]
+    p.keywords["power"] = 2
+    out += [f(x) for _ in range(2)]
+    i = torch.ones(3, device=device, dtype=torch.int64)
+    SCALE = 1.0
+    out += [f(i) for _ in range(2)]
+    SCALE = True  # (equal to 1.0, another type: an int64 result in eager, not a float one)
+    out += [f(i) for _ in range(2)]
+    return out
+
+
 def _absent_grads(graphify, device):
     torch.manual_seed(0)
     m = nn.Linear(3, 2).to(device)
@@ -238,6 +275,7 @@ SCENARIOS = {
     "static values": _static_values,
     "state": _state,
     "frozen reads": _frozen_reads,
+    "Python values": _python_values,
     "absent grads": _absent_grads,
     "same objects": _same_objects,
     "aliasing": _aliasing,

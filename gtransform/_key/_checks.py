@@ -25,6 +25,7 @@ in place must be at the addresses it was recorded with), both written by the fas
 
 from __future__ import annotations
 
+import types
 from dataclasses import dataclass
 from typing import Any, Callable, FrozenSet, List, Optional, Sequence
 
@@ -259,6 +260,44 @@ def _frozen_explain(e: Any, call: Call) -> List[str]:
     return out
 
 
+def _values_code(e: Any, n: Names) -> List[str]:
+    """Each plain Python value the function names (a global, a closure cell...): the value traced with."""
+    lines = []
+    for _path, where, key, value in e.plan.py_values:
+        v, w = n.gen.tmp(), n.gen.const(where, "W")
+        read = (f"{w}.get({key!r}, _MISSING)" if type(where) is dict else f"_cell({w})"
+                if type(where) is _CellType else f"getattr({w}, {key!r}, _MISSING)")
+        lines += [f"{v} = {read}", f"if {const_check(n.gen, v, value)}: {FAIL}"]
+    return lines
+
+
+def _values_explain(e: Any, call: Any) -> List[str]:
+    out = []
+    for path, where, key, value in e.plan.py_values:
+        now = _read_value(where, key)
+        if static_leaf_key(now) != static_leaf_key(value):
+            out.append(f"{path} is {'gone' if now is _MISSING else repr(now)} now (traced with {value!r}: "
+                       "a Python value the function reads, frozen into the recording)")
+    return out
+
+
+_MISSING = object()
+_CellType = types.CellType
+
+
+def _cell(c: Any) -> Any:
+    try:
+        return c.cell_contents
+    except ValueError:  # (an empty cell: `del` of the name)
+        return _MISSING
+
+
+def _read_value(where: Any, key: str) -> Any:
+    if type(where) is dict:
+        return where.get(key, _MISSING)
+    return _cell(where) if type(where) is _CellType else getattr(where, key, _MISSING)
+
+
 def _grad_none_code(e: Any, n: Names) -> List[str]:
     return [f"if {n.gen.const(t, 'G')}.grad is not None: {FAIL}" for t in e.grad_none]
 
@@ -452,6 +491,9 @@ CHECKS: List[Check] = [
           lambda e: bool(e.consts), _consts_code, _consts_explain),
     Check("state", "the state tensors, read where the function reaches them, each the very object traced "
           "where the recording binds it", lambda e: bool(e.state_src), _state_code, _state_explain),
+    Check("Python values", "the numbers, strings and None bound to the globals, closure cells, partial keywords and "
+          "class or module attributes the function names (SCALE = 0.5 rebound between calls)",
+          lambda e: bool(e.plan.py_values), _values_code, _values_explain),
     Check("frozen reads", "the tensors a host read frozen into the trace hangs on: the very objects, unwritten "
           "(their version counters)", lambda e: bool(e.plan.frozen_guard), _frozen_code, _frozen_explain),
     Check("absent grads", "the .grad the recording makes is not there before the call",
@@ -482,7 +524,7 @@ CHECKS: List[Check] = [
 _NAMESPACE = dict(
     NAMESPACE, _Tensor=torch.Tensor, _orders=dict_orders, _alias=alias_pattern, _alias_with=alias_with, _same=same_objects,
     _attrs_key=attrs_key, _has_grad=has_grad, _plain=plain_layout, FOR_GRAD=FOR_GRAD, _version=tensor_version,
-    _data_ptr=torch.Tensor.data_ptr,
+    _data_ptr=torch.Tensor.data_ptr, _MISSING=_MISSING, _cell=_cell,
     # the global settings' getters (the fast path reads them itself: see _glob_code)
     _grad_enabled=torch.is_grad_enabled, FWAD=torch.autograd.forward_ad,
     _inference_mode=torch.is_inference_mode_enabled, _default_dtype=torch.get_default_dtype,

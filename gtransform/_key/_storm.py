@@ -210,6 +210,11 @@ def explain_state_storm(desc: str, log: List[List[str]], calls: int) -> str:
                      "place, or another object): each change traces again. Keep that tensor fixed (a time "
                      "grid, a graph), or let Python run the read on every call: "
                      "graphify(fn, on_break=\"split\") (graph breaks through TorchDynamo) or on_break=\"eager\".")
+    if any("a Python value the function reads" in t for t in texts):
+        fixes.append("A Python value the function reads from a global, a closure or a class changes between "
+                     "calls (a step counter, a schedule; or the function's own `global n; n += 1`): pass it as "
+                     "an argument instead (a tensor: one recording for every value; a Python number in "
+                     "static_argnums: one per value), or keep the counting outside the function.")
     if not fixes:
         fixes.append("Keep the tensors the function reads (parameters, buffers, optimizer state, "
                      "caches) the same objects with the same shapes between calls, and change their "
