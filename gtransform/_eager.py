@@ -123,8 +123,15 @@ def trace_failed(g: Any, st: Any, key: Any, err: Exception, in_paths: List[str],
         raise err
     first = str(err).splitlines()[0][:200] if str(err) else ""
     st.raised = key
-    if _raised_by_fake_kernels(err):
+    if _raised_by_fake_kernels(err) or "NestedTensorImpl" in first:
         st.raised_what = f"{type(err).__name__} inside torch's fake kernels: {first}"
+        if "NestedTensorImpl" in first or "nested" in first.lower():
+            # (eager's nn.TransformerEncoder in eval mode without grad, given a padding mask, runs its
+            # layers on a nested tensor and pads the output with zeros: a recording holds dense tensors)
+            st.raised_what += ("; the function makes a nested tensor (nn.TransformerEncoder in eval mode without "
+                               "grad, given src_key_padding_mask, does): recordings hold dense tensors only. To "
+                               "record it, build the encoder with enable_nested_tensor=False (eager then leaves "
+                               "the padded positions' outputs unmasked instead of zero)")
         log.info("%s: the trace failed inside torch's fake kernels (%s): this call runs eagerly",
                  g._desc, st.raised_what)
     else:

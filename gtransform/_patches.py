@@ -27,7 +27,16 @@ Installed by the first :class:`trace_scope` entered, put back by the last one to
   tensors instead of reading them with ``.item()``). torch has no per-thread form of
   it: ``torch.export`` and ``torch.compile`` set the module global
   ``torch.compiler._is_compiling_flag``, which every thread reads. That global is left
-  alone; the function's code is routed instead.
+  alone; the function's code is routed instead. Asked by ``torch.nn.modules.transformer``
+  or ``.activation`` (fast-path checks that change the numbers, not only the route), it
+  answers as eager: ``nn.TransformerEncoder`` given a padding mask then takes eager's
+  nested-tensor path (zeros at the padded positions), which the trace refuses.
+* ``torch.overrides.has_torch_function`` (by name on ``torch.overrides``: a C function), asked
+  by those two modules: eager's answer, the trace's own torch-function modes left out, so
+  that ``nn.TransformerEncoderLayer`` in eval mode without grad records eager's native
+  kernel (``_transformer_encoder_layer_fwd``) instead of its composite path. Every other
+  caller (``torch.nn.functional`` binds the name early; ``torch.sym_*``, higher-order ops)
+  gets torch's answer.
 * ``torch.get_rng_state`` / ``torch.set_rng_state`` (``torch.random``'s) and
   ``torch.cuda.get_rng_state`` / ``torch.cuda.set_rng_state`` (``torch.cuda.random``'s):
   a state got and set back inside the function is followed against the trace's random
@@ -237,8 +246,13 @@ def unroute(fn: Any) -> None:
 # -- the patches shared by traces ------------------------------------------------------------
 
 
-def _true() -> bool:
-    return True
+def _compiling(orig: Any) -> Any:
+    """``torch.compiler.is_compiling`` in a tracing thread: true, but where a fast-path check of torch asks."""
+    def replacement() -> bool:
+        # (nn.TransformerEncoder takes its nested-tensor path in eager, and skips it when compiling:
+        # eager's answer there, so that the trace meets what eager does, or refuses it)
+        return sys._getframe(2).f_globals.get("__name__") not in _FAST_PATH_MODULES  # (1: the router)
+    return replacement
 
 
 class _LogFilter(logging.Filter):
@@ -281,6 +295,37 @@ def _as_number(to: Callable[[Any], Any], show: Callable[..., str]) -> Callable[[
     return make
 
 
+# modules whose code branches on torch.overrides.has_torch_function to pick a kernel, not to
+# hand the call to a mode: nn.TransformerEncoder(Layer) and nn.MultiheadAttention's fast path
+_FAST_PATH_MODULES = frozenset({"torch.nn.modules.transformer", "torch.nn.modules.activation"})
+_DISABLED_TF = torch._C._disabled_torch_function_impl
+
+
+def _eager_has_torch_function(orig: Any) -> Any:
+    """``has_torch_function`` as eager answers it, where torch's fast-path checks ask (a trace's modes left out).
+
+    ``nn.TransformerEncoderLayer`` and ``nn.MultiheadAttention`` in eval mode without grad run
+    one native kernel (``_transformer_encoder_layer_fwd``, ``_native_multi_head_attention``)
+    unless ``has_torch_function(tensor_args)``; the trace's torch-function modes made it true,
+    so the trace took the other path: other kernels than eager's, and for
+    ``nn.TransformerEncoder`` with a padding mask no zeros at the padded positions (eager's
+    nested-tensor path). Where those modules ask, the answer is eager's: whether an argument
+    overrides ``__torch_function__``. Every other caller gets torch's answer.
+    """
+    def replacement(args: Any) -> bool:
+        if sys._getframe(2).f_globals.get("__name__") not in _FAST_PATH_MODULES:
+            return orig(args)  # type: ignore[no-any-return]
+        for a in args:
+            t = type(a)
+            if t is torch.Tensor:
+                continue
+            f = getattr(t, "__torch_function__", None)
+            if f is not None and getattr(f, "__func__", f) is not _DISABLED_TF:
+                return True
+        return False
+    return replacement
+
+
 _SHARED: List[Callable[[], List[Any]]] = []
 
 
@@ -297,7 +342,8 @@ def _shared() -> List[Any]:
     """The patches installed while any trace runs (see the module docstring)."""
     from . import _jiterator
 
-    out: List[Any] = [Route([(torch.compiler, "is_compiling")], lambda orig: _true)]
+    out: List[Any] = [Route([(torch.compiler, "is_compiling")], _compiling),
+                      Route([(torch.overrides, "has_torch_function")], _eager_has_torch_function)]
     for cls, to in ((torch.SymInt, int), (torch.SymFloat, float), (torch.SymBool, bool)):
         out += [Route([(cls, "__repr__")], _as_number(to, repr)), Route([(cls, "__format__")], _as_number(to, format))]
     for factory in _SHARED:
