@@ -76,6 +76,10 @@ class Graphified(Generic[P, R]):
         self._sizes = new_sizes(fn, self._options)  # record_sizes=, buckets= (see _sized)
         self._storm = StormDetector(self._desc, self._sizes.allowance if self._sizes is not None else 0)
         self._breaks: Any = None  # signatures that read their own data, run as on_break says (see _breaks)
+        if fuse:
+            from .fuse import prepare  # (inductor loaded now, as torch.compile(fn) loads it when it wraps)
+
+            prepare()
         functools.update_wrapper(self, fn, updated=())  # (not __dict__: fn may be an nn.Module)
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:

@@ -1,8 +1,9 @@
 """The fused backend of ``graphify(fn, fuse=True)``: a traced graph compiled by TorchInductor.
 
-The core reaches this package through its two names alone, each imported where it is
-used: :func:`compiled` (``_trace.Plan.fused``: the graph a recording runs) and
-:func:`warm_pool` (``_api``: before a fuse=True function is traced). A program that
+The core reaches this package through its three names alone, each imported where it is
+used: :func:`prepare` (``_api``: inductor loaded when a fuse=True function is made),
+:func:`compiled` (``_trace.Plan.fused``: the graph a recording runs)
+and :func:`warm_pool` (``_lookup``: before a fuse=True function is traced). A program that
 never asks for ``fuse=True`` loads neither this package nor inductor. The package
 may import the core; the core imports nothing of it at module level.
 
@@ -32,9 +33,9 @@ from typing import Any, Callable
 
 import torch
 
-from ._inductor import _Inductor, warm_pool
+from ._inductor import _Inductor, prepare, warm_pool
 
-__all__ = ["compiled", "warm_pool"]
+__all__ = ["compiled", "prepare", "warm_pool"]
 
 
 def compiled(gm: torch.fx.GraphModule, dims: Any = None) -> Callable[..., Any]:

@@ -60,6 +60,18 @@ def config() -> dict:
     return {k: v for k, v in _CONFIG.items() if known(k)}
 
 
+def prepare() -> None:
+    """Load inductor now, when a fuse=True function is made, as ``torch.compile(fn)`` loads it when it wraps.
+
+    Importing inductor takes seconds on a cold process (most of it Python compiling the
+    modules' source): paid where the function is set up (a server's start, a training
+    script's first lines), not by its first call. The compile workers still start at the
+    first call (:func:`warm_pool`), as torch.compile starts them at its first compile.
+    """
+    load_compile_fx()
+    load_inductor_config()
+
+
 def warm_pool() -> None:
     """Get ready for a fuse=True compile: Triton's ptxas fixed, compile workers started.
 
