@@ -88,7 +88,8 @@ def build_fast_path(owner: Any, entry: Any, rec: Any, pool: Any) -> Any:
     """
     g = Gen()
     flat, tens = _check_lines(g, entry, rec)
-    call = _replay_lines(g, rec, tens) + _set_lines(g, entry) + _output_lines(g, entry.plan, rec, tens)
+    call = (_replay_lines(g, rec, tens) + _set_lines(g, entry) + _flag_lines(entry, tens)
+            + _output_lines(g, entry.plan, rec, tens))
     # the static arguments apart as the generic path takes them (a refused one -> miss)
     text = ["def fast(args, kwargs):", "    try:"]
     if owner._has_static:
@@ -208,6 +209,11 @@ def _special_in(g: Gen, rec: Any, tens: List[str]) -> List[str]:
 def _set_lines(g: Gen, entry: Any) -> List[str]:
     """The Python values the function sets, set as its trace left them (see ``Entry.sets``)."""
     return [f"{g.const(where, 'W')}[{g.const(key, 'K')}] = {g.const(value, 'V')}" for where, key, value in entry.sets]
+
+
+def _flag_lines(entry: Any, tens: List[str]) -> List[str]:
+    """The inputs the function makes require grad, set so on the caller's tensors (see ``Plan.input_flags``)."""
+    return [f"{tens[i]}.requires_grad_({flag!r})" for i, flag in sorted(entry.plan.input_flags.items())]
 
 
 def _output_lines(g: Gen, plan: Any, rec: Any, tens: List[str]) -> List[str]:

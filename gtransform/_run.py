@@ -78,4 +78,6 @@ def run(g: Any, b: Bound, under_grad: bool) -> Any:
         out = e.plan.assemble(run_flat(g, e, st, tensors))
     for where, key, value in e.sets:  # (the Python values the function sets: see Entry.sets)
         where[key] = value
+    for i, flag in e.plan.input_flags.items():  # (x.requires_grad_() inside: see Plan.input_flags)
+        tensors[i].requires_grad_(flag)
     return out

@@ -303,6 +303,9 @@ class Plan:
     # partial keywords, the user's class and module attributes), as the call found them:
     # (path, where, key, value); see _roots.python_values
     py_values: Tuple[Tuple[str, Any, str, Any], ...] = ()
+    # caller's inputs the function turns requires_grad on or off for (x.requires_grad_() inside,
+    # the forces of a potential: -autograd.grad(E(x), x)): set so after every call, as eager leaves them
+    input_flags: Dict[int, bool] = field(default_factory=dict)
     # traced with symbolic sizes (see _symbolic): the sizes it holds for, or None
     sizes: Optional[SymbolicSizes] = None
     shared: bool = False  # this signature's copy of another's symbolic plan: not traced
@@ -910,6 +913,48 @@ def _refuse_iterators_taken(desc: str, its: List[Tuple[str, Any, Any]]) -> None:
         )
 
 
+def _input_flags(desc: str, paths: List[str], tensors: Sequence[torch.Tensor], inputs: _Inputs,
+                 outs: Sequence[Any]) -> Dict[int, bool]:
+    """The caller's inputs the function made require grad (``x.requires_grad_()``): index -> True.
+
+    A replay sets them so on the caller's tensors, as eager leaves them. Refused where an output
+    carries a graph back to such an input: eager's output would be differentiable with respect to
+    it (a backward fills its ``.grad``), the recording's, traced for the input as passed, is not.
+    """
+    flags = {i: True for i, t in enumerate(tensors)
+             if t.requires_grad and not inputs.specs[i][4] and inputs.histories[i] is None}
+    on = {id(tensors[i]): i for i in flags}
+    if on:
+        reached = _leaves_reached([x for x in outs if isinstance(x, torch.Tensor) and x.grad_fn is not None], on)
+        if reached is not None:
+            where = paths[reached]
+            raise GraphifyError(
+                f"{desc}: the function makes its input {where} require grad ({where}.requires_grad_()) and "
+                "returns an output that depends on it differentiably.\n"
+                f"Why: the recording is made for {where} as the caller passes it, without requires_grad; eager's "
+                f"output would carry a graph back to {where}, and a backward through it would fill {where}.grad.\n"
+                f"Fix: call {where}.requires_grad_() before calling the function (the recording then "
+                "differentiates through it), or return outputs detached from it (e.detach(), or a gradient "
+                "from torch.autograd.grad without create_graph).")
+    return flags
+
+
+def _leaves_reached(outs: Sequence[torch.Tensor], leaves: Dict[int, int]) -> Optional[int]:
+    """The first of ``leaves`` (id -> input index) whose gradient the outputs' graphs accumulate, or None."""
+    seen: Set[Any] = set()
+    todo = [x.grad_fn for x in outs]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        var = getattr(node, "variable", None)
+        if var is not None and id(var) in leaves:
+            return leaves[id(var)]
+        todo.extend(n for n, _ in node.next_functions)
+    return None
+
+
 class _Tracing:
     """One trace: the stand-ins of the inputs, the watchers, ``make_fx``, the checks after it, the plan."""
 
@@ -982,6 +1027,7 @@ class _Tracing:
         box["leaves"] = leaves
         box["custom_grad"] = _custom_functions([x for x in leaves if isinstance(x, torch.Tensor)],
                                                [t.grad_fn for t in watch.state if t.grad_fn is not None])
+        box["input_flags"] = _input_flags(desc, self.paths, tensors, self.inputs, leaves)
         histories = self.inputs.histories
         for i, t in enumerate(tensors):
             if t.requires_grad and self.is_ours(leaf_grad(t)):
@@ -1245,6 +1291,7 @@ class _Tracing:
             cuda=self.cuda,
             frozen=list(frozen.reads) if frozen is not None else [],
             frozen_guard=guard_refs(frozen) if frozen is not None else {},
+            input_flags=self.box.get("input_flags", {}),
             sizes=sizes,
             sizes_pinned=pinned,
             out_views=output_views([x for x in self.box["leaves"] if isinstance(x, torch.Tensor)], entries),

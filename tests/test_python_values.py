@@ -195,3 +195,4 @@ def test_both_paths_check_the_value(path, monkeypatch):
     for k in (1.0, 1.0, 1.0, 5.0, 5.0, 1.0):  # noqa: B007
         outs.append(f(x).clone())
     assert [o[0].item() for o in outs] == [1.0, 1.0, 1.0, 5.0, 5.0, 1.0]
+
