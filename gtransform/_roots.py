@@ -72,6 +72,11 @@ def _is_library_code(fn: Any) -> bool:
     return path.startswith(_TORCH_DIR) or path.startswith(_PKG_DIR) or "site-packages" in path
 
 
+def _library_wrapper(fn: Any, wrapped: Any) -> bool:
+    """Whether library function ``fn`` wraps another function (``functools.wraps``) that it calls."""
+    return callable(wrapped) and wrapped is not fn and not isinstance(wrapped, type)
+
+
 def _code_names(code: types.CodeType) -> Set[str]:
     names = set(code.co_names)
     for c in code.co_consts:
@@ -114,6 +119,11 @@ def _candidates(fn: Any, depth: int, out: List[Tuple[str, Any]], seen: Set[int],
         _candidates(wrapped, depth + 1, out, seen, where)
         return
     if not isinstance(fn, types.FunctionType):  # a C slot (__call__ of a C type), a builtin
+        return
+    if _is_library_code(fn) and _library_wrapper(fn, wrapped):
+        # a decorator of a library (torch.no_grad(), autocast, torch.func.vmap / grad, made with
+        # functools.wraps) around the user's function: walked through, not counted as a level
+        _candidates(wrapped, depth, out, seen, where)
         return
     if _is_library_code(fn) and depth > 0:
         return
@@ -395,6 +405,9 @@ def named_values(fn: Any, roots: Sequence[Root] = ()) -> List[Tuple[str, Any, st
         wrapped = getattr(f, "__wrapped__", None)
         if not isinstance(f, types.FunctionType) and wrapped is not None:
             walk(wrapped, depth + 1)  # (functools.lru_cache: a C-level wrapper)
+            return
+        if isinstance(f, types.FunctionType) and _is_library_code(f) and _library_wrapper(f, wrapped):
+            walk(wrapped, depth)  # (torch.no_grad(), autocast, vmap around the user's function)
             return
         if not isinstance(f, types.FunctionType) or (depth > 0 and _is_library_code(f)):
             return

@@ -2893,3 +2893,51 @@ def test_returned_gradients_scaled_in_place_reach_the_optimizer(device):
         return p.detach().clone()
 
     assert_close(run(True), run(False))
+
+
+# -- state behind library decorators (found by a bug hunt) ---------------------------------
+
+_WRAPPED_MODEL = None
+_WRAPPED_W = None
+
+
+def _wrapped_fns():
+    @torch.no_grad()
+    @torch.autocast("cpu", enabled=False)
+    def infer(x):
+        return _WRAPPED_MODEL(x * _WRAPPED_W)
+
+    def loss(w, x):
+        return (_WRAPPED_MODEL(x * w) ** 2).sum()
+
+    return {
+        "no_grad+autocast": (infer, lambda x: (x,)),
+        "vmap(grad)": (torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0)), lambda x: (_WRAPPED_W, x)),
+        "vmap(vmap)": (torch.func.vmap(torch.func.vmap(lambda x: _WRAPPED_MODEL(x * _WRAPPED_W))),
+                       lambda x: (x.reshape(3, 1, 4),)),
+    }
+
+
+@pytest.mark.parametrize("which", ["no_grad+autocast", "vmap(grad)", "vmap(vmap)"])
+@pytest.mark.parametrize("change", ["model", "w", "parameter"])
+def test_state_behind_two_library_decorators_is_read_again_when_rebound(device, which, change):
+    """torch.no_grad() over autocast, vmap over grad: the walk goes through functools.wraps wrappers,
+    so a global rebound (a new model, a new tensor, a new nn.Parameter) is seen, as with one wrapper."""
+    global _WRAPPED_MODEL, _WRAPPED_W
+    torch.manual_seed(0)
+    _WRAPPED_MODEL, _WRAPPED_W = nn.Linear(4, 2).to(device), torch.ones(4, device=device)
+    fn, args = _wrapped_fns()[which]
+    f = gt.graphify(fn)
+    x = torch.randn(3, 4, device=device)
+    try:
+        for i in range(4):
+            if i == 2:
+                if change == "model":
+                    _WRAPPED_MODEL = nn.Linear(4, 2).to(device)
+                elif change == "w":
+                    _WRAPPED_W = torch.full((4,), 3.0, device=device)
+                else:
+                    _WRAPPED_MODEL.weight = nn.Parameter(torch.randn(2, 4, device=device))
+            assert_close(f(*args(x)), fn(*args(x)))
+    finally:
+        _WRAPPED_MODEL = _WRAPPED_W = None
