@@ -184,6 +184,11 @@ def _users_namespace(v: Any) -> bool:
     return path is None or not is_library_file(path)
 
 
+# the standard library's machinery, not state (types.SimpleNamespace and argparse.Namespace are)
+_STDLIB = frozenset({"builtins", "logging", "threading", "_thread", "queue", "multiprocessing", "concurrent",
+                     "asyncio", "socket", "subprocess", "io", "_io", "weakref", "tempfile", "warnings", "unittest"})
+
+
 def _plain_object(v: Any) -> bool:
     if isinstance(v, (type, types.ModuleType, types.FunctionType, types.MethodType, torch.Tensor)):
         return False
@@ -191,8 +196,11 @@ def _plain_object(v: Any) -> bool:
         return False
     if isinstance(v, _TORCH_STATE):
         return True
-    mod = type(v).__module__ or ""
-    return not (mod.startswith("torch") or mod.startswith("gtransform") or mod == "builtins")
+    top = (type(v).__module__ or "").split(".")[0]
+    # (torch's own objects and the standard library's machinery: a logging.Logger reaches every
+    # logger of the process through its manager, a thread its target. Packages named torch_geometric,
+    # torchdiffeq, torchvision... are not torch: their objects (a PyG Data) are walked)
+    return not (top in ("torch", "gtransform") or top in _STDLIB)
 
 
 # How deep find_roots follows containers and plain objects: a trainer's

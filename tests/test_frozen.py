@@ -489,3 +489,61 @@ def test_a_read_of_trained_values_in_a_step_over_index_arguments_is_refused_at_o
         for _ in range(3):
             f(ids)
     assert "close over it" not in str(ei.value)
+
+
+def test_a_pyg_data_object_whose_graph_is_replaced_traces_again():
+    """A PyG Data's module is torch_geometric, not torch: it is walked like any object the function
+    reaches, so a new edge_index (or x) set on it is seen (found by a bug hunt: it replayed the old graph)."""
+    pyg = pytest.importorskip("torch_geometric.nn")
+    from torch_geometric.data import Data
+
+    torch.manual_seed(0)
+    n = 12
+    data = Data(x=torch.randn(n, 4), edge_index=torch.randint(0, n, (2, 30)))
+    conv = pyg.GCNConv(4, 4).eval()
+
+    def fn(scale):
+        return conv(data.x * scale, data.edge_index)
+
+    f = gt.graphify(fn)
+    s = torch.tensor(2.0)
+    with torch.no_grad():
+        for i in range(5):
+            if i == 2:
+                data.edge_index = torch.randint(0, n, (2, 30))
+            if i == 4:
+                data.x = torch.randn(n, 4)
+            assert_close(f(s), fn(s))
+
+
+_LOGGING_SCRIPT = r"""
+import logging, torch, gtransform as gt
+log = logging.getLogger(__name__)
+W = torch.randn(4, 4)
+def step(x):
+    log.debug("step called")
+    return x @ W
+f = gt.graphify(step)
+x = torch.randn(2, 4)
+for _ in range(3):
+    torch.testing.assert_close(f(x), x @ W)
+log.setLevel(logging.INFO)
+torch.testing.assert_close(f(x), x @ W)
+print("recorded", f.cache_info().currsize)
+"""
+
+
+def test_a_function_that_logs_through_a_module_logger_is_recorded():
+    """logging.getLogger(__name__) at module level, used in a traced function: the logger is not
+    state (its manager reaches every logger of the process, gtransform's own filter on torch's
+    fake-tensor logger included: it was refused from the second call on). In a fresh interpreter:
+    pytest's own logging plugin changes what the manager holds."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(gt.__file__)))
+    r = subprocess.run([sys.executable, "-c", _LOGGING_SCRIPT], cwd=root, capture_output=True, text=True,
+                       timeout=300, env={**os.environ, "PYTHONPATH": root})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "recorded 1" in r.stdout
