@@ -712,17 +712,25 @@ def _input_as_eager(t: torch.Tensor, o: torch.Tensor, oe: Any) -> torch.Tensor:
     return t.as_strided(oe.size, oe.stride, t.storage_offset() + oe.rel_offset)
 
 
-def _as_views(outs: Sequence[torch.Tensor], views: Sequence[Tuple[int, int, bool]]) -> Tuple[torch.Tensor, ...]:
+def _as_views(outs: Sequence[torch.Tensor], views: Sequence[Tuple[int, int, str]]) -> Tuple[torch.Tensor, ...]:
     """Outputs returned twice as one object, and views of another output as its views (as eager's are).
 
     The autograd wrapper's outputs are each its own node: ``h[:, -1]`` returned beside ``h``
     would share ``h``'s memory but not its autograd history, so an in-place change of one,
     or ``retain_grad()`` on ``h`` with a loss of the view, gave other gradients than eager's.
+    ``h.detach()`` returned beside ``h`` is a view of its memory without its history, and
+    ``h.detach().requires_grad_()`` a new leaf over it.
     """
     out = list(outs)
-    for j, i, same in views:
-        o = out[j]
-        out[j] = out[i] if same else out[i].as_strided(o.shape, o.stride(), o.storage_offset())
+    for j, i, how in views:
+        o, base = out[j], out[i]
+        if how == "same":
+            out[j] = base
+        else:
+            base = base if how == "view" else base.detach()
+            out[j] = base.as_strided(o.shape, o.stride(), o.storage_offset())
+            if how == "leaf":
+                out[j].requires_grad_()
     return tuple(out)
 
 

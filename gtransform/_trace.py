@@ -313,9 +313,11 @@ class Plan:
     # a symbolic plan's partitioned forward and backward, by the inputs differentiated (see
     # _partition.partition): one joint trace for every size, shared with the plan's copies
     joints: Dict[Any, Any] = field(default_factory=dict)
-    # (j, i, same): tensor output j is output i returned again (same) or a view inside output
-    # i's memory; the autograd wrapper hands them out as such (see _autograd.call_with_autograd)
-    out_views: List[Tuple[int, int, bool]] = field(default_factory=list)
+    # (j, i, how): tensor output j is output i returned again ("same"), a view inside output i's
+    # memory ("view"), its detached view ("detached") or a new leaf over it ("leaf"); the
+    # autograd wrapper hands them out as such (see _trace_checks.output_views,
+    # _autograd.call_with_autograd)
+    out_views: List[Tuple[int, int, str]] = field(default_factory=list)
     # outputs that require grad, made after the function's last backward (a prediction after a
     # training step's update): their paths, and where that backward was called (see _key/_entry)
     after_backward: List[str] = field(default_factory=list)

@@ -140,13 +140,16 @@ def made_after_backward(spec: Any, leaves: Sequence[Any], fnwatch: Any) -> List[
             and leaf.__dict__.get("_gt_op", -1) > fnwatch.backward_end]
 
 
-def output_views(vals: Sequence[torch.Tensor], entries: Sequence[Any]) -> List[Tuple[int, int, bool]]:
+def output_views(vals: Sequence[torch.Tensor], entries: Sequence[Any]) -> List[Tuple[int, int, str]]:
     """Tensor outputs the function returned twice, or as views inside another output's memory.
 
     ``return y, y`` is one object in eager, ``return h, h[:, -1]`` a view of ``h``: an
     in-place change of one and the gradient through the other follow from that.
-    Returns ``(j, i, same)`` per such output ``j`` of the base output ``i`` (the one
-    reaching furthest into the memory).
+    Returns ``(j, i, how)`` per such output ``j`` of the base output ``i`` (one that requires
+    grad first, then the one reaching furthest into the memory): ``how`` is ``"same"`` (the
+    same object), ``"view"`` (its view, gradients flowing through it) or ``"detached"``
+    (``h.detach()`` returned beside ``h``: its memory, no gradient) or ``"leaf"`` (a new leaf
+    over its memory, ``h.detach().requires_grad_()``: its gradient is its own).
     """
     pool: List[Tuple[int, torch.Tensor]] = [
         (j, v) for j, (v, e) in enumerate(zip(vals, (e for e in entries if e.kind != "const")))
@@ -154,18 +157,24 @@ def output_views(vals: Sequence[torch.Tensor], entries: Sequence[Any]) -> List[T
     groups: Dict[Any, List[Tuple[int, torch.Tensor]]] = {}
     for j, v in pool:
         groups.setdefault(StorageWeakRef(v.untyped_storage()), []).append((j, v))
-    out: List[Tuple[int, int, bool]] = []
+    out: List[Tuple[int, int, str]] = []
     for members in groups.values():
         if len(members) < 2:
             continue
         ext = {j: storage_extent(v) for j, v in members}
-        i, base = max(members, key=lambda m: (ext[m[0]][1] - ext[m[0]][0], -m[0]))
+        i, base = max(members, key=lambda m: (m[1].requires_grad, ext[m[0]][1] - ext[m[0]][0], -m[0]))
         lo, hi = ext[i]
         for j, w in members:
             if j == i:
                 continue
             if w is base:
-                out.append((j, i, True))
-            elif w.dtype == base.dtype and lo <= ext[j][0] and ext[j][1] <= hi:
-                out.append((j, i, False))
+                out.append((j, i, "same"))
+            elif w.dtype != base.dtype or not (lo <= ext[j][0] and ext[j][1] <= hi):
+                continue
+            elif not w.requires_grad:
+                out.append((j, i, "detached" if base.requires_grad else "view"))
+            elif w.grad_fn is None and base.grad_fn is not None:
+                out.append((j, i, "leaf"))
+            else:
+                out.append((j, i, "view"))
     return out

@@ -1014,6 +1014,43 @@ def test_outputs_that_are_views_of_another_output_or_the_same_tensor_keep_eagers
             assert h.grad is not None and torch.equal(h.grad[:, -1], torch.ones(2, device=device))
 
 
+_DETACHED_PAIRS = {
+    "loss and its detached copy in a dict": lambda h: {"loss": h.sum(), "log": {"loss": h.sum().detach()}},
+    "value and stop-gradient copy": lambda h: (h, h.detach()),
+    "detached first": lambda h: (h.detach(), h),
+    "detached transpose first": lambda h: (h.detach().T, h),
+    "view detached": lambda h: (h, h.detach()[0]),
+    "a new leaf over the memory": lambda h: (h, h.detach().requires_grad_()),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_DETACHED_PAIRS))
+def test_an_output_returned_with_its_detached_copy_keeps_eagers_gradients(device, case):
+    """`return v, v.detach()` (a TD target), `{"loss": loss, "log": loss.detach()}`: the copy shares the
+    output's memory but not its graph. It was rebuilt as a plain view of the other output (found by a bug
+    hunt): the stop-gradient let gradients through, or the loss lost its gradient, from the second call."""
+    torch.manual_seed(0)
+    w = torch.randn(3, 3, device=device, requires_grad=True)
+    pick = _DETACHED_PAIRS[case]
+
+    def fn(x):
+        return pick(x @ w)
+
+    import optree
+
+    g = gt.graphify(fn)
+    for i in range(3):
+        x = torch.randn(2, 3, device=device)
+        got, want = g(x), fn(x)
+        lg = optree.tree_leaves(got, namespace="gtransform")
+        lw = optree.tree_leaves(want, namespace="gtransform")
+        assert [t.requires_grad for t in lg] == [t.requires_grad for t in lw]
+        assert [t.grad_fn is None for t in lg] == [t.grad_fn is None for t in lw]
+        gw = [torch.autograd.grad(sum((t * (k + 1)).sum() for k, t in enumerate(ls) if t.grad_fn is not None), w)[0]
+              for ls in (lg, lw)]
+        assert_close(gw[0], gw[1])
+
+
 def test_a_view_output_held_across_calls_keeps_its_values_in_the_autograd_path(device):
     def fn(x):
         h = x * 3
