@@ -185,8 +185,9 @@ def _users_namespace(v: Any) -> bool:
 
 
 # the standard library's machinery, not state (types.SimpleNamespace and argparse.Namespace are)
-_STDLIB = frozenset({"builtins", "logging", "threading", "_thread", "queue", "multiprocessing", "concurrent",
-                     "asyncio", "socket", "subprocess", "io", "_io", "weakref", "tempfile", "warnings", "unittest"})
+# (threading.local is: state kept per thread)
+_STDLIB = frozenset({"builtins", "logging", "queue", "multiprocessing", "concurrent", "asyncio", "socket",
+                     "subprocess", "io", "_io", "weakref", "tempfile", "warnings", "unittest"})
 
 
 def _plain_object(v: Any) -> bool:
@@ -198,7 +199,7 @@ def _plain_object(v: Any) -> bool:
         return True
     top = (type(v).__module__ or "").split(".")[0]
     # (torch's own objects and the standard library's machinery: a logging.Logger reaches every
-    # logger of the process through its manager, a thread its target. Packages named torch_geometric,
+    # logger of the process through its manager. Packages named torch_geometric,
     # torchdiffeq, torchvision... are not torch: their objects (a PyG Data) are walked)
     return not (top in ("torch", "gtransform") or top in _STDLIB)
 
@@ -318,6 +319,11 @@ def find_roots(fn: Any, extra: Sequence[Tuple[str, Any]] = ()) -> List[Root]:
                         for name, v in gmore:
                             if isinstance(v, (_Module, _Optimizer)) or type(v) in (list, dict) or _plain_object(v):
                                 add(f"{path} gradient hook: {name}", v, 1)
+            for cls in _user_module_classes([Root("m", m)]):
+                # a memo the class keeps for all its instances (`_cache = {}` of a rotary table)
+                for k, v in list(vars(cls).items()):
+                    if type(v) in (list, dict) and not k.startswith("__") and id(v) not in seen:
+                        add(f"{cls.__name__}.{k}", v, 1, Slot("attr", cls, k, f"{cls.__name__}.{k}"))
             fwd = type(m).__dict__.get("forward")
             if isinstance(fwd, types.FunctionType) and not _is_library_code(fwd) and id(type(m)) not in seen:
                 seen.add(id(type(m)))
@@ -445,10 +451,28 @@ def named_values(fn: Any, roots: Sequence[Root] = ()) -> List[Tuple[str, Any, st
                 walk(v, depth + 1)
 
     walk(fn, 0)
+    for cls in _user_module_classes(roots):
+        # every method of the user's own module classes (forward, and what it calls on self: a
+        # rotary table, an lru_cache'd mask): their globals, closures and caches
+        for k, v in list(vars(cls).items()):
+            v = getattr(v, "__func__", v)  # (staticmethod, classmethod)
+            if callable(getattr(v, "cache_clear", None)) and callable(getattr(v, "cache_info", None)):
+                out.append((f"{cls.__name__}.{k}", cls, k, v))
+            if isinstance(v, types.FunctionType) or callable(getattr(v, "__wrapped__", None)):
+                walk(v, 0)
+    return out
+
+
+def _user_module_classes(roots: Sequence[Root]) -> List[type]:
+    """The classes (and their user-written bases) of the modules under ``roots`` that the user wrote."""
+    out: List[type] = []
     for _path, m in root_modules(roots):
-        fwd = type(m).__dict__.get("forward")
-        if isinstance(fwd, types.FunctionType) and not _is_library_code(fwd):
-            walk(fwd, 0)
+        for cls in type(m).__mro__:
+            if cls in out or cls is _Module or not _users_namespace(cls):
+                continue
+            fwd = vars(cls).get("forward")
+            if fwd is None or (isinstance(fwd, types.FunctionType) and not _is_library_code(fwd)):
+                out.append(cls)
     return out
 
 

@@ -871,10 +871,12 @@ def trace(
     """
     inputs = _Inputs.of(tensors)
     gens = GeneratorGuard(fn, extra, roots)
-    named = named_values(fn)  # (one walk of the names it reaches, for the three below)
+    # (one walk of the names it reaches, and those the methods of the user's modules name: for the
+    # four below)
+    named = named_values(fn) + named_values(None, roots)
     snap = Snapshot(roots, number_bindings(named), function_caches(named))
     its = [(path, it, iterator_position(it)) for path, it in iterators(named)]
-    values = python_values(named + named_values(None, roots))  # (and those user-written forwards name)
+    values = python_values(named)
     real = {i: tensors[i] for i in stable}
     no_freeze: FrozenSet[int] = frozenset()
     try:

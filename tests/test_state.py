@@ -2941,3 +2941,97 @@ def test_state_behind_two_library_decorators_is_read_again_when_rebound(device, 
             assert_close(f(*args(x)), fn(*args(x)))
     finally:
         _WRAPPED_MODEL = _WRAPPED_W = None
+
+
+# -- Python side effects inside a module's forward (found by a bug hunt) ------------------------
+
+import functools  # noqa: E402
+
+
+@functools.lru_cache(None)
+def _causal_bias(n, device):
+    return torch.full((n, n), float("-inf"), device=device).triu(1)
+
+
+class _CachedAttn(nn.Module):
+    _tables: dict = {}  # a memo the class keeps for all its instances
+
+    def __init__(self, d=4):
+        super().__init__()
+        self.qkv = nn.Linear(d, 3 * d)
+
+    def table(self, n, device):
+        if n not in _CachedAttn._tables:
+            t = torch.arange(n, dtype=torch.float32, device=device)[:, None] * 0.01
+            _CachedAttn._tables[n] = t.cos()
+        return _CachedAttn._tables[n]
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        a = (q @ k.transpose(-1, -2) + _causal_bias(x.shape[1], x.device)).softmax(-1)
+        return (a @ v) * self.table(x.shape[1], x.device)
+
+
+@pytest.mark.parametrize("how", ["module", "lambda", "train_step"])
+def test_caches_a_modules_forward_fills_keep_no_placeholder(device, how):
+    """An lru_cache'd mask and a class-level memo filled inside forward: the trace's placeholder
+    was left there (the model failed eagerly for the rest of the process); the methods of the
+    user's module classes and their class-level containers are walked like the function's own."""
+    _causal_bias.cache_clear()
+    _CachedAttn._tables.clear()
+    torch.manual_seed(0)
+    m = _CachedAttn().to(device)
+    ref = _CachedAttn().to(device)
+    ref.load_state_dict(m.state_dict())
+    x = torch.randn(2, 3, 4, device=device)
+    if how == "train_step":
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
+
+        def make(model, o):
+            def step(x):
+                o.zero_grad()
+                loss = model(x).square().mean()
+                loss.backward()
+                o.step()
+                return loss.detach()
+            return step
+
+        f, eager = gt.graphify(make(m, opt)), make(ref, opt_ref)
+        for _ in range(4):
+            assert_close(f(x), eager(x))
+    else:
+        f = gt.graphify(m) if how == "module" else gt.graphify(lambda x: m(x))
+        with torch.no_grad():
+            for _ in range(3):
+                assert_close(f(x), ref(x))
+    assert all(type(t) is torch.Tensor for t in _CachedAttn._tables.values())
+    with torch.no_grad():
+        assert_close(m(x), ref(x))  # (eager calls of the model still work)
+
+
+_FORWARD_CALLS = 0
+
+
+class _Counting(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x):
+        global _FORWARD_CALLS
+        _FORWARD_CALLS += 1
+        return self.lin(x)
+
+
+def test_a_global_counter_bumped_in_a_modules_forward_is_refused_not_frozen():
+    global _FORWARD_CALLS
+    _FORWARD_CALLS = 0
+    m = _Counting()
+    f = gt.graphify(m)
+    x = torch.randn(2, 3)
+    with torch.no_grad():
+        f(x)  # (the first call of a signature that touches state runs eagerly: exact)
+        assert _FORWARD_CALLS == 1
+        with pytest.raises(gt.GraphifyError, match="_FORWARD_CALLS"):
+            f(x)
