@@ -12,13 +12,14 @@ repeat, ``_state`` indexes the state tensors and writes escapes back.
 from __future__ import annotations
 
 import collections
+import dis
 import functools
 import inspect
 import os
 import sys
 import types
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -75,6 +76,23 @@ def _is_library_code(fn: Any) -> bool:
 def _library_wrapper(fn: Any, wrapped: Any) -> bool:
     """Whether library function ``fn`` wraps another function (``functools.wraps``) that it calls."""
     return callable(wrapped) and wrapped is not fn and not isinstance(wrapped, type)
+
+
+_GLOBAL_OPS = frozenset({"LOAD_GLOBAL", "STORE_GLOBAL", "DELETE_GLOBAL", "LOAD_NAME", "STORE_NAME"})
+
+
+@functools.lru_cache(maxsize=4096)
+def _global_names(code: types.CodeType) -> FrozenSet[str]:
+    """The names ``code`` (and the code nested in it) reads or writes as globals.
+
+    Not ``co_names``, which also holds every attribute name: a global named ``logits`` or ``t``
+    is not what ``out.logits`` or ``self.t`` reads.
+    """
+    names = {i.argval for i in dis.get_instructions(code) if i.opname in _GLOBAL_OPS}
+    for c in code.co_consts:
+        if isinstance(c, types.CodeType):
+            names |= _global_names(c)
+    return frozenset(names)
 
 
 def _code_names(code: types.CodeType) -> Set[str]:
@@ -141,7 +159,7 @@ def _candidates(fn: Any, depth: int, out: List[Tuple[str, Any]], seen: Set[int],
                 _candidates(v, depth + 1, out, seen, where)
     g = fn.__globals__
     names = _code_names(code)
-    for name in names:
+    for name in _global_names(code):
         if name in g:
             v = g[name]
             if isinstance(v, (types.ModuleType, type)):
@@ -438,7 +456,7 @@ def named_values(fn: Any, roots: Sequence[Root] = ()) -> List[Tuple[str, Any, st
             if callable(v):
                 walk(v, depth + 1)
         g = f.__globals__
-        for name in names:
+        for name in _global_names(code):
             if name not in g:
                 continue
             v = g[name]

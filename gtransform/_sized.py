@@ -241,7 +241,7 @@ def _padded_entry(g: Any, pb: Bound) -> Any:
 
 
 def _refuse_updates(g: Any, plan: Any, bucket: int) -> None:
-    """Refuse a padded signature that updates its inputs or state in place (padded rows would reach them)."""
+    """Refuse a padded signature that updates its inputs or state in place, or stores tensors in state (padded rows would reach them)."""
     if plan.mutated:
         paths = ", ".join(plan.in_paths[i] for i in sorted(plan.mutated))
         raise GraphifyError(
@@ -249,6 +249,16 @@ def _refuse_updates(g: Any, plan: Any, bucket: int) -> None:
             "Why: the call's arguments are padded along dim 0 up to the bucket, so the padded rows would reach "
             "what it updates (a BatchNorm in training mode updates its running statistics from every row; an "
             "input updated in place would be a padded copy, not the caller's tensor).\n" + _FIX)
+    stored = [s.path for s in plan.escape_slots if s.kind != "grad"]
+    if stored:
+        raise GraphifyError(
+            f"{g._desc}: with buckets= (bucket {bucket}), the function stores a tensor in Python state "
+            f"({', '.join(stored[:4])}: self.last = h, a forward hook keeping features).\n"
+            "Why: the call's arguments are padded along dim 0 up to the bucket, so what it stores holds the padded "
+            "rows too, where eager's holds the call's own; only the returned outputs are sliced back.\n"
+            "Fix: return the tensor instead (it is sliced back to the call's rows) and store it after the call, "
+            "outside the graphified function; or graphify it without buckets= (record_sizes= bounds which sizes "
+            "are recorded).")
 
 
 def _unpadded_batch(g: Any, sz: Sizes, args: Tuple[Any, ...], kwargs: Dict[str, Any], found: List[Tuple[Any, Any]],

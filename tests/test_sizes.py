@@ -255,6 +255,33 @@ def test_refuses_batchnorm_without_running_stats_in_training_mode(device):
              "output")
 
 
+@pytest.mark.parametrize("how", ["attribute", "forward hook"])
+def test_refuses_a_tensor_stored_in_state(device, how):
+    """self.last = h, or a forward hook keeping features: the stored tensor would hold the padded rows
+    (eager's holds the call's own); found by a bug hunt, it was silently padded."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(3, 3).to(device)
+    feats = {}
+    if how == "attribute":
+        class Keep(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin = lin
+
+            def forward(self, x):
+                self.last = self.lin(x)
+                return self.last * 2
+
+        net = Keep()
+    else:
+        net = torch.nn.Sequential(lin, torch.nn.ReLU())
+        net[0].register_forward_hook(lambda m, i, o: feats.__setitem__("lin", o))
+    with torch.no_grad():
+        net(torch.randn(3, 3, device=device))  # (the state exists before, as after a first eager call)
+        _refused(gt.graphify(net, buckets=(4, 8), pad=0), torch.randn(3, 3, device=device),
+                 "stores a tensor in Python state", "return the tensor instead")
+
+
 def test_refuses_a_sum_over_the_batch(device):
     _refused(gt.graphify(lambda x: x.sum(0), buckets=(4, 8), pad=0), torch.randn(3, 6, device=device) + 1,
              "dim 0 is not the batch", "[6]")

@@ -3035,3 +3035,31 @@ def test_a_global_counter_bumped_in_a_modules_forward_is_refused_not_frozen():
         assert _FORWARD_CALLS == 1
         with pytest.raises(gt.GraphifyError, match="_FORWARD_CALLS"):
             f(x)
+
+
+# a module-level name that the function below uses only as an attribute name (`.logits`)
+logits = None
+
+
+class _ModelOutput:
+    def __init__(self, logits):
+        self.logits = logits
+
+
+def test_a_global_named_like_an_attribute_the_function_reads_is_not_its_state(device):
+    """`model(x).logits` names the attribute `logits`, not the global: a stale output held in a
+    global `logits` was taken as state, and the next new size raised OverwrittenOutputError
+    about a tensor the call never touches (found by a bug hunt)."""
+    global logits
+    torch.manual_seed(0)
+    lin = nn.Linear(8, 4).to(device)
+    f = gt.graphify(lambda x: _ModelOutput(lin(x)).logits.softmax(-1))
+    try:
+        with torch.no_grad():
+            f(torch.randn(4, 8, device=device))
+            logits = f(torch.randn(4, 8, device=device))
+            f(torch.randn(4, 8, device=device))  # (the global is stale now: nobody reads it)
+            x = torch.randn(6, 8, device=device)
+            assert_close(f(x), lin(x).softmax(-1))
+    finally:
+        logits = None
