@@ -127,7 +127,7 @@ class ThreadState:
 
     __slots__ = ("cache", "last", "pool", "fast", "fast_rec", "warmed", "eager_only", "pending",
                  "clear_requested", "alts", "pending_limit", "raised", "raised_what", "eager_now", "frozen_args",
-                 "broken", "broke_now", "families", "places", "__weakref__")
+                 "broken", "broke_now", "families", "places", "first_sets", "__weakref__")
 
     ALTS = 3  # alternates kept per key (see alts)
 
@@ -167,6 +167,21 @@ class ThreadState:
         # Python values in modules and objects some trace of the function set (``(id(dict), key) ->
         # (dict, key)``): every later signature sets them after its replays (see _lookup._settle)
         self.places: Dict[Tuple[int, Hashable], Tuple[Dict[Any, Any], Hashable]] = {}
+        # the Python values the first trace of each signature set (key -> {(id(dict), key): value}):
+        # a later trace setting the same ones sets a constant of its signature (self.n = x.shape[0]),
+        # one setting others counts (self.calls += 1), which a replay cannot do (see _lookup._settle)
+        self.first_sets: Dict[Hashable, Dict[Tuple[int, Hashable], Any]] = {}
+
+    def drop_recorded(self) -> None:
+        """Forget the signatures recorded so far (their outputs handed out stay valid); the next calls trace again."""
+        for e in list(self.cache.values()) + [a for alts in self.alts.values() for a in alts]:
+            if e.rec is not None:
+                e.rec.close()
+        self.cache.clear()
+        self.alts.clear()
+        self.pending.clear()
+        self.last = None
+        self.drop_fast()
 
     def clear(self) -> None:
         self.clear_requested = False
@@ -185,6 +200,7 @@ class ThreadState:
         self.pending.clear()
         self.families.clear()
         self.places.clear()
+        self.first_sets.clear()
         self.last = None
         self.drop_fast()
 

@@ -374,10 +374,15 @@ def _settle(g: Any, st: ThreadState, ck: CallKey, call: Call, plan: Any, cuda: b
             c.undo()
         # not refused: attributes and hooks the trace made (a library's lazy set-up for a setting
         # changed since the eager call, e.g. output_hidden_states turned on; the eager call makes
-        # them), and flags the function sets (model.train() in a step, model.eval() in an eager
-        # validation between steps: the replays set them, see Entry.sets); a count is
-        if key in st.warmed and not all(c.made or type(c.new) is bool for c in model_changes):
+        # them), flags the function sets (model.train() in a step, model.eval() in an eager
+        # validation between steps: the replays set them, see Entry.sets), and values the
+        # signature's first trace set alike (self.n = x.shape[0], whatever another size's call
+        # left there); a count is
+        first = st.first_sets.get(key)
+        if key in st.warmed and not all(c.made or type(c.new) is bool or _same_set(first, c) for c in model_changes):
             raise change_error(g._desc, model_changes, getattr(plan.attr_reads, "set_at", None))
+    if record and key not in st.first_sets and len(st.first_sets) < 256:
+        st.first_sets[key] = {(id(c.where), c.key): c.new for c in model_changes}
     ran_eagerly = key in st.warmed  # (this key's first call ran eagerly: describe says so)
     warm = not (plan.touches_state or model_changes) or ran_eagerly
     if not warm and record and sibling_warm and makes_no_state(plan):
@@ -416,6 +421,31 @@ def _settle(g: Any, st: ThreadState, ck: CallKey, call: Call, plan: Any, cuda: b
 _SET_TYPES = (int, float, bool, str, type(None))
 
 
+def _settable(v: Any) -> bool:
+    """A value replays can set again: a number, string or None, or a short tuple or torch.Size of them."""
+    return type(v) in _SET_TYPES or (type(v) in (tuple, torch.Size) and len(v) <= 16
+                                     and all(type(x) in _SET_TYPES for x in v))
+
+
+def _same_set(first: Optional[Dict[Tuple[int, Any], Any]], c: Any) -> bool:
+    """Whether change ``c`` sets what the signature's first trace set there (a constant of the signature)."""
+    if first is None or not _settable(c.new):
+        return False
+    place = (id(c.where), c.key)
+    if place not in first:
+        # a module's attribute the first trace left as it found it (self.n = 4 where a call of 4
+        # had left 4): this value is the signature's. (Not an optimizer's per-parameter state,
+        # whose dict the eager first call made anew: a count there is refused.)
+        if c.owner is None or c.where is not getattr(c.owner, "__dict__", None):
+            return False
+        first[place] = c.new
+    old = first[place]
+    return type(old) is type(c.new) and old == c.new
+
+
+_UNSET = object()
+
+
 def _places(st: ThreadState, changes: List[Any]) -> Dict[Tuple[int, Any], Any]:
     """Note the module and object attributes ``changes`` set to Python values; their values after the trace.
 
@@ -424,11 +454,15 @@ def _places(st: ThreadState, changes: List[Any]) -> Dict[Tuple[int, Any], Any]:
     after: Dict[Tuple[int, Any], Any] = {}
     for c in changes:
         where = c.where
-        if type(where) is dict and not c.made and not c.rebinds and type(c.new) in _SET_TYPES:
+        if type(where) is dict and not c.made and not c.rebinds and _settable(c.new):
             place = (id(where), c.key)
             after[place] = c.new
             if place not in st.places and len(st.places) < 64:
                 st.places[place] = (where, c.key)
+                # the signatures recorded before set nothing there on replay: a trace that found
+                # the value it set already there (self.n = 4 after a call of 4) saw no change; they
+                # are traced again, and set theirs
+                st.drop_recorded()
     return after
 
 

@@ -23,6 +23,7 @@ from ._errors import GraphifyError, is_library_file
 from ._host_effects import _COUNTS
 from ._roots import _NUMBERS, _SCHEDULERS, _SEQUENCES, Root, Slot, _Module, _Optimizer, root_modules
 from ._state import leaf_grad
+from ._symbolic import symbolic_value
 
 __all__ = ["Change", "HookChange", "BindingChange", "ScanResult", "Snapshot", "contains", "change_error"]
 
@@ -161,6 +162,25 @@ class BindingChange(Change):
                 setattr(where, key, self.old)
 
 
+def _value(v: Any) -> bool:
+    """A Python value a replay can set again: a number, string or None, a short tuple or ``torch.Size`` of them,
+    or a symbolic size of a symbolic trace (``self.n = x.shape[0]``, concretized after it)."""
+    if type(v) in _NUMBERS or symbolic_value(v):
+        return True
+    return type(v) in (tuple, torch.Size) and len(v) <= 16 and all(type(x) in _NUMBERS for x in v)
+
+
+def _value_changed(old: Any, new: Any) -> bool:
+    """Whether the trace changed a Python value (``self.calls += 1``, ``self.in_shape = x.shape``).
+
+    A symbolic size stored is a change: its number is the call's own, unknown to the comparison
+    without pinning it (the concretizing after the trace pins it).
+    """
+    if not (_value(new) and _value(old)):
+        return False
+    return symbolic_value(new) or symbolic_value(old) or old != new
+
+
 class Snapshot:
     """Shallow copies of the roots' Python state, to undo what a trace did to it.
 
@@ -270,7 +290,7 @@ class Snapshot:
                     continue
                 if is_fake(v):
                     res.escapes.append((Slot("attr", obj, k, f"{path}.{k}"), v))
-                elif type(v) in _NUMBERS and k in old and type(old[k]) in _NUMBERS and old[k] != v:
+                elif k in old and _value_changed(old[k], v):
                     res.changes.append(Change(f"{path}.{k}", old[k], v, now, k, model, obj))
                 elif k not in old and (type(v) in _NUMBERS or (type(v) in (list, dict) and not _holds_tensor(v))):
                     # an attribute the trace made (`self.n = getattr(self, "n", 0) + 1`, `self.history = []`):
@@ -313,7 +333,7 @@ class Snapshot:
                     for k, v in s.items():
                         if is_fake(v):
                             res.escapes.append((Slot("item", s, k, f"{path}.state[...][{k!r}]"), v))
-                        elif type(v) in _NUMBERS and k in old_s and type(old_s[k]) in _NUMBERS and old_s[k] != v:
+                        elif k in old_s and _value_changed(old_s[k], v):
                             res.changes.append(Change(f"{path}.state[...][{k!r}]", old_s[k], v, s, k, True, obj))
                         else:
                             res.note_stored(f"{path}.state[...][{k!r}]", v, old_s.get(k, _MISSING), is_fake)
@@ -323,7 +343,7 @@ class Snapshot:
                             continue
                         if is_fake(v):
                             res.escapes.append((Slot("item", g, k, f"{path}.param_groups[{i}][{k!r}]"), v))
-                        elif type(v) in _NUMBERS and k in old and type(old[k]) in _NUMBERS and old[k] != v:
+                        elif k in old and _value_changed(old[k], v):
                             res.changes.append(Change(f"{path}.param_groups[{i}][{k!r}]", old[k], v, g, k, True))
                         else:
                             res.note_stored(f"{path}.param_groups[{i}][{k!r}]", v, old.get(k, _MISSING), is_fake)
@@ -348,8 +368,7 @@ class Snapshot:
                             res.appended.append(f"{path} (appended at index {i})")
                             res.sites.append(v.__dict__.get("_gt_site", ""))
                             res.grown.append(path)
-                    elif (i < len(old) and len(obj) == len(old) and type(v) in _NUMBERS
-                          and type(old[i]) in _NUMBERS and old[i] != v):
+                    elif i < len(old) and len(obj) == len(old) and _value_changed(old[i], v):
                         # a number changed in place (`cnt[0] += 1`), as a dict's (`ctr["i"] += 1`)
                         res.changes.append(Change(f"{path}[{i}]", old[i], v, obj, i))
                     elif not any(v is x for x in old):  # (an item moved along by an insert is no new one)
@@ -358,7 +377,7 @@ class Snapshot:
                 for k, v in obj.items():
                     if is_fake(v):
                         res.escapes.append((Slot("item", obj, k, f"{path}[{k!r}]"), v))
-                    elif k in saved and type(v) in _NUMBERS and type(saved[k]) in _NUMBERS and saved[k] != v:
+                    elif k in saved and _value_changed(saved[k], v):
                         res.changes.append(Change(f"{path}[{k!r}]", saved[k], v, obj, k))
                     elif k in saved and _rebound(v, saved[k]):  # (a key the function added: stored, below)
                         res.changes.append(Change(f"{path}[{k!r}]", saved[k], v, obj, k, True))

@@ -756,3 +756,59 @@ def test_a_size_turned_into_text_is_its_number_and_pins_the_plan(device):
     for n in (4, 4, 8, 6, 8, 5):
         x = torch.ones(n, 2, device=device)
         assert_close(g(x), f(x))
+
+
+# -- Python values the function stores from sizes (found by a bug hunt) --------------------------
+
+from hypothesis import given as _given  # noqa: E402
+from hypothesis import strategies as _st  # noqa: E402
+
+
+class _KeepsSizes(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 2)
+        self.last_batch = 4  # (a default equal to the first size)
+        self.in_shape = (4, 4)
+
+    def forward(self, x):
+        self.last_batch = x.shape[0]
+        self.in_shape = x.shape
+        return self.lin(x)
+
+
+@_given(_st.lists(_st.sampled_from([1, 2, 4, 5, 6]), min_size=1, max_size=10))
+def test_sizes_stored_as_python_values_are_each_calls_own_in_any_order(sizes):
+    """self.n = x.shape[0] and self.in_shape = x.shape: every replay sets its call's own (a torch.Size and a
+    tuple were never set again, a size set where another call had left the same number was forgotten,
+    and whether a size was refused depended on the order of the calls)."""
+    torch.manual_seed(0)
+    m, ref = _KeepsSizes(), _KeepsSizes()
+    ref.load_state_dict(m.state_dict())
+    f = gt.graphify(m)
+    with torch.no_grad():
+        for n in sizes:
+            x = torch.randn(n, 4)
+            assert_close(f(x), ref(x))
+            assert (m.last_batch, tuple(m.in_shape)) == (ref.last_batch, tuple(ref.in_shape))
+
+
+def test_a_counter_of_sizes_is_refused_not_frozen():
+    class Count(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 2)
+            self.seen = 0
+
+        def forward(self, x):
+            self.seen += x.shape[0]
+            return self.lin(x)
+
+    m = Count()
+    f = gt.graphify(m)
+    seen = 0
+    with torch.no_grad(), pytest.raises(gt.GraphifyError, match=r"module\.seen"):
+        for n in (4, 6, 6, 5, 5, 6, 6):
+            f(torch.randn(n, 4))
+            seen += n
+            assert m.seen == seen  # (exact until refused: never a frozen count)
