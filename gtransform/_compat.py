@@ -99,7 +99,7 @@ __all__ = [
     "autograd_excluded", "backward_keeps_graph",
     # tensors, autograd and version counters
     "TensorBase", "TENSOR_VERSION_ATTR", "tensor_version", "TENSOR_PRIVATE_SPARSE_READS",
-    "DisableTorchFunctionSubclass", "VariableFunctions", "storage_use_count", "tensor_use_count", "increment_version",
+    "DisableTorchFunctionSubclass", "disabled_torch_function_impl", "VariableFunctions", "storage_use_count", "tensor_use_count", "increment_version",
     "unsafe_set_version_counter", "foreach_copy_", "neg_view",
     # global state a signature depends on
     "get_deterministic_algorithms", "is_any_autocast_enabled", "autocast_off", "sdpa_flags", "SDP_FLAG_NAMES", "written_arguments", "TensorGuards",
@@ -244,6 +244,10 @@ TENSOR_PRIVATE_SPARSE_READS: Tuple[Any, ...] = tuple(
 # tensor subclasses' __torch_function__ off (_autograd: saved activations; _liveness: a stale
 # output's metadata reads). Checked: 2.11 (GPU image; run by the GPU suite), 2.13.0, 2.14.1.
 DisableTorchFunctionSubclass: Any = getattr(torch._C, "DisableTorchFunctionSubclass", None)
+# the __torch_function__ of a class that turned it off (Parameter, FakeTensor): _patches answers
+# has_torch_function as eager does for torch's fast-path checks. At import, no fallback.
+# Checked: 2.11 (GPU image; run by the GPU suite), 2.13.0, 2.14.1.
+disabled_torch_function_impl: Any = torch._C._disabled_torch_function_impl
 # torch._VF's recurrent layers, as traced calls name them (_cudnn_rnn; at import, no fallback).
 # Checked: 2.11 (GPU image; run by the GPU suite), 2.13.0, 2.14.1.
 VariableFunctions: Any = torch._C._VariableFunctions

@@ -122,7 +122,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
-from ._compat import FakeTensor, get_current_dispatch_mode_stack
+from ._compat import FakeTensor, disabled_torch_function_impl, get_current_dispatch_mode_stack
 from ._compat import get_unwrapped as _get_unwrapped
 from ._compat import is_functorch_wrapped_tensor as _is_wrapped
 from ._compat import len_torch_dispatch_stack as _len_dispatch_stack
@@ -298,7 +298,7 @@ def _as_number(to: Callable[[Any], Any], show: Callable[..., str]) -> Callable[[
 # modules whose code branches on torch.overrides.has_torch_function to pick a kernel, not to
 # hand the call to a mode: nn.TransformerEncoder(Layer) and nn.MultiheadAttention's fast path
 _FAST_PATH_MODULES = frozenset({"torch.nn.modules.transformer", "torch.nn.modules.activation"})
-_DISABLED_TF = torch._C._disabled_torch_function_impl
+_DISABLED_TF = disabled_torch_function_impl
 
 
 def _eager_has_torch_function(orig: Any) -> Any:
