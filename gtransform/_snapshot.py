@@ -163,8 +163,11 @@ class BindingChange(Change):
 
 
 def _value(v: Any) -> bool:
-    """A Python value a replay can set again: a number, string or None, a short tuple or ``torch.Size`` of them,
-    or a symbolic size of a symbolic trace (``self.n = x.shape[0]``, concretized after it)."""
+    """A Python value a replay can set again: a number, string or None, or a short tuple of them.
+
+    A ``torch.Size`` too, and a symbolic size of a symbolic trace (``self.n = x.shape[0]``,
+    concretized after it).
+    """
     if type(v) in _NUMBERS or symbolic_value(v):
         return True
     return type(v) in (tuple, torch.Size) and len(v) <= 16 and all(type(x) in _NUMBERS for x in v)

@@ -15,7 +15,6 @@ from conftest import assert_close
 import gtransform as gt
 
 
-
 def _energy(device):
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(3, 16), nn.Tanh(), nn.Linear(16, 1)).to(device)
