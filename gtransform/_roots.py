@@ -306,7 +306,8 @@ def find_roots(fn: Any, extra: Sequence[Tuple[str, Any]] = ()) -> List[Root]:
             for k, v in vars(m).items():
                 if k in _MODULE_DICTS:
                     continue
-                if type(v) in (list, dict, tuple) or _plain_object(v) or isinstance(v, _Optimizer):
+                if (type(v) is tuple or isinstance(v, (list, dict, collections.deque)) or _plain_object(v)
+                        or isinstance(v, _Optimizer)):
                     # (an optimizer the module keeps, `self.opt` of a graphified train_step method)
                     add(f"{path}.{k}", v, 1, Slot("attr", m, k, f"{path}.{k}"))
             # hooks' closures and globals (`acts.append(o)` in a forward hook): what they
@@ -318,7 +319,7 @@ def find_roots(fn: Any, extra: Sequence[Tuple[str, Any]] = ()) -> List[Root]:
                         hmore: List[Tuple[str, Any]] = []
                         _candidates(h, 1, hmore, set(), where)
                         for name, v in hmore:
-                            if type(v) in (list, dict) or _plain_object(v):
+                            if isinstance(v, (list, dict, collections.deque)) or _plain_object(v):
                                 add(f"{path} hook: {name}", v, 1)
             # gradient hooks' closures (an optimizer stepped in backward from
             # register_post_accumulate_grad_hook): the optimizers and containers there are state

@@ -3063,3 +3063,47 @@ def test_a_global_named_like_an_attribute_the_function_reads_is_not_its_state(de
             assert_close(f(x), lin(x).softmax(-1))
     finally:
         logits = None
+
+
+@pytest.mark.parametrize("kind", ["OrderedDict", "defaultdict", "list subclass", "dict reordered", "module deque"])
+def test_containers_of_any_list_or_dict_type_are_keyed_when_they_change(device, kind):
+    """An OrderedDict of task heads, a defaultdict, a list subclass, a deque kept on a module (a MoCo queue)
+    that grows between calls, and a plain dict whose keys are reordered: eager reads the new contents; the
+    exact-type checks had left them unkeyed, replaying the old entries (found by a bug hunt)."""
+    import collections
+
+    class Mem(list):
+        pass
+
+    def t(v):
+        return torch.tensor([v], device=device)
+
+    holder = nn.Module()
+    if kind == "OrderedDict":
+        bank = collections.OrderedDict(a=t(1.0))
+    elif kind == "defaultdict":
+        bank = collections.defaultdict(lambda: t(0.0), a=t(1.0))
+    elif kind == "list subclass":
+        bank = Mem([t(1.0)])
+    elif kind == "dict reordered":
+        bank = {"a": t(1.0), "b": t(2.0), "c": t(3.0)}
+    else:
+        holder.queue = collections.deque([t(1.0)], maxlen=3)
+        bank = holder.queue
+
+    def fn(x):
+        vals = list(bank.values()) if isinstance(bank, dict) else list(holder.queue if kind == "module deque" else bank)
+        return x * torch.cat(vals) * torch.arange(1, len(vals) + 1, device=device)
+
+    f = gt.graphify(fn)
+    x = torch.ones(1, device=device)
+    for i in range(5):
+        if i:
+            if kind == "dict reordered":
+                k = next(iter(bank))
+                bank[k] = bank.pop(k)
+            elif isinstance(bank, dict):
+                bank[f"k{i}"] = t(float(i + 1))
+            else:
+                bank.append(t(float(i + 1)))
+        assert_close(f(x), fn(x))

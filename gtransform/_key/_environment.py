@@ -108,7 +108,7 @@ def _tensor_containers(roots: Sequence[Root], reads: Optional[AttrReads] = None
     A tensor (a module) added or removed changes what the function reads (`caches.append(t)`,
     `layers.append(nn.Linear(...))`, `obj.ts = [new]`).
     """
-    conts = [r.obj for r in roots if type(r.obj) in (list, dict, collections.deque) and any(
+    conts = [r.obj for r in roots if isinstance(r.obj, (list, dict, collections.deque)) and any(
         isinstance(v, (torch.Tensor, _Module, _Optimizer))
         or (isinstance(v, tuple) and any(isinstance(x, torch.Tensor) for x in v))  # (a list of transitions)
         for v in (r.obj.values() if isinstance(r.obj, dict) else r.obj))]
@@ -313,8 +313,9 @@ def _differ(env: Callable[[], Any], slots: _Slots, named: Sequence[Tuple[str, An
         if old[8] != new[8]:
             out.append("a gradient hook was added to or removed from a parameter (register_hook)")
         if old[10] != new[10]:
-            out.append("a closed-over list or dict of tensors changed length, or a module's parameters or "
-                       "buffers that the function iterates (register_buffer, register_parameter, del)")
+            out.append("a closed-over list or dict of tensors changed length (a dict: its keys, or their "
+                       "order), or a module's parameters or buffers that the function iterates "
+                       "(register_buffer, register_parameter, del)")
         if old[11] != new[11]:
             out += [f"the name {n!r} is bound to another object (rebound between calls)"
                     for n, x, y in zip(b_names, old[11], new[11]) if x != y]
@@ -403,7 +404,8 @@ def _compile_env(attr_dicts: Sequence[Tuple[Dict[str, Any], Tuple[str, ...]]], h
         lines[-1] = f"    extra = ({tup(ids)}, {tup(ab)}, {tup(cl)})"
     conts_expr = "None"
     if conts:
-        conts_expr = tup([f"len({name(c, 'L')})" for c in conts])
+        # (a dict's keys in order: an entry added, removed, renamed or moved to the end; a sequence's length)
+        conts_expr = tup([f"tuple({name(c, 'L')})" if isinstance(c, dict) else f"len({name(c, 'L')})" for c in conts])
     bind_expr = "None"
     if bound is not None:
         # a name's binding (a global, a closure cell, a module's attribute) and what a container
