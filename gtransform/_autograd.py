@@ -298,10 +298,22 @@ class GraphFn(torch.autograd.Function):
             if name == "CheckpointFunction":  # torch.utils.checkpoint(..., use_reentrant=True)
                 fix = ("pass use_reentrant=False to torch.utils.checkpoint (the reentrant variant runs its "
                        "own backward, which cannot be recorded), or call it under torch.no_grad().")
-            raise _recompute_refusal(
+            reads = _backward_reads(e.plan.joint_error)
+            if reads:
+                # (torchdiffeq's odeint_adjoint walks its time grid on the host in its backward; a
+                # gradient guard `if not torch.isfinite(g).all()`)
+                fix = ("graphify(fn, on_break=\"eager\") runs such calls eagerly (correct, not faster), and "
+                       "torch.compile(fn, backend=\"gtransform\") records the pieces between the reads; or keep "
+                       "the backward on the device (for torchdiffeq: odeint instead of odeint_adjoint, its grid "
+                       "closed over, is recorded whole).")
+            err = _recompute_refusal(
                 g._desc, e.plan, f"uses the custom autograd function {name}",
                 f"they hold {name}.forward's operations, not its backward: the gradients would differ from eager's",
-                fix)
+                fix, reads=f"{name}.backward reads a value on the host (a data-dependent operation), which a "
+                           "recording cannot replay" if reads else "")
+            # (on_break takes it: see _run)
+            err.gt_backward_reads = reads  # type: ignore[attr-defined]
+            raise err
         if e.plan.mutated:
             # the backward recomputes the forward from the inputs as they were
             box.pre = {i: tensors[i].detach().clone() for i in e.plan.mutated}
@@ -611,9 +623,20 @@ class _NoGradRegions(torch.fx.Interpreter):
         return super().run_node(n)
 
 
-def _recompute_refusal(desc: str, plan: Any, what: str, why: str, fix: str) -> GraphifyError:
+_HOST_READ_FAILURES = ("DataDependentOutput", "GuardOnDataDependent", "reads a tensor's value on the host",
+                       "_local_scalar_dense")
+
+
+def _backward_reads(joint_error: Optional[str]) -> bool:
+    """Whether the joint trace failed on a host read (a data-dependent op in a custom backward)."""
+    return bool(joint_error) and any(s in joint_error for s in _HOST_READ_FAILURES)  # type: ignore[operator]
+
+
+def _recompute_refusal(desc: str, plan: Any, what: str, why: str, fix: str, reads: str = "") -> GraphifyError:
     """The error for something only the joint trace keeps, on the recompute path."""
-    if plan.mutated:
+    if reads:
+        how = reads
+    elif plan.mutated:
         how = "it updates an input or state in place"
     elif plan.joint_error:
         how = f"the joint trace of its forward and backward failed ({plan.joint_error})"

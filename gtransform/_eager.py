@@ -22,7 +22,7 @@ import torch
 from ._errors import EagerWarning, GraphifyError, user_frame
 from ._log import log
 
-__all__ = ["eager", "note", "ran_lazy", "trace_failed", "TRACE_FAILS", "FORWARD_AD"]
+__all__ = ["eager", "note", "ran_lazy", "trace_failed", "TRACE_FAILS", "FORWARD_AD", "BACKWARD_READS"]
 
 _PKG_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
@@ -35,6 +35,12 @@ TRACE_FAILS = (
     "look at the traceback of f.trace(...) with the same arguments: code that behaves otherwise on the "
     "trace's placeholders (fake tensors without data, e.g. a check of torch.compiler.is_compiling()), or an "
     "operation torch's fake kernels cannot run; move that part out of the graphified function.",
+)
+BACKWARD_READS = (
+    "differentiated through a custom autograd function whose backward reads values on the host, under "
+    "on_break",
+    "keep the backward on the device to record it (torchdiffeq: odeint instead of odeint_adjoint), or "
+    "torch.compile(fn, backend=\"gtransform\") to record the pieces between the reads.",
 )
 FORWARD_AD = (
     "with forward-mode dual tensors (torch.func.linearize, torch.autograd.forward_ad)",

@@ -19,7 +19,8 @@ import torch
 from ._autograd import call_with_autograd, no_functorch, unwrap
 from ._bind import Bound
 from ._breaks import run_broken
-from ._eager import FORWARD_AD, eager, note
+from ._eager import BACKWARD_READS, FORWARD_AD, eager, note
+from ._errors import GraphifyError
 from ._lookup import entry_for
 from ._replay import run_flat
 from ._watch import FOR_GRAD
@@ -73,7 +74,15 @@ def run(g: Any, b: Bound, under_grad: bool) -> Any:
     if under_grad:
         tensors = [b.leaves[i] for i in e.tpos] + e.held_state(tensors[e.n_user:])
     if under_grad or (e.any_rg and _is_grad_enabled()):
-        out = call_with_autograd(g, e, tensors)
+        try:
+            out = call_with_autograd(g, e, tensors)
+        except GraphifyError as err:
+            if not (getattr(err, "gt_backward_reads", False) and g._options.on_break != "error" and not under_grad):
+                raise
+            # a custom backward that reads values on the host (odeint_adjoint): on_break runs the
+            # call eagerly, before anything was replayed
+            note(g, BACKWARD_READS, f" ({str(err).splitlines()[0][len(g._desc) + 2:]})")
+            return g._fn(*b.args, **b.kwargs)
     else:
         out = e.plan.assemble(run_flat(g, e, st, tensors))
     for where, key, value in e.sets:  # (the Python values the function sets: see Entry.sets)

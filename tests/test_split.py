@@ -512,3 +512,44 @@ def test_a_piece_that_records_per_loop_index_says_why_and_a_maxsize_above_its_ow
     assert again and "seen so far" in again[0]
     size = int(again[0].split("maxsize=")[-1].split(")")[0])
     assert size > 16
+
+
+class _GuardedGrad(torch.autograd.Function):
+    """A gradient guard: its backward reads a value on the host."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        if not torch.isfinite(g).all():
+            return torch.zeros_like(g)
+        return g
+
+
+@pytest.mark.parametrize("on_break", ["error", "eager", "split"])
+def test_a_custom_backward_that_reads_on_the_host_is_named_and_taken_by_on_break(on_break):
+    """odeint_adjoint's backward walks its grid on the host, as this guard does: the refusal said to stop
+    updating inputs in place, and on_break did not take it (found by a bug hunt). Now it names the read
+    and on_break="eager"/"split" run such calls eagerly, with eager's gradients."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 4)
+    ref = torch.nn.Linear(4, 4)
+    ref.load_state_dict(lin.state_dict())
+
+    def make(m):
+        return lambda x: _GuardedGrad.apply(m(x)).tanh()
+
+    f, eager = gt.graphify(make(lin), on_break=on_break), make(ref)
+    for i in range(3):
+        x = torch.randn(2, 4)
+        if on_break == "error" and i > 0:
+            with pytest.raises(gt.GraphifyError, match=r"(?s)_GuardedGrad\.backward reads a value on the host.*on_break"):
+                f(x).sum().backward()
+            continue
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", gt.EagerWarning)
+            f(x).sum().backward()
+        eager(x).sum().backward()
+        assert_close([p.grad for p in lin.parameters()], [p.grad for p in ref.parameters()])
