@@ -172,6 +172,13 @@ class ThreadState:
         # one setting others counts (self.calls += 1), which a replay cannot do (see _lookup._settle)
         self.first_sets: Dict[Hashable, Dict[Tuple[int, Hashable], Any]] = {}
 
+    def note_first_sets(self, key: Hashable, sets: Dict[Tuple[int, Hashable], Any]) -> None:
+        """Keep what the first trace of ``key`` set, for as many signatures as ``warmed`` marks (keys hold arguments)."""
+        self.first_sets[key] = sets
+        limit = self.warmed.limit
+        while limit is not None and len(self.first_sets) > limit:
+            del self.first_sets[next(iter(self.first_sets))]
+
     def drop_recorded(self) -> None:
         """Forget the signatures recorded so far (their outputs handed out stay valid); the next calls trace again."""
         for e in list(self.cache.values()) + [a for alts in self.alts.values() for a in alts]:

@@ -381,8 +381,8 @@ def _settle(g: Any, st: ThreadState, ck: CallKey, call: Call, plan: Any, cuda: b
         first = st.first_sets.get(key)
         if key in st.warmed and not all(c.made or type(c.new) is bool or _same_set(first, c) for c in model_changes):
             raise change_error(g._desc, model_changes, getattr(plan.attr_reads, "set_at", None))
-    if record and key not in st.first_sets and len(st.first_sets) < 256:
-        st.first_sets[key] = {(id(c.where), c.key): c.new for c in model_changes}
+    if record and key not in st.first_sets:
+        st.note_first_sets(key, {(id(c.where), c.key): c.new for c in model_changes})
     ran_eagerly = key in st.warmed  # (this key's first call ran eagerly: describe says so)
     warm = not (plan.touches_state or model_changes) or ran_eagerly
     if not warm and record and sibling_warm and makes_no_state(plan):
