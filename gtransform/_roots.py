@@ -41,6 +41,7 @@ _SCHEDULERS = tuple(c for c in (getattr(torch.optim.lr_scheduler, "LRScheduler",
 _TORCH_STATE = _SCHEDULERS + tuple(c for c in (getattr(getattr(torch, "amp", None), "GradScaler", None),
                                                getattr(getattr(torch.cuda, "amp", None), "GradScaler", None))
                                    if isinstance(c, type))
+_Distribution = torch.distributions.Distribution
 _PKG_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 # Python values whose change by a trace is seen (undone in modules and objects; a change on
@@ -213,8 +214,8 @@ def _plain_object(v: Any) -> bool:
         return False
     if not hasattr(v, "__dict__"):
         return False
-    if isinstance(v, _TORCH_STATE):
-        return True
+    if isinstance(v, _TORCH_STATE + (_Distribution,)):
+        return True  # (torch's objects that hold state: a scheduler, a GradScaler, a distribution's loc/scale)
     top = (type(v).__module__ or "").split(".")[0]
     # (torch's own objects and the standard library's machinery: a logging.Logger reaches every
     # logger of the process through its manager. Packages named torch_geometric,

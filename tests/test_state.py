@@ -3107,3 +3107,41 @@ def test_containers_of_any_list_or_dict_type_are_keyed_when_they_change(device, 
             else:
                 bank.append(t(float(i + 1)))
         assert_close(f(x), fn(x))
+
+
+_PRIOR = None
+
+
+def test_a_torch_distribution_the_function_reaches_is_state():
+    """A global Normal rebound between calls, its loc replaced, and a Categorical whose lazy .probs
+    the trace computes: the distribution was taken for one of torch's own objects and not walked
+    (the old prior replayed; the lazy attribute kept the trace's placeholder); found by a bug hunt."""
+    global _PRIOR
+    from torch.distributions import Categorical, Normal
+
+    _PRIOR = Normal(torch.zeros(2), torch.ones(2), validate_args=False)
+
+    def f(x):
+        return _PRIOR.log_prob(x).sum()
+
+    g = gt.graphify(f)
+    try:
+        for i in range(5):
+            if i == 2:
+                _PRIOR = Normal(torch.full((2,), 3.0), torch.ones(2), validate_args=False)
+            if i == 3:
+                _PRIOR.loc = torch.full((2,), -2.0)
+            x = torch.randn(2)
+            assert_close(g(x), f(x))
+    finally:
+        _PRIOR = None
+    d = Categorical(logits=torch.tensor([0.0, 1.0, 2.0]))
+
+    def h(x):
+        return d.probs * x + d.entropy()
+
+    gh = gt.graphify(h)
+    for _ in range(3):
+        x = torch.randn(3)
+        assert_close(gh(x), h(x))
+    assert type(d.__dict__.get("probs", torch.zeros(()))) is torch.Tensor
