@@ -414,12 +414,12 @@ class Slot:
             self.obj[self.key] = value
 
 
-def named_values(fn: Any, roots: Sequence[Root] = ()) -> List[Tuple[str, Any, str, Any]]:
+def named_values(fn: Any, roots: Sequence[Root] = (), forward_only: bool = False) -> List[Tuple[str, Any, str, Any]]:
     """``(path, where, key, value)`` of each name ``fn`` reaches: its closure cells and globals.
 
     And those of the functions it names (3 levels; functools caches followed to the function
     they wrap), and the attributes of the user's own classes and modules it names; with
-    ``roots``, those of the user-written ``forward`` of every module under them too.
+    ``roots``, those of the methods of the user's own module classes under them too.
     """
     out: List[Tuple[str, Any, str, Any]] = []
     seen: Set[int] = set()
@@ -473,8 +473,11 @@ def named_values(fn: Any, roots: Sequence[Root] = ()) -> List[Tuple[str, Any, st
     walk(fn, 0)
     for cls in _user_module_classes(roots):
         # every method of the user's own module classes (forward, and what it calls on self: a
-        # rotary table, an lru_cache'd mask): their globals, closures and caches
+        # rotary table, an lru_cache'd mask): their globals, closures and caches; with
+        # ``forward_only``, forward's alone
         for k, v in list(vars(cls).items()):
+            if forward_only and k != "forward":
+                continue
             v = getattr(v, "__func__", v)  # (staticmethod, classmethod)
             if callable(getattr(v, "cache_clear", None)) and callable(getattr(v, "cache_info", None)):
                 out.append((f"{cls.__name__}.{k}", cls, k, v))

@@ -873,10 +873,13 @@ def trace(
     gens = GeneratorGuard(fn, extra, roots)
     # (one walk of the names it reaches, and those the methods of the user's modules name: for the
     # four below)
-    named = named_values(fn) + named_values(None, roots)
+    own = named_values(fn)
+    named = own + named_values(None, roots)
     snap = Snapshot(roots, number_bindings(named), function_caches(named))
     its = [(path, it, iterator_position(it)) for path, it in iterators(named)]
-    values = python_values(named)
+    # (the Python values of the function and of its modules' forwards: a module's other methods,
+    # a logging helper naming a global step counter, would make every call a new signature)
+    values = python_values(own + named_values(None, roots, forward_only=True))
     real = {i: tensors[i] for i in stable}
     no_freeze: FrozenSet[int] = frozenset()
     try:
