@@ -26,7 +26,7 @@ import torch
 from ._compat import LR_SCHEDULER_LEGACY_BASE
 from ._errors import GraphifyError, is_library_file
 
-__all__ = ["Root", "Slot", "find_roots", "root_modules", "named_values", "python_values"]
+__all__ = ["Root", "Slot", "find_roots", "root_modules", "named_values", "python_values", "plain_value"]
 
 _Module = torch.nn.Module
 _Optimizer = torch.optim.Optimizer
@@ -503,9 +503,6 @@ def _fn_name(f: Any) -> str:
     return getattr(f, "__qualname__", None) or type(f).__name__
 
 
-_VALUE_TYPES = (int, float, bool, complex, str, bytes, type(None))
-
-
 def python_values(named: Sequence[Tuple[str, Any, str, Any]]) -> Tuple[Tuple[str, Any, str, Any], ...]:
     """The plain Python values among ``named`` (:func:`named_values`): ``(path, where, key, value)``.
 
@@ -518,16 +515,21 @@ def python_values(named: Sequence[Tuple[str, Any, str, Any]]) -> Tuple[Tuple[str
     seen: Set[Tuple[int, str]] = set()
     out = []
     for path, where, key, v in named:
-        if _plain_value(v) and (id(where), key) not in seen:
+        if plain_value(v) and (id(where), key) not in seen:
             seen.add((id(where), key))
             out.append((path, where, key, v))
     return tuple(out)
 
 
-def _plain_value(v: Any) -> bool:
-    if type(v) in _VALUE_TYPES:
+def plain_value(v: Any) -> bool:
+    """A number, string, bytes or None, or a short tuple (a ``torch.Size`` too) of them.
+
+    A value a signature can compare and a replay can set again (``SCALE = 0.5``,
+    ``self.in_shape = x.shape``).
+    """
+    if type(v) in _NUMBERS:
         return True
-    return type(v) is tuple and len(v) <= 8 and all(type(x) in _VALUE_TYPES for x in v)
+    return type(v) in (tuple, torch.Size) and len(v) <= 16 and all(type(x) in _NUMBERS for x in v)
 
 
 # -- the environment part of the signature ------------------------------------------------

@@ -21,7 +21,7 @@ import torch
 
 from ._errors import GraphifyError, is_library_file
 from ._host_effects import _COUNTS
-from ._roots import _NUMBERS, _SCHEDULERS, _SEQUENCES, Root, Slot, _Module, _Optimizer, root_modules
+from ._roots import _NUMBERS, _SCHEDULERS, _SEQUENCES, Root, Slot, _Module, _Optimizer, plain_value, root_modules
 from ._state import leaf_grad
 from ._symbolic import symbolic_value
 
@@ -163,14 +163,8 @@ class BindingChange(Change):
 
 
 def _value(v: Any) -> bool:
-    """A Python value a replay can set again: a number, string or None, or a short tuple of them.
-
-    A ``torch.Size`` too, and a symbolic size of a symbolic trace (``self.n = x.shape[0]``,
-    concretized after it).
-    """
-    if type(v) in _NUMBERS or symbolic_value(v):
-        return True
-    return type(v) in (tuple, torch.Size) and len(v) <= 16 and all(type(x) in _NUMBERS for x in v)
+    """A plain value (:func:`_roots.plain_value`) or a symbolic size of a symbolic trace (``self.n = x.shape[0]``)."""
+    return plain_value(v) or symbolic_value(v)
 
 
 def _value_changed(old: Any, new: Any) -> bool:
